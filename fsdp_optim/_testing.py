@@ -1,0 +1,128 @@
+"""Run a function on W gloo ranks in forked processes (tests and small benchmarks).
+
+``run_distributed(fn, world_size=W)`` forks W children on localhost, each of which joins a
+gloo process group through a ``FileStore`` and calls ``fn()``. It returns the W return
+values in rank order. If any rank raises, the others are killed and the first error is
+re-raised here with the rank's traceback; if the group does not finish within ``timeout``
+seconds, every rank is killed and a ``TimeoutError`` names the ranks still running.
+Forking (rather than spawning) keeps the per-group overhead to a few tens of milliseconds,
+and lets ``fn`` be a closure.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+__all__ = ["run_distributed", "DistributedTestError"]
+
+
+_ECHOES = ("Connection closed by peer", "Connection reset by peer", "Socket Timeout", "timed out after")
+
+
+class DistributedTestError(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+def _child(fn: Callable[[], Any], rank: int, world_size: int, store_path: str, conn, backend: str) -> None:
+    status, payload = "ok", None
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        os.environ["RANK"] = str(rank)
+        os.environ["WORLD_SIZE"] = str(world_size)
+        os.environ["LOCAL_RANK"] = str(rank)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        try:
+            payload = fn()
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
+        status, payload = "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    try:
+        data = pickle.dumps((status, payload))
+    except Exception as e:  # noqa: BLE001
+        data = pickle.dumps(("err", f"rank {rank}: return value is not picklable: {e}"))
+    conn.send_bytes(data)
+    conn.close()
+    os._exit(0)
+
+
+def run_distributed(
+    fn: Callable[[], Any], *, world_size: int, timeout: float = 120.0, backend: str = "gloo"
+) -> list[Any]:
+    """Call ``fn()`` on ``world_size`` forked gloo ranks; return their results in rank order."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="fsdp_optim_pg_") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs, conns = [], {}
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, args=(fn, rank, world_size, store_path, child_conn, backend), daemon=True)
+            p.start()
+            child_conn.close()
+            procs.append(p)
+            conns[parent_conn] = rank
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        pending = dict(conns)
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"distributed test timed out after {timeout:.0f}s on world size {world_size}; "
+                        f"ranks still running: {sorted(pending.values())}"
+                        + (f"\nfirst error (rank {next(iter(errors))}):\n{next(iter(errors.values()))}" if errors else "")
+                    )
+                for c in wait(list(pending), timeout=left):
+                    rank = pending.pop(c)
+                    try:
+                        status, payload = pickle.loads(c.recv_bytes())
+                    except EOFError:
+                        status, payload = "err", f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
+                    if status == "ok":
+                        results[rank] = payload
+                    else:
+                        errors[rank] = payload
+                if errors:
+                    # A rank failed; the others may be waiting in a collective for it. Give them a
+                    # moment to report their own errors, then kill the group.
+                    grace = time.monotonic() + 2.0
+                    while pending and time.monotonic() < grace:
+                        for c in wait(list(pending), timeout=max(0.0, grace - time.monotonic())):
+                            rank = pending.pop(c)
+                            try:
+                                status, payload = pickle.loads(c.recv_bytes())
+                            except EOFError:
+                                continue
+                            (results if status == "ok" else errors)[rank] = payload
+                    break
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=5)
+            for c in conns:
+                c.close()
+        if errors:
+            # Report the root cause: a rank's own error, not a peer's "connection closed" echo of it.
+            first = min(errors, key=lambda r: (any(m in errors[r] for m in _ECHOES), list(errors).index(r)))
+            raise DistributedTestError(
+                f"rank {first} of {world_size} failed (ranks with errors: {sorted(errors)}):\n{errors[first]}"
+            )
+        return [results[r] for r in range(world_size)]

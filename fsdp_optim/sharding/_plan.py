@@ -1,0 +1,190 @@
+"""Plan data model: what the planner decides for every bucket and tensor.
+
+A bucket is laid out in one *global* flat buffer; rank ``r`` stores the segment
+``[rank_bounds[r], rank_bounds[r + 1])`` of it. Tensors sit at ``offset`` in that buffer,
+contiguous, with padding only between tensors. From the two follows each tensor's
+``RaggedShard`` (its own per-rank element ranges).
+
+- EVEN buckets: ``rank_bounds[r] == r * S`` (one ``all_gather_into_tensor`` /
+  ``reduce_scatter_tensor``), padding where a block would otherwise cross a rank boundary.
+- RAGGED buckets: segments of any size (some empty), zero padding, uneven collectives.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from ._blocks import BlockSpec
+from ._ragged import RaggedShard
+
+__all__ = ["Layout", "TensorSpec", "Placement", "BucketPlan", "Plan", "PlanConfig", "LocalPiece"]
+
+
+class Layout(enum.Enum):
+    EVEN = "even"
+    RAGGED = "ragged"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorSpec:
+    """Planner input for one tensor of a bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    spec: BlockSpec
+    itemsize: int = 4
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """Knobs of the planner (see DESIGN.md, Planner)."""
+
+    layout: str = "auto"
+    """``"even"``, ``"ragged"`` or ``"auto"`` (the cost model picks per bucket)."""
+    padding_cap: float = 0.02
+    """Even layout: largest padding (fraction of the bucket) tolerated to keep matrix blocks whole;
+    beyond it a matrix block is split on rows and recorded."""
+    align: int = 1
+    """Even layout: the per-rank segment size S is a multiple of this many elements."""
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("even", "ragged", "auto"):
+            raise ValueError(f"layout must be 'even', 'ragged' or 'auto', got {self.layout!r}")
+        if not 0.0 <= self.padding_cap:
+            raise ValueError(f"padding_cap must be >= 0, got {self.padding_cap}")
+        if self.align < 1:
+            raise ValueError(f"align must be >= 1, got {self.align}")
+
+
+class LocalPiece(tuple):
+    """``(index, seg_offset, start, end)``: tensor ``index`` of the bucket has its elements
+    ``[start, end)`` at ``seg_offset`` in this rank's segment (a NamedTuple-like tuple)."""
+
+    __slots__ = ()
+
+    def __new__(cls, index: int, seg_offset: int, start: int, end: int):
+        return tuple.__new__(cls, (index, seg_offset, start, end))
+
+    index = property(lambda self: self[0])
+    seg_offset = property(lambda self: self[1])
+    start = property(lambda self: self[2])
+    end = property(lambda self: self[3])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where one tensor sits in its bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    spec: BlockSpec
+    offset: int
+    """Start of the tensor in the bucket's global flat buffer."""
+    shard: RaggedShard
+    """This tensor's per-rank element ranges."""
+    split: bool = False
+    """A matrix block of this tensor was cut across ranks (the optimizer exchanges it)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def split_matrices(self) -> list[tuple[int, int, int]]:
+        """The matrix blocks ``(flat_offset, rows, cols)`` that some rank boundary cuts."""
+        if not self.split:
+            return []
+        inner = self.shard.bounds[1:-1]
+        return [m for m in self.spec.matrices(self.shape) if any(m[0] < b < m[0] + m[1] * m[2] for b in inner)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketPlan:
+    """The layout of one bucket (one communication unit)."""
+
+    name: str
+    layout: Layout
+    placements: tuple[Placement, ...]
+    rank_bounds: tuple[int, ...]
+    itemsize: int = 4
+
+    @property
+    def world_size(self) -> int:
+        return len(self.rank_bounds) - 1
+
+    @property
+    def total_numel(self) -> int:
+        """Elements of the global flat buffer, padding included."""
+        return self.rank_bounds[-1]
+
+    @property
+    def param_numel(self) -> int:
+        return sum(p.numel for p in self.placements)
+
+    @property
+    def padding(self) -> int:
+        return self.total_numel - self.param_numel
+
+    def segment(self, rank: int) -> tuple[int, int]:
+        return self.rank_bounds[rank], self.rank_bounds[rank + 1]
+
+    def segment_numel(self, rank: int) -> int:
+        return self.rank_bounds[rank + 1] - self.rank_bounds[rank]
+
+    @property
+    def segment_sizes(self) -> list[int]:
+        return [self.segment_numel(r) for r in range(self.world_size)]
+
+    def local_pieces(self, rank: int) -> list[LocalPiece]:
+        """The tensors (or parts) stored in ``rank``'s segment."""
+        s0, _ = self.segment(rank)
+        out = []
+        for i, p in enumerate(self.placements):
+            a, b = p.shard.range(rank)
+            if b > a:
+                out.append(LocalPiece(i, p.offset + a - s0, a, b))
+        return out
+
+    @property
+    def num_split_blocks(self) -> int:
+        return sum(len(p.split_matrices()) for p in self.placements)
+
+    def check(self) -> None:
+        """Internal invariants (asserts: a violation is a planner bug, not a user error)."""
+        w = self.world_size
+        assert self.rank_bounds[0] == 0 and all(
+            a <= b for a, b in zip(self.rank_bounds, self.rank_bounds[1:])
+        ), self.rank_bounds
+        if self.layout is Layout.EVEN:
+            s = self.rank_bounds[1]
+            assert all(self.rank_bounds[r] == r * s for r in range(w + 1)), "even bucket with uneven segments"
+        else:
+            assert self.padding == 0, "ragged bucket with padding"
+        end = 0
+        for p in self.placements:
+            assert p.offset >= end, f"{p.name} overlaps the previous tensor"
+            end = p.offset + p.numel
+            assert end <= self.total_numel
+            for r in range(w + 1):
+                want = min(max(self.rank_bounds[r] - p.offset, 0), p.numel)
+                assert p.shard.bounds[r] == want, (p.name, r, p.shard.bounds, want)
+            if not p.split:
+                assert p.shard.is_aligned(p.spec), f"{p.name}: a rank boundary cuts a {p.spec} block"
+            else:
+                assert p.spec.is_matrix
+                assert all(b % p.spec.split_unit(p.shape) == 0 for b in p.shard.bounds), p.name
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The plan of a whole model: one ``BucketPlan`` per bucket, balanced over all of them."""
+
+    world_size: int
+    buckets: tuple[BucketPlan, ...]
+    config: PlanConfig = field(default_factory=PlanConfig)
+    seconds: float = 0.0

@@ -1,0 +1,210 @@
+"""RaggedShard: the layout of one tensor over the ranks of a shard group.
+
+Rank ``r`` holds elements ``[bounds[r], bounds[r + 1])`` of the row-major flattened
+tensor. Ranges are contiguous, in rank order, cover the tensor exactly once, may be empty
+and (when a block spec is given) start and end on block boundaries. The index math is pure;
+only ``to_dtensor`` / ``from_dtensor`` communicate.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ._blocks import BlockSpec
+
+__all__ = [
+    "RaggedShard",
+    "chunk_bounds",
+    "block_aligned_splits",
+    "to_dtensor",
+    "from_dtensor",
+]
+
+
+@dataclass(frozen=True)
+class RaggedShard:
+    """Per-rank contiguous element ranges of one tensor (see module docstring)."""
+
+    shape: tuple[int, ...]
+    bounds: tuple[int, ...]
+    """``world_size + 1`` non-decreasing flat offsets from 0 to numel."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "bounds", tuple(int(b) for b in self.bounds))
+        b = self.bounds
+        if len(b) < 2 or b[0] != 0 or b[-1] != self.numel or any(x > y for x, y in itertools.pairwise(b)):
+            raise ValueError(
+                f"RaggedShard bounds {list(b)} must rise from 0 to numel={self.numel} (shape {self.shape})"
+            )
+
+    # ---- constructors -------------------------------------------------------------
+    @classmethod
+    def from_sizes(cls, shape: Sequence[int], sizes: Sequence[int]) -> RaggedShard:
+        return cls(tuple(shape), tuple(itertools.accumulate(sizes, initial=0)))
+
+    @classmethod
+    def even_rows(cls, shape: Sequence[int], world_size: int) -> RaggedShard:
+        """The layout of DTensor ``Shard(0)`` (``torch.chunk`` of dim 0)."""
+        shape = tuple(shape)
+        row = math.prod(shape[1:]) if shape else 1
+        return cls(shape, tuple(r * row for r in chunk_bounds(shape[0] if shape else 1, world_size)))
+
+    # ---- queries ------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.bounds) - 1
+
+    def range(self, rank: int) -> tuple[int, int]:
+        return self.bounds[rank], self.bounds[rank + 1]
+
+    def local_numel(self, rank: int) -> int:
+        return self.bounds[rank + 1] - self.bounds[rank]
+
+    def owners(self) -> list[int]:
+        """Ranks holding at least one element."""
+        return [r for r in range(self.world_size) if self.local_numel(r) > 0]
+
+    def is_aligned(self, spec: BlockSpec) -> bool:
+        return all(spec.is_boundary(self.shape, b) for b in self.bounds)
+
+    def check(self, spec: BlockSpec, name: str = "<param>") -> None:
+        """Raise ``ValueError`` naming the parameter if a rank boundary cuts a block."""
+        for r, b in enumerate(self.bounds[1:-1], start=1):
+            if not spec.is_boundary(self.shape, b):
+                raise ValueError(
+                    f"{name} (shape {self.shape}): the boundary between ranks {r - 1} and {r} "
+                    f"at element {b} cuts a {spec} block (world size {self.world_size})"
+                )
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+    def is_row_aligned(self) -> bool:
+        rn = self.row_numel
+        return rn > 0 and all(b % rn == 0 for b in self.bounds)
+
+    def row_range(self, rank: int) -> tuple[int, int]:
+        """Rows ``[start, end)`` of rank ``rank``; only for row-aligned layouts."""
+        if not self.is_row_aligned():
+            raise ValueError(f"layout {list(self.bounds)} of shape {self.shape} is not row-aligned")
+        rn = self.row_numel
+        return self.bounds[rank] // rn, self.bounds[rank + 1] // rn
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """``(rows, *shape[1:])`` for row-aligned layouts, else ``(numel,)``."""
+        if self.shape and self.is_row_aligned():
+            s, e = self.row_range(rank)
+            return (e - s, *self.shape[1:])
+        return (self.local_numel(rank),)
+
+    # ---- tensors ------------------------------------------------------------------
+    def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s flat piece of ``full`` (a view when ``full`` is contiguous)."""
+        self._check_full(full)
+        s, e = self.range(rank)
+        return full.reshape(-1)[s:e]
+
+    def unshard(self, locals_: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Concatenate every rank's flat piece back into the full tensor."""
+        if len(locals_) != self.world_size:
+            raise ValueError(f"unshard needs {self.world_size} pieces, got {len(locals_)}")
+        for r, t in enumerate(locals_):
+            if t.numel() != self.local_numel(r):
+                raise ValueError(
+                    f"rank {r} piece has {t.numel()} elements; the layout gives it {self.local_numel(r)}"
+                )
+        return torch.cat([t.reshape(-1) for t in locals_]).reshape(self.shape)
+
+    def _check_full(self, full: torch.Tensor) -> None:
+        if tuple(full.shape) != self.shape:
+            raise ValueError(f"tensor of shape {tuple(full.shape)} does not match layout shape {self.shape}")
+
+
+# ---- pure helpers -----------------------------------------------------------------
+def chunk_bounds(n: int, world_size: int) -> list[int]:
+    """``torch.chunk`` boundaries of ``n`` items over ``world_size`` ranks (trailing ranks may be empty)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    c = -(-n // world_size) if n else 0
+    return [min(r * c, n) for r in range(world_size + 1)]
+
+
+def block_aligned_splits(shape: Sequence[int], spec: BlockSpec, world_size: int) -> Iterator[RaggedShard]:
+    """Every block-aligned layout of ``shape`` over ``world_size`` ranks (brute force; small shapes)."""
+    starts = spec.block_starts(shape)
+    numel = math.prod(shape)
+    inner = starts[:-1] if numel else []
+    for cuts in itertools.combinations_with_replacement(inner + [numel], world_size - 1):
+        yield RaggedShard(tuple(shape), (0, *cuts, numel))
+
+
+# ---- DTensor interoperability ---------------------------------------------------------
+def _exchange_rows(
+    local: torch.Tensor, src: RaggedShard, dst: RaggedShard, rank: int, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Move row-aligned pieces from layout ``src`` to ``dst`` with one ``all_to_all_single``."""
+    w = src.world_size
+    send, recv = [], []
+    s0, s1 = src.range(rank)
+    d0, d1 = dst.range(rank)
+    for q in range(w):
+        qs0, qs1 = src.range(q)
+        qd0, qd1 = dst.range(q)
+        send.append(max(0, min(s1, qd1) - max(s0, qd0)))
+        recv.append(max(0, min(qs1, d1) - max(qs0, d0)))
+    out = local.new_empty(d1 - d0)
+    dist.all_to_all_single(out, local.reshape(-1).contiguous(), recv, send, group=group)
+    return out
+
+
+def to_dtensor(local: torch.Tensor, layout: RaggedShard, mesh) -> "torch.distributed.tensor.DTensor":
+    """A DTensor ``Shard(0)`` of the full tensor from this rank's flat ``local`` piece.
+
+    Needs a row-aligned layout; moves rows between ranks (one ``all_to_all_single``) when the
+    ragged ranges differ from ``torch.chunk``'s.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not layout.is_row_aligned():
+        raise ValueError(
+            f"to_dtensor needs row-aligned ranges; layout {list(layout.bounds)} of shape {layout.shape} "
+            "cuts a row (shard with rows(1) or coarser blocks)"
+        )
+    group = mesh.get_group()
+    rank = mesh.get_local_rank()
+    target = RaggedShard.even_rows(layout.shape, layout.world_size)
+    moved = local if target == layout else _exchange_rows(local, layout, target, rank, group)
+    shape = target.local_shape(rank)
+    full_stride = torch.empty(layout.shape, device="meta").stride()
+    return DTensor.from_local(
+        moved.reshape(shape), mesh, [Shard(0)], run_check=False, shape=torch.Size(layout.shape), stride=full_stride
+    )
+
+
+def from_dtensor(dtensor: "torch.distributed.tensor.DTensor", layout: RaggedShard) -> torch.Tensor:
+    """This rank's flat piece under ``layout`` from a DTensor ``Shard(0)`` (inverse of ``to_dtensor``)."""
+    from torch.distributed.tensor import Shard
+
+    mesh = dtensor.device_mesh
+    if tuple(dtensor.placements) != (Shard(0),):
+        raise ValueError(f"from_dtensor needs placements (Shard(0),), got {dtensor.placements}")
+    if tuple(dtensor.shape) != layout.shape:
+        raise ValueError(f"DTensor shape {tuple(dtensor.shape)} does not match layout shape {layout.shape}")
+    rank = mesh.get_local_rank()
+    source = RaggedShard.even_rows(layout.shape, layout.world_size)
+    local = dtensor.to_local().reshape(-1)
+    if source == layout:
+        return local.clone()
+    return _exchange_rows(local, source, layout, rank, mesh.get_group())
