@@ -1,0 +1,94 @@
+"""Block rules of the optimizers: what each needs kept together on one rank.
+
+A rule is ``rule(fqn, param, module) -> BlockSpec`` (``module`` is the parameter's owner, or
+``None`` when only names and shapes are known, as in the planner presets). The spec a rule
+returns is recorded on the sharded parameter and is the single source of truth for how an
+optimizer treats it (e.g. Muon: matrix blocks get Newton-Schulz, the rest AdamW).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..sharding._blocks import BlockRule, BlockSpec, elements, expert, rows, whole
+
+__all__ = [
+    "is_embedding_or_head",
+    "adamw_rule",
+    "adamw8bit_rule",
+    "muon_rule",
+    "shampoo_rule",
+]
+
+_EMBED_OR_HEAD_TOKENS = frozenset(
+    {"embed", "embeds", "embedding", "embeddings", "embed_tokens", "tok_embeddings", "wte", "wpe",
+     "lm_head", "output", "head", "unembed", "unembedding", "shared_head"}
+)
+
+
+def is_embedding_or_head(fqn: str, module: nn.Module | None) -> bool:
+    """Embedding tables and output heads (Muon leaves them to AdamW, as torch.optim.Muon advises)."""
+    if isinstance(module, nn.Embedding):
+        return True
+    parts = fqn.split(".")
+    return any(p in _EMBED_OR_HEAD_TOKENS for p in parts[:-1])
+
+
+def adamw_rule(fqn: str, param: torch.Tensor, module: nn.Module | None) -> BlockSpec:
+    """Element-wise: any split works (plain FSDP)."""
+    return elements(1)
+
+
+def adamw8bit_rule(block_size: int = 256) -> BlockRule:
+    """Quantization blocks of ``block_size`` flat elements of the global tensor."""
+
+    def rule(fqn: str, param: torch.Tensor, module: nn.Module | None) -> BlockSpec:
+        return elements(block_size)
+
+    return rule
+
+
+def muon_rule(
+    *, head_dims: Mapping[str, int] | None = None, row_splits: Mapping[str, Sequence[int]] | None = None
+) -> BlockRule:
+    """Whole hidden matrices, one matrix per expert of 3-D weights, element-wise for the rest.
+
+    ``head_dims`` maps a name suffix (e.g. ``"attn.wq.weight"``) to a head dim: that projection is
+    orthogonalized per head. ``row_splits`` maps a suffix to row counts (fused QKV).
+    """
+    head_dims = dict(head_dims or {})
+    row_splits = {k: tuple(v) for k, v in (row_splits or {}).items()}
+
+    def rule(fqn: str, param: torch.Tensor, module: nn.Module | None) -> BlockSpec:
+        if param.ndim < 2 or is_embedding_or_head(fqn, module):
+            return elements(1)
+        if param.ndim == 3:
+            return expert()
+        if param.ndim > 3:
+            return elements(1)
+        for suffix, hd in head_dims.items():
+            if fqn.endswith(suffix):
+                if param.shape[0] % hd:
+                    raise ValueError(
+                        f"{fqn}: head_dim {hd} does not divide its {param.shape[0]} rows (shape "
+                        f"{tuple(param.shape)}); fix head_dims[{suffix!r}]"
+                    )
+                return whole(row_splits=[hd] * (param.shape[0] // hd))
+        for suffix, splits in row_splits.items():
+            if fqn.endswith(suffix):
+                return whole(row_splits=splits)
+        return whole()
+
+    return rule
+
+
+def shampoo_rule(max_preconditioner_dim: int = 1024) -> BlockRule:
+    """Strips of ``max_preconditioner_dim`` rows (1-D tensors: that many elements)."""
+
+    def rule(fqn: str, param: torch.Tensor, module: nn.Module | None) -> BlockSpec:
+        return rows(max_preconditioner_dim)
+
+    return rule

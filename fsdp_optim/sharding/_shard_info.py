@@ -1,0 +1,86 @@
+"""ShardInfo: what a sharded parameter knows about itself.
+
+After ``fully_shard`` every managed parameter is an ``nn.Parameter`` whose data is this rank's
+*flat* (1-D) piece of the global tensor, a view into the bucket's segment; its ``.grad`` is the
+matching flat view into the gradient segment. ``shard_info(p)`` returns the metadata below, or
+``None`` for a plain (unsharded) parameter, which optimizers treat as a full tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ._blocks import BlockSpec
+from ._ragged import RaggedShard
+
+__all__ = ["ShardInfo", "shard_info", "set_shard_info"]
+
+_ATTR = "_fsdp_optim_shard"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardInfo:
+    """Metadata of one sharded parameter on one rank."""
+
+    fqn: str
+    """Fully-qualified name from the root module (first name for tied parameters)."""
+    shape: tuple[int, ...]
+    """Global shape."""
+    spec: BlockSpec
+    layout: RaggedShard
+    rank: int
+    """This rank's index in the shard group."""
+    group: dist.ProcessGroup | None = None
+    """The shard group (``None``: the default group)."""
+    bucket: int = 0
+    """Index of the bucket (communication unit) the parameter lives in."""
+    split: bool = False
+    """A matrix block of this parameter is cut across ranks (see ``Placement.split``)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def start(self) -> int:
+        return self.layout.bounds[self.rank]
+
+    @property
+    def end(self) -> int:
+        return self.layout.bounds[self.rank + 1]
+
+    @property
+    def local_numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_whole(self) -> bool:
+        """This rank holds the entire tensor (W = 1, or a ragged plan gave it all)."""
+        return self.local_numel == self.numel
+
+    def local_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (this rank's piece) as ``(rows, *shape[1:])`` when row-aligned, else flat."""
+        if self.layout.is_row_aligned() and self.shape:
+            return flat.view(self.layout.local_shape(self.rank))
+        return flat
+
+    def owned_matrices(self) -> list[tuple[int, int, int]]:
+        """Matrix blocks ``(global_flat_offset, rows, cols)`` lying wholly in this rank's range."""
+        return [m for m in self.spec.matrices(self.shape) if self.start <= m[0] and m[0] + m[1] * m[2] <= self.end]
+
+
+def shard_info(p: torch.Tensor) -> ShardInfo | None:
+    """The ``ShardInfo`` of a sharded parameter, ``None`` for a plain one."""
+    return getattr(p, _ATTR, None)
+
+
+def set_shard_info(p: torch.Tensor, info: ShardInfo | None) -> None:
+    setattr(p, _ATTR, info)
