@@ -126,3 +126,28 @@ def run_distributed(
                 f"rank {first} of {world_size} failed (ranks with errors: {sorted(errors)}):\n{errors[first]}"
             )
         return [results[r] for r in range(world_size)]
+
+
+def make_sharded_param(
+    full: "torch.Tensor",
+    *,
+    spec: "BlockSpec",
+    layout: "RaggedShard",
+    fqn: str = "",
+    bucket: int = 0,
+    split: bool = False,
+) -> "torch.nn.Parameter":
+    """This rank's flat piece of ``full`` as a sharded ``nn.Parameter`` with its ``ShardInfo``, as
+    ``fully_shard`` would make it (for optimizer tests that need no model). Call inside a group."""
+    import torch
+    import torch.distributed as dist
+
+    from .sharding._shard_info import ShardInfo, set_shard_info
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    p = torch.nn.Parameter(layout.shard(full.detach(), rank).clone())
+    set_shard_info(
+        p,
+        ShardInfo(fqn=fqn, shape=tuple(full.shape), spec=spec, layout=layout, rank=rank, bucket=bucket, split=split),
+    )
+    return p
