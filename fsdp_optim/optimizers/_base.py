@@ -2,13 +2,43 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple, Protocol
+
 import torch
 
 from ..sharding._blocks import BlockRule, BlockSpec
 from ..sharding._ragged import RaggedShard
 from ..sharding._shard_info import ShardInfo, shard_info
 
-__all__ = ["param_info", "require_spec"]
+__all__ = ["param_info", "require_spec", "StateShard", "ShardedState"]
+
+
+class StateShard(NamedTuple):
+    """Where one optimizer-state tensor of one parameter lies in its global flat form.
+
+    [Note: checkpoint-shaped optimizer state]
+    Every sharded state tensor of a parameter (``optimizer.state[p][key]``) is this rank's
+    contiguous piece ``[start, end)`` of a *global flat state vector* of ``global_numel``
+    elements whose order follows the parameter's global block order, so it is identical for
+    every world size and plan: per-element state (AdamW moments, Muon momentum, 8-bit codes)
+    is simply the parameter's own flat range; per-block state (8-bit scales: one per 256-block;
+    Shampoo factors: each block's factor flattened, blocks in global order) is the range of
+    this rank's blocks. The local tensor may have any shape but must have ``end - start``
+    elements and be contiguous (checkpoints read it with ``reshape(-1)``). Keys not listed by
+    ``state_shards`` (e.g. ``step``) are replicated: equal on every rank. State is created
+    eagerly in ``__init__`` so that keys and shapes are the same before and after the first
+    step (a checkpoint can be loaded into a fresh optimizer).
+    """
+
+    global_numel: int
+    start: int
+    end: int
+
+
+class ShardedState(Protocol):
+    """Implemented by every fsdp_optim optimizer (used by checkpoints)."""
+
+    def state_shards(self, p: torch.Tensor) -> dict[str, StateShard]: ...
 
 
 def param_info(p: torch.Tensor, rule: BlockRule, *, name: str = "") -> ShardInfo:
