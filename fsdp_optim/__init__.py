@@ -1,6 +1,27 @@
 """fsdp_optim: FSDP with block-aligned ragged sharding for whole-block optimizers."""
 
 from . import sharding
+from .sharding._checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
+from .sharding._clip import clip_grad_norm_
+from .sharding._fully_shard import ShardedModule, fully_shard, sharded_plan
+from .sharding._init import init_weights
+from .sharding._mixed_precision import MixedPrecisionPolicy
+from .sharding._shard_info import ShardInfo, shard_info
+from .sharding._state_dict import full_state_dict
 
-__all__ = ["sharding"]
+__all__ = [
+    "MixedPrecisionPolicy",
+    "ShardInfo",
+    "ShardedModule",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "fully_shard",
+    "init_weights",
+    "load_checkpoint",
+    "load_full_state_dict",
+    "save_checkpoint",
+    "shard_info",
+    "sharded_plan",
+    "sharding",
+]
 __version__ = "0.1.0"

@@ -3,14 +3,107 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+
+__all__ = ["main"]
+
+OPTIMIZERS = ("adamw", "adamw8bit", "muon", "shampoo")
+
+
+def optimizer_rule(name: str):
+    """The block rule ``fsdp-optim plan --optimizer name`` plans with.
+
+    Shampoo preconditions each routed expert as its own matrix (``per_expert=True``), blocks of
+    ``max_preconditioner_dim = 1024`` rows otherwise.
+    """
+    from .optimizers._rules import adamw8bit_rule, adamw_rule, muon_rule, shampoo_rule
+
+    rules = {
+        "adamw": lambda: adamw_rule,
+        "adamw8bit": lambda: adamw8bit_rule(),
+        "muon": lambda: muon_rule(),
+        "shampoo": lambda: shampoo_rule(1024, per_expert=True),
+    }
+    if name not in rules:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    return rules[name]()
+
+
+# ---- plan ---------------------------------------------------------------------------
+def _add_plan(sub) -> None:
+    from .sharding._presets import preset_names
+
+    p = sub.add_parser(
+        "plan",
+        help="plan a model preset at a world size and print the layout figures",
+        description="Plan a public model's shapes (no weights) over W simulated ranks: padding, split "
+        "matrix blocks, per-rank bytes and optimizer cost balance, planner time.",
+    )
+    p.add_argument("--model", required=True, choices=preset_names(), help="model preset")
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks in the shard group")
+    p.add_argument("--optimizer", required=True, choices=OPTIMIZERS, help="whose block rule to plan with")
+    p.add_argument("--layout", default="auto", choices=("even", "ragged", "auto"), help="bucket layout (default auto)")
+    p.add_argument("--bucket-layers", type=int, default=1, help="transformer layers per bucket (default 1)")
+    p.add_argument("--padding-cap", type=float, default=None, help="even layout: padding tolerated to keep matrices whole")
+    p.add_argument("--align", type=int, default=None, help="even layout: segment size multiple (elements)")
+    p.add_argument("--itemsize", type=int, default=4, help="bytes per element (default 4: fp32 master weights)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.set_defaults(func=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .sharding._plan import PlanConfig
+    from .sharding._planner import plan_model
+    from .sharding._presets import preset_buckets
+
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    if args.bucket_layers < 1:
+        raise ValueError(f"--bucket-layers must be >= 1, got {args.bucket_layers}")
+    kw = {"layout": args.layout}
+    if args.padding_cap is not None:
+        kw["padding_cap"] = args.padding_cap
+    if args.align is not None:
+        kw["align"] = args.align
+    config = PlanConfig(**kw)
+    buckets = preset_buckets(
+        args.model, rule=optimizer_rule(args.optimizer), bucket_layers=args.bucket_layers, itemsize=args.itemsize
+    )
+    plan = plan_model(buckets, world_size=args.world_size, config=config)
+    if args.json:
+        out = {
+            "model": args.model,
+            "optimizer": args.optimizer,
+            "layout": args.layout,
+            "bucket_layers": args.bucket_layers,
+            "padding_cap": config.padding_cap,
+            "align": config.align,
+            **plan.stats().as_dict(),
+        }
+        print(json.dumps(out))
+    else:
+        print(f"model {args.model}, optimizer {args.optimizer}")
+        print(plan.report())
+    return 0
+
+
+# ---- entry point ----------------------------------------------------------------------
+_COMMANDS = [_add_plan]
+"""Each adds one subcommand (``sub.add_parser(...)``, ``set_defaults(func=run)``, ``run(args) -> int``)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-optim", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
-    parser.parse_args(argv)
-    return 0
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in _COMMANDS:
+        add(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"fsdp-optim {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -85,10 +85,19 @@ def muon_rule(
     return rule
 
 
-def shampoo_rule(max_preconditioner_dim: int = 1024) -> BlockRule:
-    """Strips of ``max_preconditioner_dim`` rows (1-D tensors: that many elements)."""
+def shampoo_rule(max_preconditioner_dim: int = 1024, *, per_expert: bool = False) -> BlockRule:
+    """Strips of ``max_preconditioner_dim`` rows (1-D tensors: that many elements).
+
+    ``per_expert``: a 3-D ``[E, r, c]`` weight gets one ``expert()`` block per expert matrix (each
+    expert preconditioned as its own matrix, its <= k blocks local) instead of strips of dim 0,
+    which for E <= k make the whole stacked tensor one block (unbalanceable at scale).
+    """
 
     def rule(fqn: str, param: torch.Tensor, module: nn.Module | None) -> BlockSpec:
+        if per_expert and param.ndim == 3:
+            return expert()
+        if param.ndim == 0:  # a scalar: one element (rows() needs a dim 0)
+            return elements(1)
         return rows(max_preconditioner_dim)
 
     return rule

@@ -1,7 +1,9 @@
 """Sharding core: block specs, RaggedShard layouts, the planner and DistributedBuffer."""
 
 from ._blocks import BlockKind, BlockRule, BlockSpec, default_rule, elements, expert, heads, rows, whole
+from ._buffer import CollectiveHandle, DistributedBuffer
 from ._plan import BucketPlan, Layout, Placement, Plan, PlanConfig, TensorSpec
+from ._planner import PlanStats, plan_model, tensor_cost
 from ._ragged import RaggedShard, block_aligned_splits, chunk_bounds, from_dtensor, to_dtensor
 
 __all__ = [
@@ -9,10 +11,13 @@ __all__ = [
     "BlockRule",
     "BlockSpec",
     "BucketPlan",
+    "CollectiveHandle",
+    "DistributedBuffer",
     "Layout",
     "Placement",
     "Plan",
     "PlanConfig",
+    "PlanStats",
     "RaggedShard",
     "TensorSpec",
     "block_aligned_splits",
@@ -22,7 +27,9 @@ __all__ = [
     "expert",
     "from_dtensor",
     "heads",
+    "plan_model",
     "rows",
+    "tensor_cost",
     "to_dtensor",
     "whole",
 ]

@@ -187,4 +187,18 @@ class Plan:
     world_size: int
     buckets: tuple[BucketPlan, ...]
     config: PlanConfig = field(default_factory=PlanConfig)
-    seconds: float = 0.0
+    seconds: float = field(default=0.0, compare=False)
+    """Wall time of planning (not part of equality: equal plans may take different times)."""
+
+    def stats(self):
+        """Whole-model figures (padding, splits, per-rank bytes and cost balance): a ``PlanStats``."""
+        from ._planner import plan_stats
+
+        return plan_stats(self)
+
+    def report(self) -> str:
+        """Layout per bucket, padding %, split blocks and their bytes, per-rank bytes and cost
+        max/mean, bytes per collective."""
+        from ._planner import plan_report
+
+        return plan_report(self)

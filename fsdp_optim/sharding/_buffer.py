@@ -1,0 +1,341 @@
+"""DistributedBuffer: one flat buffer per bucket, moved by one collective per direction.
+
+A bucket (see ``BucketPlan``) lives in one *global* flat buffer of ``plan.total_numel``
+elements; rank ``r`` persistently stores only its segment
+``[plan.rank_bounds[r], plan.rank_bounds[r + 1])``. Local parameter and gradient shards are
+views into the segment (zero copy), so an optimizer step on the shards writes the segment.
+
+API (stable; the ``fully_shard`` runtime builds on it)::
+
+    buf = DistributedBuffer(plan, group=None, device=None, dtype=torch.float32, uneven_gather="auto")
+    buf.segment                       # this rank's flat parameter segment (persistent, zeros at start)
+    buf.grad_segment                  # flat gradient segment, None until alloc_grad_segment()
+    buf.alloc_grad_segment()          # allocate (zeros) if needed and return it
+    buf.free_grad_segment()           # drop it (zero_grad(set_to_none=True))
+    buf.local_views(flat=None)        # per placement: this rank's flat piece, a view into flat (default segment)
+    buf.full_views(full)              # per placement: a global-shape view into a gathered full buffer
+    buf.new_full(dtype=None)          # zeros of total_numel (padding zero) for gathers / reductions
+    buf.all_gather(src=None, out=None, async_op=False) -> Tensor | CollectiveHandle
+    buf.reduce_scatter(full_grad, out=None, op=SUM, accumulate=False, async_op=False) -> Tensor | CollectiveHandle
+
+``all_gather`` sends ``src`` (default: the segment; pass e.g. ``segment.to(torch.bfloat16)`` for a
+bf16 gather of an fp32 master) and returns the full flat buffer ``out`` (default: ``new_full`` in
+``src``'s dtype). ``reduce_scatter`` reduces ``full_grad`` (flat, ``total_numel``) and writes this
+rank's range into ``out`` (default: the gradient segment). The communication dtype is the input's;
+when ``out`` has another dtype the result is cast into it after the collective (bf16 gather into
+an fp32 buffer; an fp32 reduction into a bf16 gradient segment). With ``async_op=True`` both
+return a ``CollectiveHandle`` whose ``wait()`` returns the output tensor (idempotent), so the
+runtime can issue the next bucket's gather before using this one.
+
+[Note: one collective per bucket per direction]
+Segments of equal size (every EVEN bucket, and a RAGGED one that happens to be even) move with
+``all_gather_single`` / ``reduce_scatter_single`` (the former ``all_gather_into_tensor`` /
+``reduce_scatter_tensor``). Uneven segments:
+
+- reduce-scatter: list-form ``dist.reduce_scatter`` with uneven inputs (gloo and NCCL).
+- all-gather on NCCL: list-form ``dist.all_gather`` with uneven outputs (views into ``out``; NCCL
+  runs it as one coalesced group of broadcasts).
+- all-gather on gloo, which refuses uneven list ``all_gather``: one group of per-owner
+  ``dist.broadcast`` (only ranks whose segment is non-empty; each owner broadcasts straight from
+  its slice of ``out``, every other rank receives into its slice: zero extra memory).
+  The alternative, ``all_to_all_single`` with split sizes, needs each rank to send its segment W
+  times (a W x segment staging copy) and was 2.7-6x slower than the broadcast group in
+  ``benchmarks/collectives.py`` (gloo, 8M float32, W = 2 and 4, medians; results in
+  ``benchmarks/results/collectives.json``). Against the even forms on an even split of the same
+  bytes: broadcast group 0.25-0.35x the time of ``all_gather_single``, ``all_to_all_single``
+  0.74-1.19x, list ``reduce_scatter`` 0.41-0.87x of ``reduce_scatter_single`` (one empty rank and
+  one at 3x the mean, or +-20%; a run at a higher machine load gave 0.18-0.23x, 0.66-1.10x and
+  0.21-0.53x).
+  So on gloo the uneven forms cost nothing; on NCCL (not measured here) the ring tensor forms
+  are expected to be the fast path, which the planner's cost model weighs against padding.
+
+[Note: padding]
+Padding elements of a bucket (between tensors of an EVEN bucket) are zero in whatever this
+module returns: ``new_full`` and the segments start as zeros, and after every collective the
+padding ranges of the output are zeroed again (a handful of small fills), so garbage in a
+caller's padding (e.g. an ``empty``-allocated gradient buffer) never reaches a result, a
+gradient norm over the segment, or a checkpoint.
+
+ReduceOp: SUM and AVG on every backend. NCCL averages natively; elsewhere AVG is a SUM followed
+by a division by W in the communication dtype (gloo in torch <= 2.7 raises "Cannot use ReduceOp.AVG
+with Gloo"; torch 2.13's gloo accepts AVG, and the tests check that SUM-then-divide gives the
+same bits as ``sum / W`` computed locally).
+W = 1 and ranks with empty segments take the same code path. Without an initialized process
+group a world-size-1 plan works locally (the collectives become copies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._plan import BucketPlan
+
+__all__ = ["DistributedBuffer", "CollectiveHandle", "UNEVEN_GATHER_MODES"]
+
+# torch >= 2.13 renames the tensor forms and warns on the old names; use whichever exists.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+UNEVEN_GATHER_MODES = ("auto", "all_gather", "broadcast", "all_to_all")
+"""How ``all_gather`` moves a bucket whose segments differ in size: ``auto`` picks
+``all_gather`` (list form) on NCCL and ``broadcast`` (one group of per-owner broadcasts)
+elsewhere; ``all_to_all`` (``all_to_all_single`` with split sizes) is kept for benchmarks."""
+
+
+class CollectiveHandle:
+    """A pending collective of one bucket. ``wait()`` blocks until it is done, runs the local
+    post-processing (cast, accumulate, zero padding) once, and returns the output tensor."""
+
+    __slots__ = ("_works", "_finish", "_result", "_done", "_keep")
+
+    def __init__(
+        self, works: Sequence[dist.Work | None], finish: Callable[[], torch.Tensor], *, keep: tuple = ()
+    ) -> None:
+        self._works = [w for w in works if w is not None]
+        self._keep = keep  # tensors the pending collective reads or writes stay alive until wait()
+        self._finish = finish
+        self._result: torch.Tensor | None = None
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            for w in self._works:
+                w.wait()
+            self._result = self._finish()
+            self._works, self._finish, self._keep, self._done = [], None, (), True
+        return self._result
+
+    def is_completed(self) -> bool:
+        """Whether ``wait()`` would return without blocking on communication."""
+        return self._done or all(w.is_completed() for w in self._works)
+
+
+class DistributedBuffer:
+    """The flat storage of one bucket on this rank, and its two collectives (see module docstring)."""
+
+    def __init__(
+        self,
+        plan: BucketPlan,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        uneven_gather: str = "auto",
+    ) -> None:
+        if uneven_gather not in UNEVEN_GATHER_MODES:
+            raise ValueError(f"uneven_gather must be one of {UNEVEN_GATHER_MODES}, got {uneven_gather!r}")
+        self.plan = plan
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(group)
+            group_size = dist.get_world_size(group)
+            self.backend: str | None = str(dist.get_backend(group))
+            if self.rank < 0:
+                raise ValueError(
+                    f"bucket {plan.name!r}: global rank {dist.get_rank()} is not a member of the given group; "
+                    "build the DistributedBuffer only on the ranks of its shard group"
+                )
+        else:
+            self.rank, group_size, self.backend = 0, 1, None
+        if plan.world_size != group_size:
+            where = f"the process group has {group_size} ranks" if self.backend else "no process group is initialized"
+            raise ValueError(
+                f"bucket {plan.name!r} was planned for world size {plan.world_size} but {where}; "
+                f"plan with world_size={group_size} or call torch.distributed.init_process_group first"
+            )
+        if device is None:
+            device = _default_device(self.backend)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.sizes: list[int] = plan.segment_sizes
+        self.is_even = len(set(self.sizes)) <= 1
+        """Segments are equal-sized: the tensor collectives apply (see [Note: one collective ...])."""
+        self.owners: list[int] = [r for r, n in enumerate(self.sizes) if n > 0]
+        nccl = self.backend is not None and "nccl" in self.backend and self.device.type == "cuda"
+        self._native_avg = nccl
+        if uneven_gather == "auto":
+            uneven_gather = "all_gather" if nccl else "broadcast"
+        if uneven_gather == "all_gather" and not self.is_even and not nccl and self.backend is not None:
+            raise ValueError(
+                f"bucket {plan.name!r}: uneven_gather='all_gather' needs NCCL; the {self.backend} backend refuses an "
+                f"uneven list all_gather (segment sizes {self.sizes}); use 'auto' or 'broadcast'"
+            )
+        self.uneven_gather = uneven_gather
+        self.segment_start, self.segment_end = plan.segment(self.rank)
+        self.segment = torch.zeros(self.segment_numel, dtype=dtype, device=self.device)
+        self.grad_segment: torch.Tensor | None = None
+        self._full_padding = _padding_ranges(plan)
+        self._seg_padding = [
+            (max(a, self.segment_start) - self.segment_start, min(b, self.segment_end) - self.segment_start)
+            for a, b in self._full_padding
+            if min(b, self.segment_end) > max(a, self.segment_start)
+        ]
+
+    # ---- storage ----------------------------------------------------------------------
+    @property
+    def total_numel(self) -> int:
+        return self.plan.total_numel
+
+    @property
+    def segment_numel(self) -> int:
+        return self.segment_end - self.segment_start
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    def new_full(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A zero flat buffer of ``total_numel`` elements (padding zero) on this buffer's device."""
+        return torch.zeros(self.total_numel, dtype=dtype or self.dtype, device=self.device)
+
+    def alloc_grad_segment(self) -> torch.Tensor:
+        """The gradient segment, allocated as zeros on first use."""
+        if self.grad_segment is None:
+            self.grad_segment = torch.zeros_like(self.segment)
+        return self.grad_segment
+
+    def free_grad_segment(self) -> None:
+        self.grad_segment = None
+
+    def local_views(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Per placement, this rank's flat piece as a view into ``flat`` (default: the segment);
+        an empty view where this rank holds none of the tensor."""
+        flat = self.segment if flat is None else flat
+        self._check_flat(flat, self.segment_numel, "flat")
+        out = []
+        for p in self.plan.placements:
+            a, b = p.shard.range(self.rank)
+            off = min(max(p.offset + a - self.segment_start, 0), self.segment_numel)
+            out.append(flat[off : off + (b - a)])
+        return out
+
+    def full_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Per placement, the global-shape tensor as a view into the gathered flat ``full``."""
+        self._check_flat(full, self.total_numel, "full")
+        return [full[p.offset : p.offset + p.numel].view(p.shape) for p in self.plan.placements]
+
+    # ---- collectives ------------------------------------------------------------------
+    def all_gather(
+        self, *, src: torch.Tensor | None = None, out: torch.Tensor | None = None, async_op: bool = False
+    ) -> torch.Tensor | CollectiveHandle:
+        """Gather every rank's segment into the full flat buffer (one collective; see the Notes)."""
+        src = self.segment if src is None else src
+        self._check_flat(src, self.segment_numel, "src")
+        if out is None:
+            out = self.new_full(src.dtype)
+        self._check_flat(out, self.total_numel, "out")
+        recv = out if out.dtype == src.dtype else torch.empty(self.total_numel, dtype=src.dtype, device=out.device)
+        works = self._gather_into(recv, src)
+
+        def finish() -> torch.Tensor:
+            if recv is not out:
+                out.copy_(recv)
+            _zero_ranges(out, self._full_padding)
+            return out
+
+        handle = CollectiveHandle(works, finish, keep=(src, recv))
+        return handle if async_op else handle.wait()
+
+    def reduce_scatter(
+        self,
+        full_grad: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        accumulate: bool = False,
+        async_op: bool = False,
+    ) -> torch.Tensor | CollectiveHandle:
+        """Reduce the flat ``full_grad`` over ranks; this rank's range goes into ``out`` (default:
+        the gradient segment), added to it when ``accumulate`` (one collective; see the Notes)."""
+        self._check_flat(full_grad, self.total_numel, "full_grad")
+        if out is None:
+            out = self.alloc_grad_segment()
+        self._check_flat(out, self.segment_numel, "out")
+        direct = out.dtype == full_grad.dtype and not accumulate
+        recv = out if direct else torch.empty(self.segment_numel, dtype=full_grad.dtype, device=out.device)
+        emulate_avg = op == dist.ReduceOp.AVG and not self._native_avg
+        divide = emulate_avg and self.world_size > 1
+        works = self._reduce_into(recv, full_grad, dist.ReduceOp.SUM if emulate_avg else op)
+
+        def finish() -> torch.Tensor:
+            if divide:
+                recv.div_(self.world_size)
+            if accumulate:
+                out.add_(recv)
+            elif recv is not out:
+                out.copy_(recv)
+            _zero_ranges(out, self._seg_padding)
+            return out
+
+        handle = CollectiveHandle(works, finish, keep=(full_grad, recv))
+        return handle if async_op else handle.wait()
+
+    # ---- internals --------------------------------------------------------------------
+    def _gather_into(self, out: torch.Tensor, src: torch.Tensor) -> list[dist.Work | None]:
+        if self.backend is None or self.total_numel == 0:
+            out[self.segment_start : self.segment_end].copy_(src)
+            return []
+        g = self.group
+        if self.is_even:
+            return [_all_gather_single(out, src, group=g, async_op=True)]
+        pieces = list(out.split(self.sizes))
+        if self.uneven_gather == "all_gather":
+            return [dist.all_gather(pieces, src, group=g, async_op=True)]
+        if self.uneven_gather == "all_to_all":
+            n = self.segment_numel
+            send = src.repeat(self.world_size)
+            return [
+                dist.all_to_all_single(
+                    out, send, output_split_sizes=self.sizes, input_split_sizes=[n] * self.world_size,
+                    group=g, async_op=True,
+                )
+            ]
+        pieces[self.rank].copy_(src)  # the owner broadcasts from its slice of ``out``
+        return [dist.broadcast(pieces[r], group=g, group_src=r, async_op=True) for r in self.owners]
+
+    def _reduce_into(self, out: torch.Tensor, full: torch.Tensor, op) -> list[dist.Work | None]:
+        if self.backend is None or self.total_numel == 0:
+            out.copy_(full[self.segment_start : self.segment_end])
+            return []
+        g = self.group
+        if self.is_even:
+            return [_reduce_scatter_single(out, full, op=op, group=g, async_op=True)]
+        return [dist.reduce_scatter(out, list(full.split(self.sizes)), op=op, group=g, async_op=True)]
+
+    def _check_flat(self, t: torch.Tensor, numel: int, what: str) -> None:
+        if t.dim() != 1 or t.numel() != numel or (numel and t.stride(0) != 1):
+            raise ValueError(
+                f"bucket {self.plan.name!r}: {what} must be a flat contiguous tensor of {numel} elements on "
+                f"rank {self.rank} of {self.world_size}, got shape {tuple(t.shape)} stride {tuple(t.stride())}"
+            )
+        if t.device != self.device:
+            raise ValueError(
+                f"bucket {self.plan.name!r}: {what} is on {t.device} but the buffer lives on {self.device}; "
+                "move it first"
+            )
+
+
+def _default_device(backend: str | None) -> torch.device:
+    if backend is not None and "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _padding_ranges(plan: BucketPlan) -> list[tuple[int, int]]:
+    """The ``[a, b)`` ranges of the global flat buffer that hold no tensor element (pure)."""
+    out, end = [], 0
+    for p in sorted(plan.placements, key=lambda p: p.offset):
+        if p.offset > end:
+            out.append((end, p.offset))
+        end = max(end, p.offset + p.numel)
+    if plan.total_numel > end:
+        out.append((end, plan.total_numel))
+    return out
+
+
+def _zero_ranges(t: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> None:
+    for a, b in ranges:
+        t[a:b].zero_()

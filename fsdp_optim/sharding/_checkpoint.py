@@ -1,0 +1,985 @@
+"""Checkpoints: DCP save/load of sharded models and optimizers at any world size and plan.
+
+A sharded parameter holds the flat range ``[start, end)`` of its row-major flattened global
+tensor on each rank. ``torch.distributed.checkpoint`` (DCP) reshards N-D *chunks* (boxes), and a
+flat range of an N-D tensor is a union of at most ``2 * ndim - 1`` boxes, each a contiguous piece
+of the range (``flat_range_boxes``). ``FlatShardTensor`` wraps a rank's flat piece so that DCP
+sees the global tensor with those boxes as this rank's chunks (the ``__create_write_items__`` /
+``__create_chunk_list__`` / ``__get_tensor_shard__`` hooks DCP calls on DTensor): saved, a model
+looks exactly like an FSDP2 / DTensor checkpoint of the same model; loaded, DCP reads whatever
+boxes of any saved layout overlap this rank's range, straight into the parameter's storage.
+
+[Note: checkpoint layout]
+- ``model.<name>``: every entry of ``model.state_dict()`` under the model's own names, sharded
+  parameters as their global N-D tensors (no padding), buffers and unsharded parameters as plain
+  (replicated) tensors.
+- ``optim.state.<param name>.<key>``: sharded optimizer state (``state_shards``, see
+  [Note: checkpoint-shaped optimizer state]) as its global flat vector, shaped like the parameter
+  when it has one element per parameter element; replicated state (``step``) as is.
+  ``optim.param_groups``: hyperparameters, with parameter names instead of ids.
+- ``scheduler``, ``extra`` (rank 0's, returned to every rank) and ``rng.rank<r>`` (per rank;
+  restored only at the same world size) as opaque ``torch.save`` bytes.
+- ``fsdp_optim.json``: the manifest (world size, optimizer class, state schema, group names),
+  written last by rank 0, so it is read first to check a load before any tensor is touched.
+
+A save writes ``<path>.tmp`` and renames it into place after every rank has written (atomic:
+a crash mid-save leaves the previous checkpoint). Every check of a load runs on every rank and
+the verdict is agreed on with one collective, so a bad checkpoint raises on all ranks, never
+hangs, and nothing is loaded unless every rank can load.
+
+Integration: ``fully_shard``'s root call must run ``register_state_dict_hooks(root)`` so that
+``model.state_dict()`` / ``model.load_state_dict()`` are DCP-ready (as with FSDP2), and the
+optimizers may run ``register_optimizer_hooks(self)`` for ``optimizer.state_dict()``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import shutil
+import types
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from ._shard_info import ShardInfo, shard_info
+
+__all__ = [
+    "Box",
+    "FlatShardTensor",
+    "flat_range_boxes",
+    "model_state_dict",
+    "optimizer_state_dict",
+    "register_state_dict_hooks",
+    "register_optimizer_hooks",
+    "save_checkpoint",
+    "load_checkpoint",
+    "load_full_state_dict",
+    "MANIFEST",
+]
+
+MANIFEST = "fsdp_optim.json"
+_FORMAT_VERSION = 1
+_SHARDED, _REPLICATED, _SCALAR = "sharded", "replicated", "scalar"
+aten = torch.ops.aten
+
+
+# ---- flat ranges as N-D boxes (pure) -------------------------------------------------------
+class Box(NamedTuple):
+    """An N-D chunk of a tensor whose elements are the flat range ``[start, start + numel)``."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    start: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+def _boxes(shape: tuple[int, ...], s: int, e: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Boxes ``(offsets, sizes)`` covering flat ``[s, e)`` of ``shape`` in order; ``0 <= s < e <= numel``."""
+    if len(shape) == 1:
+        return [((s,), (e - s,))]
+    inner = shape[1:]
+    row = math.prod(inner)
+    r0, c0 = divmod(s, row)
+    r1, c1 = divmod(e, row)
+
+    def in_row(r: int, a: int, b: int):
+        return [((r, *o), (1, *z)) for o, z in _boxes(inner, a, b)]
+
+    if r0 == r1:  # inside one row
+        return in_row(r0, c0, c1)
+    out = []
+    if c0:
+        out += in_row(r0, c0, row)
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, *([0] * len(inner))), (r1 - r0, *inner)))
+    if c1:
+        out += in_row(r1, 0, c1)
+    return out
+
+
+def flat_range_boxes(shape: Iterable[int], start: int, end: int) -> list[Box]:
+    """The N-D boxes (in flat order, each a contiguous sub-range) that make up flat ``[start, end)``.
+
+    At most ``2 * ndim - 1`` boxes; none for an empty range; one ``()``-box for a 0-dim tensor.
+    """
+    shape = tuple(int(d) for d in shape)
+    numel = math.prod(shape)
+    if not 0 <= start <= end <= numel:
+        raise ValueError(f"flat range [{start}, {end}) is outside a tensor of shape {shape} ({numel} elements)")
+    if start == end:
+        return []
+    if not shape:
+        return [Box((), (), 0)]
+    out, pos = [], start
+    for offsets, sizes in _boxes(shape, start, end):
+        out.append(Box(offsets, sizes, pos))
+        pos += math.prod(sizes)
+    assert pos == end
+    return out
+
+
+# ---- the DCP-ready wrapper -------------------------------------------------------------------
+class FlatShardTensor(torch.Tensor):
+    """This rank's flat piece ``[start, start + n)`` of a global tensor of ``shape``, for DCP.
+
+    ``size()`` is the global shape; the data is the wrapped local piece (not a copy: a DCP load
+    writes straight into it). Only checkpoint hooks, ``detach``, ``to_local`` and
+    ``full_tensor`` are supported; it is not a general tensor.
+    """
+
+    _local: torch.Tensor
+    _start: int
+    _boxes: tuple[Box, ...]
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, *, shape: Iterable[int], start: int) -> FlatShardTensor:
+        shape = torch.Size(tuple(int(d) for d in shape))
+        if not local.is_contiguous():
+            raise ValueError(
+                f"FlatShardTensor needs a contiguous local piece (a load writes into it in place); "
+                f"got strides {local.stride()} for shape {tuple(local.shape)}"
+            )
+        flat = local.view(-1)
+        boxes = tuple(flat_range_boxes(shape, start, start + flat.numel()))
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=local.dtype, device=local.device, requires_grad=False
+        )
+        r._local = flat
+        r._start = int(start)
+        r._boxes = boxes
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default):
+            (x,) = args
+            return FlatShardTensor(x._local.detach(), shape=x.shape, start=x._start)
+        if func in (aten.clone.default, aten._to_copy.default):  # .clone(), .to(dtype / device)
+            x, *rest = args
+            return FlatShardTensor(func(x._local, *rest, **kwargs), shape=x.shape, start=x._start)
+        raise NotImplementedError(
+            f"{func} is not supported on FlatShardTensor (one rank's flat piece of a global tensor, "
+            "for checkpoints); use .to_local() or .full_tensor()"
+        )
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (
+            f"FlatShardTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"local=[{self._start}, {self._start + self._local.numel()}))"
+        )
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a FlatShardTensor holds one rank's piece and cannot be pickled; use "
+            "fsdp_optim.full_state_dict(model) for a torch.save-able state dict"
+        )
+
+    # ---- accessors ------------------------------------------------------------------------
+    @property
+    def local_range(self) -> tuple[int, int]:
+        return self._start, self._start + self._local.numel()
+
+    def to_local(self) -> torch.Tensor:
+        """The flat local piece (shares storage with the wrapped tensor)."""
+        return self._local
+
+    def full_tensor(self, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """The global tensor on every rank (a collective; ranges must tile the tensor)."""
+        return _gather_flat(self._local, self._start, math.prod(self.shape), group).view(self.shape)
+
+    # ---- DCP hooks --------------------------------------------------------------------------
+    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
+        props = TensorProperties.create_from_tensor(self._local)
+        boxes = self._boxes
+        if not boxes and math.prod(self.shape) == 0:
+            # An empty global tensor: every rank offers the same empty chunk; DCP keeps one.
+            boxes = (Box((0,) * len(self.shape), tuple(self.shape), 0),)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(b.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)),
+                    properties=props,
+                    size=self.shape,
+                ),
+            )
+            for b in boxes
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)) for b in self._boxes]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        boxes = self._boxes
+        if index.index is not None and index.index < len(boxes) and torch.Size(boxes[index.index].offsets) == index.offset:
+            b = boxes[index.index]
+        else:
+            found = [b for b in boxes if torch.Size(b.offsets) == index.offset]
+            if not found:
+                if math.prod(self.shape) == 0:
+                    return self._local.view(self.shape)
+                raise ValueError(f"{index.fqn}: no local chunk at offset {tuple(index.offset or ())}")
+            b = found[0]
+        a = b.start - self._start
+        return self._local[a : a + b.numel].view(b.sizes)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(out, inp, group=group)
+
+
+def _gather_flat(local: torch.Tensor, start: int, numel: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Concatenate every rank's flat piece (ranges must tile ``[0, numel)``) on every rank."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        assert start == 0 and local.numel() == numel, "a single rank must hold the whole tensor"
+        return local.clone()
+    w = dist.get_world_size(group)
+    meta = torch.tensor([start, local.numel()], dtype=torch.int64)
+    metas = torch.empty(2 * w, dtype=torch.int64)
+    _all_gather(metas, meta, group)
+    metas = metas.view(w, 2).tolist()
+    width = max(n for _, n in metas)
+    pad = local.new_zeros(width)
+    pad[: local.numel()] = local
+    out = local.new_empty(w * width)
+    if width:
+        _all_gather(out, pad, group)
+    full = local.new_empty(numel)
+    for r, (s, n) in enumerate(metas):
+        full[s : s + n] = out[r * width : r * width + n]
+    return full
+
+
+# ---- state dicts -------------------------------------------------------------------------------
+def _wrap_param(p: torch.Tensor, info: ShardInfo) -> FlatShardTensor:
+    if p.numel() != info.local_numel:
+        raise ValueError(
+            f"{info.fqn}: the local shard has {p.numel()} elements, but its layout gives rank {info.rank} "
+            f"{info.local_numel}; is the model unsharded (inside forward)?"
+        )
+    return FlatShardTensor(p.detach(), shape=info.shape, start=info.start)
+
+
+def _ensure_sharded(model: nn.Module) -> None:
+    """Swap the sharded parameters back in where ``fully_shard`` left a bucket gathered (e.g. the
+    root's after a forward without backward), as FSDP2 does before a state dict."""
+    from ._fully_shard import ShardedModule
+
+    for m in model.modules():
+        if isinstance(m, ShardedModule):
+            m.reshard()
+
+
+def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with sharded parameters as ``FlatShardTensor`` (DCP-ready, no gather)."""
+    _ensure_sharded(model)
+    sd = model.state_dict()
+    _wrap_module_state(model, sd, "")
+    return sd
+
+
+def _wrap_module_state(module: nn.Module, sd: dict[str, Any], prefix: str) -> None:
+    for name, p in module.named_parameters(remove_duplicate=False):
+        key = prefix + name
+        info = shard_info(p)
+        if info is not None and key in sd and not isinstance(sd[key], FlatShardTensor):
+            sd[key] = _wrap_param(p, info)
+
+
+def _param_names(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """``id(param) -> name``: the model's first name for each parameter (``ShardInfo.fqn`` without a model)."""
+    names: dict[int, str] = {}
+    if model is not None:
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+    for gi, g in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(g["params"]):
+            if id(p) in names:
+                continue
+            info = shard_info(p)
+            if model is not None or info is None or not info.fqn:
+                raise ValueError(
+                    f"optimizer parameter {pi} of param group {gi} (shape {tuple(p.shape)}) is not a parameter "
+                    f"of the model passed; pass the model the optimizer was built on"
+                )
+            names[id(p)] = info.fqn
+    return names
+
+
+def _state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) -> dict[str, tuple[str, Any]]:
+    """``key -> (kind, info)`` for the state of ``p``: sharded keys carry ``(global_shape, start)``."""
+    info = shard_info(p)
+    state = optimizer.state.get(p, {})
+    shards = optimizer.state_shards(p) if hasattr(optimizer, "state_shards") else None
+    out: dict[str, tuple[str, Any]] = {}
+    for key, v in state.items():
+        if shards is not None and key in shards:
+            ss = shards[key]
+            if not torch.is_tensor(v) or v.numel() != ss.end - ss.start:
+                raise ValueError(
+                    f"{type(optimizer).__name__}.state_shards: state {key!r} of {name} has "
+                    f"{v.numel() if torch.is_tensor(v) else 'no'} elements but its StateShard says {ss.end - ss.start}"
+                )
+            numel = info.numel if info is not None else p.numel()
+            shape = (info.shape if info is not None else tuple(p.shape)) if ss.global_numel == numel else (ss.global_numel,)
+            out[key] = (_SHARDED, (shape, ss.start))
+        elif shards is None and info is not None and torch.is_tensor(v) and v.ndim > 0:
+            if v.numel() != info.local_numel:
+                raise ValueError(
+                    f"state {key!r} of {name} (shape {tuple(v.shape)}) is neither per-element ({info.local_numel} "
+                    f"local elements) nor a scalar, and {type(optimizer).__name__} has no state_shards() saying "
+                    "where it lies; checkpoints cannot reshard it"
+                )
+            out[key] = (_SHARDED, (info.shape, info.start))
+        elif torch.is_tensor(v) and v.ndim > 0:
+            out[key] = (_REPLICATED, None)
+        else:  # step counters and other scalars: one small blob for all of them
+            out[key] = (_SCALAR, None)
+    return out
+
+
+def _optim_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], dict[str, dict[str, str]]]:
+    """The DCP-ready ``{name: {key: tensor}}`` state, the scalars ``{name: {key: value}}`` (0-dim
+    tensors and numbers, replicated) and the schema ``{name: {key: kind}}``."""
+    state, scalars, schema = {}, {}, {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            name = names[id(p)]
+            kinds = _state_kinds(optimizer, p, name)
+            if not kinds:
+                continue
+            st = optimizer.state[p]
+            entry, small = {}, {}
+            for key, (kind, where) in kinds.items():
+                v = st[key]
+                if kind == _SHARDED:
+                    shape, start = where
+                    entry[key] = FlatShardTensor(v.detach().reshape(-1) if v.is_contiguous() else v, shape=shape, start=start)
+                elif kind == _REPLICATED:
+                    entry[key] = v.detach()
+                else:
+                    small[key] = v.detach().cpu() if torch.is_tensor(v) else v
+            if entry:
+                state[name] = entry
+            if small:
+                scalars[name] = small
+            schema[name] = {k: kind for k, (kind, _) in kinds.items()}
+    return state, scalars, schema
+
+
+def _param_groups(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+
+
+def optimizer_state_dict(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"state": {param name: {key: value}}, "param_groups": [...]}``, DCP-ready (no gather)."""
+    names = _param_names(model, optimizer)
+    state, scalars, _ = _optim_state(optimizer, names)
+    for name, small in scalars.items():
+        state.setdefault(name, {}).update(small)
+    return {"state": state, "param_groups": _param_groups(optimizer, names)}
+
+
+# ---- agreeing on errors ----------------------------------------------------------------------
+_RERAISE = (ValueError, FileNotFoundError, KeyError, TypeError, RuntimeError)
+
+
+def _agree(err: BaseException | None, group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank if any rank failed (one collective), naming the first failing rank."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if err is not None:
+            raise err
+        return
+    mine = None if err is None else (type(err).__name__, str(err))
+    errs: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errs, mine, group=group)
+    failed = [(r, e) for r, e in enumerate(errs) if e is not None]
+    if not failed:
+        return
+    if err is not None:
+        raise err
+    r, (tname, msg) = failed[0]
+    cls = next((c for c in _RERAISE if c.__name__ == tname), RuntimeError)
+    raise cls(f"rank {r}: {msg}")
+
+
+def _group_info() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: Any, what: str) -> Any:
+    if not isinstance(data, bytes | bytearray):
+        raise RuntimeError(f"checkpoint entry {what!r} was not loaded")
+    # Our own checkpoint objects (scheduler state, extra): trusted like DCP's own byte entries.
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rng_state() -> dict[str, Any]:
+    out: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---- save ---------------------------------------------------------------------------------------
+def _class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    extra: Any | None = None,
+) -> None:
+    """Save model, optimizer, scheduler, RNG states and ``extra`` to directory ``path`` (every rank).
+
+    Each rank writes only its own shards (no gather). Atomic: the checkpoint is written to
+    ``<path>.tmp`` and moved into place after every rank is done, replacing any previous one.
+    """
+    path = os.fspath(path)
+    rank, world_size = _group_info()
+    tmp, old = path + ".tmp", path + ".old"
+    sd: dict[str, Any] = {}
+    manifest: dict[str, Any] = {}
+    err = None
+    try:
+        sd["model"] = model_state_dict(model)
+        manifest = {
+            "format_version": _FORMAT_VERSION,
+            "world_size": world_size,
+            "model_keys": sorted(sd["model"]),
+            "optimizer": None,
+            "scheduler": scheduler is not None,
+            "extra": extra is not None,
+        }
+        if optimizer is not None:
+            names = _param_names(model, optimizer)
+            state, scalars, schema = _optim_state(optimizer, names)
+            groups = _param_groups(optimizer, names)
+            sd["optim"] = {"state": state, "scalars": _to_bytes(scalars), "param_groups": _to_bytes(groups)}
+            manifest["optimizer"] = _class_name(optimizer)
+            manifest["optim_schema"] = schema
+            manifest["optim_groups"] = [g["params"] for g in groups]
+        if scheduler is not None:
+            sd["scheduler"] = _to_bytes(scheduler.state_dict())
+        if extra is not None and rank == 0:
+            sd["extra"] = _to_bytes(extra)
+        sd[f"rng.rank{rank}"] = _to_bytes(_rng_state())
+        if rank == 0:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)  # a crashed earlier save
+            os.makedirs(tmp)
+    except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
+        err = e
+    _agree(err)
+    _barrier()  # the temp dir exists before anyone writes
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))  # collective; .metadata is written on return
+    err = None
+    if rank == 0:
+        try:
+            _write_manifest(tmp, manifest)
+            if os.path.exists(path):
+                if os.path.exists(old):
+                    shutil.rmtree(old)
+                os.rename(path, old)
+            os.rename(tmp, path)
+            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+            if os.path.exists(old):
+                shutil.rmtree(old)
+        except Exception as e:  # noqa: BLE001
+            err = e
+    _agree(err)
+
+
+def _write_manifest(directory: str, manifest: dict[str, Any]) -> None:
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- load ---------------------------------------------------------------------------------------
+def _resolve_path(path: str) -> str:
+    if os.path.isdir(path):
+        return path
+    old = path + ".old"
+    if os.path.isfile(os.path.join(old, MANIFEST)):
+        warnings.warn(f"checkpoint {path} is missing; a save was interrupted while replacing it, loading {old}")
+        return old
+    raise FileNotFoundError(f"no checkpoint at {path}")
+
+
+def _read_checkpoint_meta(path: str) -> tuple[dict[str, Any], Metadata]:
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mpath):
+        raise FileNotFoundError(
+            f"{mpath} is missing: {path} is not a complete fsdp_optim checkpoint (save_checkpoint writes it last)"
+        )
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the checkpoint manifest {mpath}: {e}") from e
+    if manifest.get("format_version") != _FORMAT_VERSION:
+        raise ValueError(f"{mpath}: format version {manifest.get('format_version')} is not {_FORMAT_VERSION}")
+    try:
+        md = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a missing or truncated .metadata
+        raise ValueError(f"cannot read the DCP metadata file {os.path.join(path, '.metadata')}: {e}") from e
+    return manifest, md
+
+
+def _check_files(path: str, md: Metadata) -> None:
+    """Every shard file the metadata points to exists and is long enough (names the file)."""
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is None:
+            continue
+        need[rel] = max(need.get(rel, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        f = os.path.join(path, rel)
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"checkpoint shard file {f} is missing")
+        have = os.path.getsize(f)
+        if have < size:
+            raise ValueError(f"checkpoint shard file {f} is truncated: {have} bytes, its entries need {size}")
+
+
+def _fmt_keys(keys: Iterable[str], n: int = 8) -> str:
+    keys = sorted(keys)
+    more = f" (and {len(keys) - n} more)" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more
+
+
+class _LoadPlan:
+    """What to load where, built and checked on every rank before anything is read."""
+
+    def __init__(self) -> None:
+        self.sd: dict[str, Any] = {}
+        self.fresh: dict[int, tuple[torch.Tensor, str, dict[str, Any]]] = {}  # lazy optimizers' new state
+        self.scalars: list[tuple[dict[str, Any], str, str]] = []  # (optimizer.state[p] or fresh, key, name)
+
+
+def _check_tensor(key: str, md: Any, obj: Any, *, exact_dtype: bool) -> None:
+    if not isinstance(md, TensorStorageMetadata):
+        if torch.is_tensor(obj):
+            raise ValueError(f"checkpoint entry {key} is not a tensor, but the target is one of shape {tuple(obj.shape)}")
+        return
+    if not torch.is_tensor(obj):
+        raise ValueError(f"checkpoint entry {key} is a tensor of shape {tuple(md.size)}, but the target is {type(obj).__name__}")
+    if tuple(md.size) != tuple(obj.size()):
+        raise ValueError(
+            f"shape mismatch for {key}: the checkpoint has {tuple(md.size)}, the target {tuple(obj.size())}"
+        )
+    if exact_dtype and md.properties.dtype != obj.dtype:
+        raise ValueError(f"dtype mismatch for {key}: the checkpoint has {md.properties.dtype}, the target {obj.dtype}")
+
+
+def _plan_load(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    manifest: dict[str, Any],
+    md: Metadata,
+    strict: bool,
+    rank: int,
+    world_size: int,
+) -> _LoadPlan:
+    saved = md.state_dict_metadata
+    plan = _LoadPlan()
+
+    # model
+    model_sd = model_state_dict(model)
+    saved_model = {k[len("model.") :] for k in saved if k.startswith("model.")}
+    missing, unexpected = set(model_sd) - saved_model, saved_model - set(model_sd)
+    if strict and (missing or unexpected):
+        raise ValueError(
+            "the checkpoint does not match the model (strict=True): "
+            + (f"missing keys: {_fmt_keys(missing)}" if missing else "")
+            + ("; " if missing and unexpected else "")
+            + (f"unexpected keys: {_fmt_keys(unexpected)}" if unexpected else "")
+        )
+    if missing:
+        warnings.warn(f"load_checkpoint(strict=False): keeping the current values of {_fmt_keys(missing)}")
+    plan.sd["model"] = {}
+    for k, v in model_sd.items():
+        if k in saved_model:
+            _check_tensor(f"model.{k}", saved[f"model.{k}"], v, exact_dtype=False)
+            plan.sd["model"][k] = v
+
+    # optimizer
+    if optimizer is not None:
+        saved_cls = manifest.get("optimizer")
+        if saved_cls is None:
+            raise ValueError("the checkpoint holds no optimizer state; call load_checkpoint without optimizer=")
+        if saved_cls != _class_name(optimizer):
+            raise ValueError(
+                f"the checkpoint holds the state of optimizer {saved_cls}; it cannot be loaded into a "
+                f"{_class_name(optimizer)}"
+            )
+        names = _param_names(model, optimizer)
+        groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        if groups != manifest["optim_groups"]:
+            raise ValueError(
+                "the optimizer's param groups do not match the checkpoint's: "
+                f"{[len(g) for g in groups]} parameters per group here, {[len(g) for g in manifest['optim_groups']]} "
+                "in the checkpoint (or different parameter names); build the optimizer as it was saved"
+            )
+        schema: dict[str, dict[str, str]] = manifest["optim_schema"]
+        plan.sd["optim"] = {"state": {}, "scalars": b"", "param_groups": b""}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                name = names[id(p)]
+                saved_keys = schema.get(name, {})
+                kinds = _state_kinds(optimizer, p, name)
+                if not kinds and saved_keys and not hasattr(optimizer, "state_shards"):
+                    # A lazy (torch) optimizer before its first step: create the state it would.
+                    target = _fresh_state(p, name, saved_keys, saved)
+                    plan.fresh[id(p)] = (p, name, target)
+                    info = shard_info(p)
+                    kinds = {
+                        k: (kind, (info.shape, info.start) if kind == _SHARDED and info is not None else None)
+                        for k, kind in saved_keys.items()
+                    }
+                else:
+                    target = optimizer.state.get(p, {})
+                    miss, unexp = set(kinds) - set(saved_keys), set(saved_keys) - set(kinds)
+                    if (miss or unexp) and strict:
+                        raise ValueError(
+                            f"optimizer state of {name} does not match the checkpoint (strict=True): "
+                            + (f"missing keys: {_fmt_keys(miss)} " if miss else "")
+                            + (f"unexpected keys: {_fmt_keys(unexp)}" if unexp else "")
+                        )
+                    for k in sorted(miss):
+                        warnings.warn(f"load_checkpoint(strict=False): optimizer state {name}.{k} is not in the checkpoint; kept")
+                entry = {}
+                for key, (kind, where) in kinds.items():
+                    if key not in saved_keys:
+                        continue
+                    if saved_keys[key] != kind:
+                        raise ValueError(
+                            f"optimizer state {name}.{key} is {saved_keys[key]} in the checkpoint but {kind} here"
+                        )
+                    if kind == _SCALAR:
+                        plan.scalars.append((target, key, name))
+                        continue
+                    v = target[key]
+                    if kind == _SHARDED and where is not None:
+                        shape, start = where
+                        v = FlatShardTensor(v.reshape(-1), shape=shape, start=start)
+                    entry[key] = v
+                    fkey = f"optim.state.{name}.{key}"
+                    if fkey not in saved:
+                        raise ValueError(f"checkpoint entry {fkey} is missing (the manifest lists it)")
+                    _check_tensor(fkey, saved[fkey], v, exact_dtype=True)
+                if entry:
+                    plan.sd["optim"]["state"][name] = entry
+
+    # scheduler, extra, rng
+    if scheduler is not None:
+        if not manifest.get("scheduler"):
+            raise ValueError("the checkpoint holds no LR scheduler state; call load_checkpoint without scheduler=")
+        plan.sd["scheduler"] = b""
+    if manifest.get("extra"):
+        plan.sd["extra"] = b""
+    if manifest["world_size"] == world_size and f"rng.rank{rank}" in saved:
+        plan.sd[f"rng.rank{rank}"] = b""
+    elif rank == 0 and manifest["world_size"] != world_size:
+        warnings.warn(
+            f"checkpoint saved at world size {manifest['world_size']}, loading at {world_size}: "
+            "RNG states are not restored"
+        )
+    return plan
+
+
+def _fresh_state(p: torch.Tensor, name: str, saved_keys: dict[str, str], saved: dict[str, Any]) -> dict[str, Any]:
+    """Allocate the state a lazy (torch) optimizer would create, from the checkpoint's schema."""
+    info = shard_info(p)
+    out: dict[str, Any] = {}
+    for key, kind in saved_keys.items():
+        md = saved.get(f"optim.state.{name}.{key}")
+        if kind == _SCALAR or not isinstance(md, TensorStorageMetadata):
+            out[key] = None  # filled from the scalars blob
+            continue
+        dtype = md.properties.dtype
+        if kind == _SHARDED:
+            local = info.local_numel if info is not None else p.numel()
+            out[key] = torch.zeros(local, dtype=dtype, device=p.device).view(
+                (-1,) if info is not None else p.shape
+            )
+        else:
+            out[key] = torch.zeros(md.size, dtype=dtype, device=p.device)
+    return out
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    strict: bool = True,
+) -> Any:
+    """Load a ``save_checkpoint`` directory into ``model`` (and optimizer, scheduler) at any world
+    size and plan; return the saved ``extra`` (``None`` if none). RNG states are restored when
+    the world size matches. Errors (missing/unexpected keys under ``strict``, shapes, another
+    optimizer, missing or truncated files) are raised on every rank before anything is loaded.
+    """
+    path = os.fspath(path)
+    rank, world_size = _group_info()
+    err, plan = None, None
+    try:
+        path = _resolve_path(path)
+        manifest, md = _read_checkpoint_meta(path)
+        _check_files(path, md)
+        plan = _plan_load(model, optimizer, scheduler, manifest, md, strict, rank, world_size)
+    except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
+        err = e
+    _agree(err)
+    assert plan is not None
+    dcp.load(plan.sd, storage_reader=dcp.FileSystemReader(path))
+
+    if optimizer is not None:
+        opt_sd = plan.sd["optim"]
+        groups = _from_bytes(opt_sd["param_groups"], "optim.param_groups")
+        for g, saved_g in zip(optimizer.param_groups, groups):
+            for k, v in saved_g.items():
+                if k != "params":
+                    g[k] = v
+        scalars = _from_bytes(opt_sd["scalars"], "optim.scalars")
+        for target, key, name in plan.scalars:
+            v, old = scalars[name][key], target.get(key)
+            target[key] = v.to(old.device) if torch.is_tensor(v) and torch.is_tensor(old) else v
+        for p, _, state in plan.fresh.values():
+            optimizer.state[p] = state
+    if scheduler is not None:
+        scheduler.load_state_dict(_from_bytes(plan.sd["scheduler"], "scheduler"))
+    if f"rng.rank{rank}" in plan.sd:
+        _set_rng_state(_from_bytes(plan.sd[f"rng.rank{rank}"], f"rng.rank{rank}"))
+    return _from_bytes(plan.sd["extra"], "extra") if "extra" in plan.sd else None
+
+
+# ---- full (unsharded) state dicts ---------------------------------------------------------------
+def load_full_state_dict(model: nn.Module, full: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Load plain full tensors (the model's own names, global shapes) into a sharded model.
+
+    Every rank passes the full dict and copies its own range; no communication.
+    """
+    err = None
+    try:
+        _ensure_sharded(model)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        own = model.state_dict()
+        missing, unexpected = set(own) - set(full), set(full) - set(own)
+        if strict and (missing or unexpected):
+            raise ValueError(
+                "load_full_state_dict(strict=True): "
+                + (f"missing keys: {_fmt_keys(missing)}" if missing else "")
+                + ("; " if missing and unexpected else "")
+                + (f"unexpected keys: {_fmt_keys(unexpected)}" if unexpected else "")
+            )
+        pairs = []
+        for key in own:
+            if key not in full:
+                continue
+            src = full[key]
+            p = params.get(key)
+            info = shard_info(p) if p is not None else None
+            shape = info.shape if info is not None else tuple(own[key].shape)
+            if tuple(src.shape) != tuple(shape):
+                raise ValueError(f"shape mismatch for {key}: the full state dict has {tuple(src.shape)}, the model {tuple(shape)}")
+            pairs.append((key, src, info))
+    except Exception as e:  # noqa: BLE001
+        err = e
+    _agree(err)
+    targets = {**dict(model.named_buffers(remove_duplicate=False)), **params}
+    with torch.no_grad():
+        for key, src, info in pairs:
+            dst = targets[key]
+            if info is not None:
+                dst.copy_(src.detach().reshape(-1)[info.start : info.end])
+            else:
+                dst.copy_(src)
+
+
+# ---- hooks: DCP-ready model.state_dict() / optimizer.state_dict() -----------------------------------
+_HOOKED = "_fsdp_optim_ckpt_hooks"
+
+
+def register_state_dict_hooks(module: nn.Module) -> None:
+    """Make ``module.state_dict()`` return ``FlatShardTensor`` for sharded parameters (DCP-ready, as
+    FSDP2's DTensors) and ``module.load_state_dict()`` accept those or full tensors. Idempotent;
+    ``fully_shard``'s root calls it."""
+    if getattr(module, _HOOKED, False):
+        return
+    setattr(module, _HOOKED, True)
+
+    def pre_hook(mod: nn.Module, prefix: str, keep_vars: bool) -> None:
+        _ensure_sharded(mod)
+
+    def post_hook(mod: nn.Module, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        _wrap_module_state(mod, sd, prefix)
+
+    def load_pre_hook(mod, sd, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+        _ensure_sharded(mod)
+        for name, p in mod.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            info = shard_info(p)
+            if info is None or key not in sd:
+                continue
+            v = sd[key]
+            if isinstance(v, FlatShardTensor):
+                if v.local_range != (info.start, info.end):
+                    error_msgs.append(
+                        f"{key}: the FlatShardTensor holds [{v.local_range[0]}, {v.local_range[1]}) but this rank's "
+                        f"shard is [{info.start}, {info.end}); dcp.load into model.state_dict() to reshard"
+                    )
+                    continue
+                sd[key] = v.to_local()
+            elif torch.is_tensor(v) and tuple(v.shape) == info.shape:
+                sd[key] = v.detach().reshape(-1)[info.start : info.end]  # a full tensor: take this rank's range
+
+    module.register_state_dict_pre_hook(pre_hook)
+    module.register_state_dict_post_hook(post_hook)
+    module.register_load_state_dict_pre_hook(load_pre_hook)
+
+
+def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.state_dict()`` DCP-ready: sharded state as ``FlatShardTensor`` (torch's
+    id-keyed layout otherwise); ``optimizer.load_state_dict()`` takes it back. A lazy optimizer
+    with no state yet gets it from one zero-learning-rate step (as ``torch.distributed.checkpoint.
+    state_dict`` does) so that a fresh optimizer's state dict has every key for ``dcp.load``."""
+    if getattr(optimizer, _HOOKED, False):
+        return
+    setattr(optimizer, _HOOKED, True)
+    dtypes: dict[tuple[int, str], torch.dtype] = {}
+
+    def pre_hook(opt: torch.optim.Optimizer) -> None:
+        if not opt.state and not hasattr(opt, "state_shards"):
+            _init_lazy_state(opt)
+
+    def post_hook(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        new_state = {}
+        for i, p in enumerate(params):
+            if i not in sd["state"]:
+                continue
+            kinds = _state_kinds(opt, p, f"param {i}")
+            entry = dict(sd["state"][i])
+            for key, (kind, where) in kinds.items():
+                if kind == _SHARDED:
+                    shape, start = where
+                    entry[key] = FlatShardTensor(entry[key].detach().reshape(-1), shape=shape, start=start)
+            new_state[i] = entry
+        return {**sd, "state": new_state}
+
+    def unwrap(sd: dict[str, Any]) -> dict[str, Any]:
+        dtypes.clear()
+        new_state = {}
+        for i, entry in sd["state"].items():
+            e = {}
+            for k, v in entry.items():
+                if isinstance(v, FlatShardTensor):
+                    v = v.to_local()
+                if torch.is_tensor(v):
+                    dtypes[(i, k)] = v.dtype
+                e[k] = v
+            new_state[i] = e
+        return {**sd, "state": new_state}
+
+    def load_post_hook(opt: torch.optim.Optimizer) -> None:
+        # Optimizer.load_state_dict casts every state tensor to its parameter's dtype; undo that
+        # for integer state (8-bit codes): the cast to float and back is exact for 8-bit values.
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for (i, k), dt in dtypes.items():
+            st = opt.state.get(params[i])
+            if st is not None and torch.is_tensor(st.get(k)) and st[k].dtype != dt:
+                st[k] = st[k].to(dt)
+
+    optimizer.register_state_dict_pre_hook(pre_hook)
+    optimizer.register_state_dict_post_hook(post_hook)
+    # Unwrap before the optimizer's own load_state_dict (overrides read the dict before torch's
+    # pre-hooks run); a bound method on the instance, so copies of the optimizer rebind it.
+    def load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        type(self).load_state_dict(self, unwrap(state_dict))
+
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
+    optimizer.register_load_state_dict_post_hook(load_post_hook)
+
+
+def _init_lazy_state(opt: torch.optim.Optimizer) -> None:
+    """Create a lazy optimizer's state without changing parameters: one step at lr 0 with zero
+    gradients, the step counters then reset by the checkpoint that is loaded into it."""
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    if any(p.grad is not None for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = torch.tensor(0.0) if torch.is_tensor(g["lr"]) else 0.0
+    try:
+        opt.step()
+    finally:
+        for g, lr in zip(opt.param_groups, lrs):
+            g["lr"] = lr
+        for p in params:
+            p.grad = None

@@ -1,0 +1,83 @@
+"""``clip_grad_norm_`` over sharded gradients: one all-reduce for the whole model."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from ._fully_shard import _same_group
+from ._shard_info import shard_info
+
+__all__ = ["clip_grad_norm_"]
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip the gradient norm of ``parameters`` in place, as ``torch.nn.utils.clip_grad_norm_`` does
+    on the unsharded model, and return the total norm (the same on every rank).
+
+    Sharded parameters contribute their local pieces; the partial sums (``sum |g|^p``, or the max for
+    ``inf``) of every rank are combined with ONE all-reduce over their shard group. Plain (unsharded,
+    replicated) parameters are counted once, after the reduction. Every rank of the group must call
+    it with the same parameter list (ranks whose pieces are empty still join the all-reduce).
+    Accumulated in fp32 (float64 for fp64 gradients).
+    """
+    params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+    norm_type = float(norm_type)
+    if not (norm_type == math.inf or norm_type > 0):
+        raise ValueError(f"clip_grad_norm_: norm_type must be positive or inf, got {norm_type}")
+    sharded, plain, group, have_group = [], [], None, False
+    for p in params:
+        info = shard_info(p)
+        if info is None:
+            plain.append(p)
+            continue
+        if have_group and not _same_group(group, info.group):
+            raise ValueError(
+                f"clip_grad_norm_: parameter {info.fqn} is sharded over a different process group than the others; "
+                "clip each model's parameters separately"
+            )
+        group, have_group = info.group, True
+        sharded.append(p)
+    grads_sh = [p.grad for p in sharded if p.grad is not None]
+    grads_pl = [p.grad for p in plain if p.grad is not None]
+    all_grads = grads_sh + grads_pl
+    device = all_grads[0].device if all_grads else (params[0].device if params else torch.device("cpu"))
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in all_grads) else torch.float32
+    inf = norm_type == math.inf
+
+    def partial(grads: list[torch.Tensor]) -> torch.Tensor:
+        acc = torch.zeros((), dtype=dtype, device=device)
+        for g in grads:
+            if g.numel() == 0:
+                continue
+            g = g.detach().to(dtype)
+            if inf:
+                acc = torch.maximum(acc, g.abs().max())
+            else:
+                acc = acc + torch.linalg.vector_norm(g, norm_type) ** norm_type
+        return acc
+
+    total = partial(grads_sh)
+    if have_group and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    rest = partial(grads_pl)
+    total = torch.maximum(total, rest) if inf else (total + rest) ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in all_grads:
+        g.detach().mul_(clip_coef.to(g.dtype))
+    return total

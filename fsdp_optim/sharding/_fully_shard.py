@@ -1,0 +1,981 @@
+"""``fully_shard``: the FSDP runtime over ``DistributedBuffer`` (one flat buffer per bucket).
+
+Usage (as with PyTorch FSDP2)::
+
+    for layer in model.layers:
+        fully_shard(layer, blocks=rule)
+    fully_shard(model, blocks=rule)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+Each module passed to ``fully_shard`` is one *bucket*: one flat buffer, one all-gather, one
+reduce-scatter. The root's bucket holds the parameters no inner bucket holds (embeddings, final
+norm, head). After sharding, each managed parameter is an ``nn.Parameter`` holding this rank's
+flat 1-D piece of the global tensor, a view into the bucket's segment, with a ``ShardInfo``
+(``shard_info(p)``); after backward its ``.grad`` is the matching view into the gradient segment.
+
+[Note: which call is the root]
+Balance is global, so the planner must see every bucket of a model at once. Every call shards
+what it is given right away (so an optimizer may be built after any call), and a call on a module
+that contains modules sharded by earlier calls *absorbs* them: their parameters are gathered back
+to full tensors (one all-gather per absorbed bucket, on meta-device models none), and everything
+under the new call is planned again, at once, with ``plan_model``. The outermost call is
+therefore the root: in the usage above ``layers.0`` is provisionally a root until
+``fully_shard(model)`` absorbs every layer. Calls on two disjoint modules make two independent
+roots (e.g. a student and a teacher model). Inner calls' settings (``blocks``, ``mp_policy``,
+``reshard_after_forward``) stay per bucket; an inner ``blocks=None`` / ``mp_policy=None`` takes the
+root's. The plan config and the mesh come from the root.
+
+[Note: runtime]
+- Forward pre-hook: all-gather the bucket (one collective, in ``param_dtype``) into a persistent
+  flat buffer and swap the owners' parameters to global-shape views into it; issue the all-gather
+  of the next bucket in the previous iteration's forward order before this bucket computes.
+- Forward post-hook: free the gathered buffer (``reshard_after_forward=True``; the root's bucket is
+  kept, as FSDP2 does, since backward needs it at once) and hook the outputs for backward.
+- Pre-backward (a hook on the outputs): re-gather if freed, prefetch the bucket whose backward
+  comes next (reverse post-forward order).
+- Unsharded gradients land in one flat buffer in ``reduce_dtype``: when it equals ``param_dtype``
+  the unsharded parameters' ``.grad`` are views into it before the bucket's backward (autograd
+  accumulates in place: no copy-in), otherwise they are copied (cast) into it.
+- Post-backward (an identity autograd Function on the module's inputs, whose backward runs once the
+  module's backward is done, as FSDP2 does; or the end of backward): reduce-scatter the flat buffer
+  (one collective, AVG over ranks, so a per-rank mean loss gives the gradient of the mean over the
+  global batch) straight into the gradient segment; each sharded parameter's ``.grad`` becomes its
+  view into it. The previous bucket's reduction is waited for when the next one is issued.
+- A callback queued on the autograd engine at the end of backward runs what did not run yet
+  (bucket order, the same on every rank), waits for the reductions and reshards everything.
+- ``set_requires_gradient_sync(False)``: unsharded gradients are summed locally into the bucket's
+  flat reduction buffer (no collective); the next synced backward reduces the sum once.
+
+Collective order is the same on every rank because it follows the autograd graph, which is the
+same on every rank (same model, same code); a data-dependent graph (e.g. a rank skipping an expert)
+is not supported.
+
+[Note: meta-device initialization]
+``fully_shard`` accepts a model built under ``torch.device("meta")``: segments are allocated on the
+mesh's device (zeros). Then call ``init_weights(model)`` (``fsdp_optim.init_weights``): for each
+module in ``model.modules()`` order it materializes the module's *own* parameters at full shape,
+runs ``init_fn(module)`` (default ``module.reset_parameters()``) and keeps this rank's piece. With
+the same seed on every rank the result equals the same initialization run unsharded, bitwise.
+Element-wise in-place initialization of the flat shards (``p.normal_()``) also works;
+``model.to_empty(device=...)`` is not needed (if called, values are moved back into the segments
+at the next forward).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._blocks import BlockRule, BlockSpec, default_rule
+from ._buffer import CollectiveHandle, DistributedBuffer
+from ._mixed_precision import MixedPrecisionPolicy
+from ._plan import BucketPlan, Plan, PlanConfig, TensorSpec
+from ._planner import plan_model
+from ._shard_info import ShardInfo, set_shard_info, shard_info
+
+__all__ = ["fully_shard", "ShardedModule", "sharded_plan"]
+
+_STATE = "_fsdp_optim_state"
+
+
+class _TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------------------------
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: Any = None,
+    blocks: BlockRule | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    plan_config: PlanConfig | None = None,
+) -> nn.Module:
+    """Shard ``module``'s parameters over ``mesh`` with block-aligned ragged layouts.
+
+    ``mesh``: a 1-D ``DeviceMesh`` or a ``ProcessGroup`` (default: the world; without an initialized
+    process group, one rank). ``blocks``: an optimizer's block rule ``rule(fqn, param, module) ->
+    BlockSpec`` (default: element granularity, plain FSDP). ``reshard_after_forward``: free the
+    gathered parameters after forward and gather again in backward. ``mp_policy``: compute and
+    reduction dtypes. ``plan_config``: planner knobs (root only). Returns ``module``, whose class
+    now also derives from :class:`ShardedModule`. See the module docstring for the root rule.
+    """
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(f"mp_policy must be a MixedPrecisionPolicy or None, got {type(mp_policy).__name__}")
+    if plan_config is not None and not isinstance(plan_config, PlanConfig):
+        raise ValueError(f"plan_config must be a PlanConfig or None, got {type(plan_config).__name__}")
+    if blocks is not None and not callable(blocks):
+        raise ValueError(
+            f"blocks must be a block rule rule(fqn, param, module) -> BlockSpec (e.g. muon_rule()), got {blocks!r}"
+        )
+    group, rank, world_size, device = _resolve_mesh(mesh)
+    existing = getattr(module, _STATE, None)
+    if existing is not None:
+        raise ValueError(
+            f"fully_shard: module {type(module).__name__} was already passed to fully_shard (world size "
+            f"{existing.world_size}); call fully_shard once per module, inner modules first, the root last"
+        )
+    for name, p in module.named_parameters():
+        info = shard_info(p)
+        if info is not None and not _is_managed_inside(module, p):
+            raise ValueError(
+                f"fully_shard: parameter {name} of {type(module).__name__} is already sharded by a call on an "
+                f"enclosing module (as {info.fqn}); call fully_shard on inner modules before their root"
+            )
+    state = _ModuleState(
+        module=module,
+        group=group,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        blocks=blocks,
+        reshard_after_forward=bool(reshard_after_forward),
+        mp_policy=mp_policy,
+        plan_config=plan_config,
+    )
+    try:
+        _Runtime.build(state)  # validates on every rank and agrees before any collective
+    except BaseException:
+        state.remove()
+        raise
+    return module
+
+
+def sharded_plan(module: nn.Module) -> Plan:
+    """The plan of the root that manages ``module`` (for reports: ``plan_report(sharded_plan(m))``)."""
+    return _runtime_of(module).plan
+
+
+class ShardedModule:
+    """Mixed into the class of every module passed to ``fully_shard`` (as FSDP2's ``FSDPModule``)."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False``: backward accumulates unsharded gradients locally, no collective (gradient
+        accumulation); the next backward with ``True`` reduces the sum once. ``recurse``: also every
+        bucket under this module."""
+        for b in _buckets_under(self, recurse):
+            b.requires_sync = bool(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Free (``True``) or keep (``False``) the gathered parameters between forward and backward."""
+        for b in _buckets_under(self, recurse):
+            b.reshard_after_forward = bool(reshard_after_forward) and not b.is_root
+
+    def unshard(self) -> None:
+        """Gather this module's bucket now (e.g. before a no-grad forward loop); freed at the next reshard."""
+        st = getattr(self, _STATE)
+        if st.bucket is not None:
+            st.bucket.unshard()
+            st.bucket.wait_unshard()
+
+    def reshard(self) -> None:
+        """Free this module's gathered parameters and swap the sharded ones back."""
+        st = getattr(self, _STATE)
+        if st.bucket is not None:
+            st.bucket.reshard()
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-module state
+# ---------------------------------------------------------------------------------------------
+@dataclass(kw_only=True, eq=False)
+class _ModuleState:
+    """What ``fully_shard`` recorded for one module (one bucket)."""
+
+    module: nn.Module
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    device: torch.device
+    blocks: BlockRule | None
+    reshard_after_forward: bool
+    mp_policy: MixedPrecisionPolicy | None
+    plan_config: PlanConfig | None
+    runtime: _Runtime | None = None
+    bucket: _Bucket | None = None
+    handles: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        setattr(self.module, _STATE, self)
+        cls = type(self.module)
+        if not issubclass(cls, ShardedModule):
+            self.module.__class__ = _sharded_class(cls)
+        self.handles = [
+            self.module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+            self.module.register_forward_hook(self._post_forward, prepend=False),
+        ]
+
+    def remove(self) -> None:
+        """Undo ``__post_init__`` (a ``fully_shard`` call that failed validation leaves no trace)."""
+        for h in self.handles:
+            h.remove()
+        self.module.__dict__.pop(_STATE, None)
+        cls = type(self.module)
+        if issubclass(cls, ShardedModule) and cls.__bases__[0] is ShardedModule:
+            self.module.__class__ = cls.__bases__[1]
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        rt = self.runtime
+        if rt is None:
+            return args, kwargs
+        if rt.root_state is self:
+            rt.root_pre_forward()
+        if self.bucket is not None:
+            self.bucket.pre_forward()
+        mp = self.effective_mp
+        if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
+            args, kwargs = _cast_tensors((args, kwargs), mp.param_dtype)
+        if self.bucket is not None and torch.is_grad_enabled() and rt.state is _TrainingState.FORWARD:
+            args, kwargs = _register_post_backward(self.bucket, args, kwargs)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        rt = self.runtime
+        if rt is None:
+            return output
+        if self.bucket is not None:
+            self.bucket.post_forward()
+            if torch.is_grad_enabled():
+                output = _register_on_tensors(output, self.bucket.pre_backward_hook)
+        if rt.root_state is self:
+            rt.root_post_forward()
+        mp = self.effective_mp
+        if mp is not None and mp.output_dtype is not None:
+            output = _cast_tensors(output, mp.output_dtype)
+        return output
+
+    @property
+    def effective_mp(self) -> MixedPrecisionPolicy | None:
+        if self.mp_policy is not None or self.runtime is None:
+            return self.mp_policy
+        return self.runtime.root_state.mp_policy
+
+
+@functools.cache
+def _sharded_class(cls: type) -> type:
+    return type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+
+
+def _buckets_under(module: nn.Module, recurse: bool) -> list[_Bucket]:
+    mods = module.modules() if recurse else [module]
+    out = []
+    for m in mods:
+        st = getattr(m, _STATE, None)
+        if st is not None and st.bucket is not None:
+            out.append(st.bucket)
+    return out
+
+
+def _runtime_of(module: nn.Module) -> _Runtime:
+    st = getattr(module, _STATE, None)
+    if st is not None and st.runtime is not None:
+        return st.runtime
+    for m in module.modules():
+        st = getattr(m, _STATE, None)
+        if st is not None and st.runtime is not None:
+            return st.runtime
+    raise ValueError(f"module {type(module).__name__} is not sharded: call fsdp_optim.fully_shard on it first")
+
+
+def _runtimes_under(module: nn.Module) -> list[_Runtime]:
+    out: list[_Runtime] = []
+    for m in module.modules():
+        st = getattr(m, _STATE, None)
+        if st is not None and st.runtime is not None and not any(st.runtime is r for r in out):
+            out.append(st.runtime)
+    return out
+
+
+def _is_managed_inside(module: nn.Module, p: torch.Tensor) -> bool:
+    """``p`` belongs to a root whose module lies inside ``module`` (it will be absorbed)."""
+    for m in module.modules():
+        st = getattr(m, _STATE, None)
+        if st is not None and st.runtime is not None and st.runtime.root_state is st:
+            if any(sp is p for b in st.runtime.buckets for sp in b.sharded):
+                return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Mesh
+# ---------------------------------------------------------------------------------------------
+def _resolve_mesh(mesh: Any) -> tuple[dist.ProcessGroup | None, int, int, torch.device]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    initialized = dist.is_available() and dist.is_initialized()
+    if mesh is None:
+        if not initialized:
+            return None, 0, 1, torch.device("cpu")
+        group = dist.group.WORLD
+        return group, dist.get_rank(group), dist.get_world_size(group), _device_of_backend(group)
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"fully_shard needs a 1-D DeviceMesh, got {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; "
+                "pass the shard dimension, e.g. mesh['shard'] (HSDP is not supported yet)"
+            )
+        group = mesh.get_group()
+        device = torch.device(mesh.device_type)
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        return group, mesh.get_local_rank(), mesh.size(), device
+    if isinstance(mesh, dist.ProcessGroup):
+        return mesh, dist.get_rank(mesh), dist.get_world_size(mesh), _device_of_backend(mesh)
+    raise ValueError(f"mesh must be a 1-D DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}")
+
+
+def _device_of_backend(group: dist.ProcessGroup) -> torch.device:
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
+    if a is b:
+        return True
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return (a if a is not None else world) is (b if b is not None else world)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a root: discovery, validation, planning, absorbing earlier roots
+# ---------------------------------------------------------------------------------------------
+@dataclass(kw_only=True, eq=False)
+class _Entry:
+    """One managed parameter: its first name, its registrations and its bucket."""
+
+    fqn: str
+    param: torch.Tensor
+    owners: list[tuple[nn.Module, str]]
+    state: _ModuleState
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32
+    requires_grad: bool = True
+    spec: BlockSpec | None = None
+    full: torch.Tensor | None = None  # the values to shard (None: uninitialized, e.g. meta)
+
+
+def _discover(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry]]:
+    """Recorded modules under ``root`` (pre-order, root first) and every parameter with the
+    innermost recorded module that contains all of its registrations."""
+    states: list[_ModuleState] = []
+    seen_states: set[int] = set()
+    regs: dict[int, list] = {}
+    order: list[torch.Tensor] = []
+    stack = [(root.module, "", ())]
+    seen_mod: set[tuple[int, tuple]] = set()
+    while stack:
+        m, prefix, chain = stack.pop()
+        st = getattr(m, _STATE, None)
+        if st is not None:
+            chain = (*chain, st)
+            if id(st) not in seen_states:
+                seen_states.add(id(st))
+                states.append(st)
+        key = (id(m), tuple(id(s) for s in chain))
+        if key in seen_mod:
+            continue
+        seen_mod.add(key)
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in regs:
+                regs[id(p)] = []
+                order.append(p)
+            regs[id(p)].append((m, name, prefix + name, chain))
+        for name, c in reversed(list(m._modules.items())):
+            if c is not None:
+                stack.append((c, f"{prefix}{name}.", chain))
+    entries = []
+    for p in order:
+        rs = regs[id(p)]
+        common = rs[0][3]
+        for r in rs[1:]:
+            n = 0
+            while n < min(len(common), len(r[3])) and common[n] is r[3][n]:
+                n += 1
+            common = common[:n]
+        owners, seen_o = [], set()
+        for m, name, _, _ in rs:
+            if (id(m), name) not in seen_o:
+                seen_o.add((id(m), name))
+                owners.append((m, name))
+        entries.append(_Entry(fqn=rs[0][2], param=p, owners=owners, state=common[-1]))
+    return states, entries
+
+
+def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Entry]) -> None:
+    """Every user error, before any collective (raised on every rank after ``_agree``)."""
+    for st in states:
+        if st is root:
+            continue
+        if st.world_size != root.world_size or not _same_group(st.group, root.group):
+            raise ValueError(
+                f"fully_shard: {type(st.module).__name__} was sharded over a mesh of world size {st.world_size} but "
+                f"its root {type(root.module).__name__} over world size {root.world_size}; pass the same mesh to "
+                "every fully_shard call of a model"
+            )
+        if st.plan_config is not None and st.plan_config != root.plan_config:
+            warnings.warn(
+                f"fully_shard: plan_config of the inner call on {type(st.module).__name__} is ignored; the root's "
+                "plan_config plans the whole model",
+                stacklevel=4,
+            )
+    for e in entries:
+        p = e.param
+        info = shard_info(p)
+        if info is not None:
+            e.shape, e.requires_grad = tuple(info.shape), p.requires_grad
+            e.dtype = p.dtype
+            probe = torch.empty(e.shape, dtype=p.dtype, device="meta")
+            probe = nn.Parameter(probe, requires_grad=p.requires_grad)
+        else:
+            e.shape, e.requires_grad, e.dtype = tuple(p.shape), p.requires_grad, p.dtype
+            probe = p
+        if not e.dtype.is_floating_point:
+            raise ValueError(
+                f"fully_shard: parameter {e.fqn} has dtype {e.dtype}; only floating-point parameters can be "
+                "sharded (make it a buffer)"
+            )
+        rule = e.state.blocks or root.blocks or default_rule
+        spec = rule(e.fqn, probe, e.owners[0][0])
+        if not isinstance(spec, BlockSpec):
+            raise ValueError(
+                f"fully_shard: the block rule {getattr(rule, '__qualname__', rule)!r} returned {spec!r} "
+                f"({type(spec).__name__}) for parameter {e.fqn} (shape {e.shape}); a rule must return a BlockSpec "
+                "such as elements(1), rows(k), whole() or expert()"
+            )
+        try:
+            spec.check(e.shape, e.fqn)
+        except ValueError as err:
+            raise ValueError(
+                f"fully_shard: {err} (world size {root.world_size}); fix the block rule for this parameter"
+            ) from None
+        e.spec = spec
+    by_bucket: dict[int, list[_Entry]] = {}
+    for e in entries:
+        by_bucket.setdefault(id(e.state), []).append(e)
+    for es in by_bucket.values():
+        dtypes = {e.dtype for e in es}
+        if len(dtypes) > 1:
+            names = ", ".join(f"{e.fqn}: {e.dtype}" for e in es[:4])
+            raise ValueError(
+                f"fully_shard: the bucket of {type(es[0].state.module).__name__} mixes parameter dtypes ({names}); "
+                "one bucket is one flat buffer: cast the module to one dtype (use mp_policy for bf16 compute)"
+            )
+
+
+def _agree(err: BaseException | None, root: _ModuleState, fingerprint: Any) -> None:
+    """All ranks exchange their verdict (and a plan fingerprint) so an error raises everywhere."""
+    if root.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        if err is not None:
+            raise err
+        return
+    mine = (None if err is None else f"{type(err).__name__}: {err}", fingerprint)
+    out: list = [None] * root.world_size
+    dist.all_gather_object(out, mine, group=root.group)
+    if err is not None:
+        raise err
+    for r, (msg, _) in enumerate(out):
+        if msg is not None:
+            raise ValueError(f"fully_shard failed on rank {r} of {root.world_size}: {msg}")
+    if any(fp != fingerprint for _, fp in out):
+        bad = [r for r, (_, fp) in enumerate(out) if fp != fingerprint]
+        raise ValueError(
+            f"fully_shard: ranks {bad} see a different model than rank {root.rank} (parameter names, shapes or "
+            "block specs differ); build the same model and pass the same block rule on every rank"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime of one root
+# ---------------------------------------------------------------------------------------------
+class _Runtime:
+    """Everything one root manages: its plan, one ``_Bucket`` per bucket, per-iteration state."""
+
+    def __init__(self, root: _ModuleState, plan: Plan, buckets: list[_Bucket]) -> None:
+        self.root_state = root
+        self.plan = plan
+        self.buckets = buckets
+        self.group = root.group
+        self.rank = root.rank
+        self.world_size = root.world_size
+        self.device = root.device
+        self.state = _TrainingState.IDLE
+        self.prev_forward_order: list[_Bucket] = []
+        self.forward_order: list[_Bucket] = []
+        self.post_forward_order: list[_Bucket] = []
+        self.callback_queued = False
+        self.pending_reduces: list[_Bucket] = []
+
+    # ---- construction ----------------------------------------------------------------------
+    @staticmethod
+    def build(root: _ModuleState) -> _Runtime:
+        err: BaseException | None = None
+        fingerprint = None
+        try:
+            states, entries = _discover(root)
+            _validate(root, states, entries)
+            bucket_states = [st for st in states if any(e.state is st for e in entries)]
+            specs = [
+                (
+                    _bucket_name(root, st),
+                    [
+                        TensorSpec(name=e.fqn, shape=e.shape, spec=e.spec, itemsize=e.dtype.itemsize)
+                        for e in entries
+                        if e.state is st
+                    ],
+                )
+                for st in bucket_states
+            ]
+            plan = plan_model(specs, world_size=root.world_size, config=root.plan_config or PlanConfig())
+            fingerprint = [(n, [(t.name, t.shape, str(t.spec)) for t in ts]) for n, ts in specs]
+        except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
+            err = e
+        _agree(err, root, fingerprint)
+
+        # Absorb earlier roots under this module: gather their values back to full tensors.
+        old = [st.runtime for st in states if st.runtime is not None and st.runtime.root_state is st]
+        full_of: dict[int, torch.Tensor | None] = {}
+        for rt in old:
+            full_of.update(rt._gather_full_for_absorb())
+        for rt in old:
+            rt._detach()
+        for e in entries:
+            e.full = full_of[id(e.param)] if id(e.param) in full_of else e.param
+            if e.full is not None and e.full.device.type == "meta":
+                e.full = None
+
+        buckets = []
+        for i, (st, bp) in enumerate(zip(bucket_states, plan.buckets)):
+            es = {e.fqn: e for e in entries if e.state is st}
+            ordered = [es[pl.name] for pl in bp.placements]
+            buckets.append(_Bucket(index=i, state=st, plan=bp, entries=ordered, root=root))
+        rt = _Runtime(root, plan, buckets)
+        for st in states:
+            st.runtime = rt
+            st.bucket = None
+        for b in buckets:
+            b.state.bucket = b
+            b.runtime = rt
+        _move_buffers(root.module, root.device)
+        try:
+            from ._checkpoint import register_state_dict_hooks
+        except ImportError:  # pragma: no cover - the checkpoint module is optional
+            register_state_dict_hooks = None
+        if register_state_dict_hooks is not None:
+            register_state_dict_hooks(root.module)
+        return rt
+
+    def _gather_full_for_absorb(self) -> dict[int, torch.Tensor | None]:
+        """Full tensors of every parameter (keyed by the sharded parameter's id), for re-planning."""
+        out: dict[int, torch.Tensor | None] = {}
+        for b in self.buckets:
+            b.wait_reduces()
+            full = b.buffer.all_gather()
+            for sp, view in zip(b.sharded, b.buffer.full_views(full)):
+                out[id(sp)] = view
+        return out
+
+    def _detach(self) -> None:
+        """Drop this (absorbed) runtime's storage now rather than at the next cyclic GC."""
+        for b in self.buckets:
+            b.reshard()
+            b.buffer = b.gathered = b.flat_grad = b.flat_views = b.grad_seg = b.grad_views = None
+            b.sharded, b.unsharded, b.entries = [], [], []
+        self.buckets = []
+
+    # ---- per-iteration hooks --------------------------------------------------------------
+    def root_pre_forward(self) -> None:
+        if self.state is _TrainingState.PRE_BACKWARD:
+            return  # recomputation inside backward
+        self.finish_reduces()
+        self.prev_forward_order = self.forward_order
+        self.forward_order, self.post_forward_order = [], []
+        for b in self.buckets:
+            b.rebind()
+            b.used = False
+            b.release_unused_grad_segment()
+        self.state = _TrainingState.FORWARD
+
+    def root_post_forward(self) -> None:
+        if self.state is _TrainingState.PRE_BACKWARD:
+            return
+        for b in self.buckets:
+            if b.gather_handle is not None and not b.used:
+                b.wait_unshard()  # a prefetched bucket that did not run this time
+                b.reshard()
+        if not torch.is_grad_enabled():
+            for b in self.buckets:
+                b.reshard()
+        self.state = _TrainingState.IDLE
+
+    def next_in_forward(self, b: _Bucket) -> _Bucket | None:
+        order = self.prev_forward_order
+        for i, x in enumerate(order[:-1]):
+            if x is b:
+                return order[i + 1]
+        return None
+
+    def next_in_backward(self, b: _Bucket) -> _Bucket | None:
+        order = self.post_forward_order
+        for i in range(len(order) - 1, 0, -1):
+            if order[i] is b:
+                return order[i - 1]
+        return None
+
+    def queue_final_callback(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            Variable._execution_engine.queue_callback(self.final_callback)
+
+    def final_callback(self) -> None:
+        for b in self.buckets:
+            if not b.post_backward_done:
+                b.post_backward()
+        self.finish_reduces()
+        for b in self.buckets:
+            b.reshard()
+            b.post_backward_done = False
+            b.pre_backward_done = False
+        self.callback_queued = False
+        self.state = _TrainingState.IDLE
+
+    def issue_reduce(self, b: _Bucket) -> None:
+        self.pending_reduces.append(b)
+        while len(self.pending_reduces) > 1:  # one reduction in flight, as FSDP2
+            self.pending_reduces.pop(0).wait_reduces()
+
+    def finish_reduces(self) -> None:
+        while self.pending_reduces:
+            self.pending_reduces.pop(0).wait_reduces()
+
+
+def _bucket_name(root: _ModuleState, st: _ModuleState) -> str:
+    if st is root:
+        return "<root>"
+    for name, m in root.module.named_modules():
+        if m is st.module:
+            return name
+    return type(st.module).__name__
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for m in module.modules():
+        for k, v in list(m._buffers.items()):
+            if v is not None and v.device.type != "meta" and v.device != device:
+                m._buffers[k] = v.to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# One bucket
+# ---------------------------------------------------------------------------------------------
+class _Bucket:
+    """One flat buffer: sharded parameters (views into the segment), the gathered buffer and the
+    unsharded parameters (views into it), and the gradient reduction."""
+
+    def __init__(
+        self, *, index: int, state: _ModuleState, plan: BucketPlan, entries: list[_Entry], root: _ModuleState
+    ) -> None:
+        self.index = index
+        self.state = state
+        self.plan = plan
+        self.entries = entries
+        self.is_root = state is root
+        self.runtime: _Runtime | None = None
+        mp = state.mp_policy or root.mp_policy or MixedPrecisionPolicy()
+        master = entries[0].dtype
+        self.param_dtype = mp.param_dtype or master
+        self.reduce_dtype = mp.reduce_dtype or master
+        self.reshard_after_forward = state.reshard_after_forward and not self.is_root
+        self.requires_sync = True
+        self.buffer = DistributedBuffer(plan, group=root.group, device=root.device, dtype=master)
+        self.rank = self.buffer.rank
+        # Sharded parameters: flat views into the segment.
+        self.sharded: list[nn.Parameter] = []
+        with torch.no_grad():
+            for e, pl, view in zip(entries, plan.placements, self.buffer.local_views()):
+                if e.full is not None:
+                    a, b = pl.shard.range(self.rank)
+                    view.copy_(e.full.detach().reshape(-1)[a:b])
+                sp = nn.Parameter(view, requires_grad=e.requires_grad)
+                set_shard_info(
+                    sp,
+                    ShardInfo(
+                        fqn=e.fqn, shape=pl.shape, spec=pl.spec, layout=pl.shard, rank=self.rank,
+                        group=root.group, bucket=index, split=pl.split,
+                    ),
+                )
+                self.sharded.append(sp)
+                e.full = None
+                e.param = sp  # drop the original (full) tensor: it is not kept alive by the runtime
+        self.expected_ptrs = [sp.data_ptr() for sp in self.sharded]
+        # Gathered buffer (compute dtype) and unsharded parameters: views into its ``.data`` so the
+        # collective's writes do not bump the version counter autograd saved (see the Note above).
+        self.gathered = torch.empty(self.buffer.total_numel, dtype=self.param_dtype, device=root.device)
+        self.unsharded: list[nn.Parameter] = []
+        for e, view in zip(entries, self.buffer.full_views(self.gathered.data)):
+            self.unsharded.append(nn.Parameter(view, requires_grad=e.requires_grad))
+        self._gathered_nbytes = self.gathered.untyped_storage().nbytes()
+        self._free_gathered()
+        self.num_trainable = sum(1 for e in entries if e.requires_grad)
+        self.trainable_local = [i for i, e in enumerate(entries) if e.requires_grad]
+        # Per-iteration state.
+        self.is_unsharded = False
+        self.gather_handle: CollectiveHandle | None = None
+        self.reduce_handle: CollectiveHandle | None = None
+        self.flat_grad: torch.Tensor | None = None  # unsharded gradients, flat, in reduce_dtype
+        self.flat_views: list[torch.Tensor] | None = None
+        self.attached = [False] * len(entries)
+        self.grad_views: list[torch.Tensor] | None = None
+        self.grad_seg: torch.Tensor | None = None
+        self.used = False
+        self.pre_backward_done = False
+        self.post_backward_done = False
+        self._set_params(self.sharded)
+
+    # ---- parameters -------------------------------------------------------------------------
+    def _set_params(self, params: list[nn.Parameter]) -> None:
+        for e, p in zip(self.entries, params):
+            for m, name in e.owners:
+                m._parameters[name] = p
+
+    def _free_gathered(self) -> None:
+        self.gathered.untyped_storage().resize_(0)
+
+    def rebind(self) -> None:
+        """Re-point sharded parameters whose ``.data`` was replaced (``module.to_empty`` / ``.to``)."""
+        for i, (sp, ptr) in enumerate(zip(self.sharded, self.expected_ptrs)):
+            if sp.data_ptr() != ptr and sp.numel() > 0:
+                view = self.buffer.local_views()[i]
+                with torch.no_grad():
+                    if sp.data.device.type != "meta":
+                        view.copy_(sp.data.reshape(-1))
+                sp.data = view
+
+    # ---- gather / free ---------------------------------------------------------------------
+    def unshard(self) -> None:
+        """Issue the all-gather (async); no-op when gathered or in flight."""
+        if self.is_unsharded or self.gather_handle is not None:
+            return
+        if self.gathered.untyped_storage().nbytes() == 0:
+            self.gathered.untyped_storage().resize_(self._gathered_nbytes)
+        seg = self.buffer.segment
+        src = seg if seg.dtype == self.param_dtype else seg.to(self.param_dtype)
+        self.gather_handle = self.buffer.all_gather(src=src, out=self.gathered, async_op=True)
+
+    def wait_unshard(self) -> None:
+        if self.gather_handle is not None:
+            self.gather_handle.wait()
+            self.gather_handle = None
+            self.is_unsharded = True
+        if self.is_unsharded:
+            self._set_params(self.unsharded)
+
+    def reshard(self) -> None:
+        if self.gather_handle is not None:
+            self.gather_handle.wait()
+            self.gather_handle = None
+            self.is_unsharded = True
+        self._set_params(self.sharded)
+        if self.is_unsharded:
+            self._free_gathered()
+            self.is_unsharded = False
+
+    # ---- forward ----------------------------------------------------------------------------
+    def pre_forward(self) -> None:
+        rt = self.runtime
+        if rt.state is _TrainingState.PRE_BACKWARD:  # recomputation (activation checkpointing)
+            self.unshard()
+            self.wait_unshard()
+            return
+        self.used = True
+        rt.forward_order.append(self)
+        self.unshard()
+        nxt = rt.next_in_forward(self)
+        if nxt is not None:
+            nxt.unshard()  # prefetch: issued before this bucket computes
+        self.wait_unshard()
+
+    def post_forward(self) -> None:
+        rt = self.runtime
+        if rt.state is _TrainingState.PRE_BACKWARD:
+            return
+        rt.post_forward_order.append(self)
+        if self.reshard_after_forward:
+            self.reshard()
+        else:
+            self._set_params(self.sharded)  # the module shows its sharded parameters between passes
+
+    # ---- backward ---------------------------------------------------------------------------
+    def pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        rt = self.runtime
+        rt.queue_final_callback()
+        if self.pre_backward_done:
+            return grad
+        self.pre_backward_done = True
+        rt.state = _TrainingState.PRE_BACKWARD
+        self.unshard()
+        nxt = rt.next_in_backward(self)
+        if nxt is not None:
+            nxt.unshard()  # prefetch the bucket whose backward runs next
+        self.wait_unshard()
+        self._attach_grad_views()
+        return grad
+
+    def _ensure_flat_grad(self) -> None:
+        if self.flat_grad is None:
+            self.flat_grad = torch.zeros(self.buffer.total_numel, dtype=self.reduce_dtype, device=self.buffer.device)
+            self.flat_views = self.buffer.full_views(self.flat_grad)
+
+    def _attach_grad_views(self) -> None:
+        """Zero copy: make each unsharded parameter's ``.grad`` a view into the flat reduction buffer,
+        so autograd accumulates into it in place and the bucket reduces without a copy-in (and
+        without the unsharded gradients and the flat buffer both alive). Only where the compute
+        and reduction dtypes agree; otherwise ``post_backward`` copies (casting) instead."""
+        if self.num_trainable == 0 or self.param_dtype != self.reduce_dtype:
+            return
+        self._ensure_flat_grad()
+        for i, up in enumerate(self.unsharded):
+            if up.requires_grad and up.grad is None:
+                up.grad = self.flat_views[i]
+                self.attached[i] = True
+
+    def post_backward(self) -> None:
+        """Reduce-scatter this bucket's gradients (or accumulate them without sync) and reshard."""
+        self.post_backward_done = True
+        if self.num_trainable == 0:
+            self.reshard()
+            return
+        self._ensure_flat_grad()
+        flat = self.flat_grad
+        with torch.no_grad():
+            for i, up in enumerate(self.unsharded):
+                g = up.grad
+                if g is None:
+                    continue
+                view = self.flat_views[i]
+                if not _same_view(g, view):
+                    if self.attached[i]:
+                        view.copy_(g)  # autograd accumulated out of place: g = view + new
+                    else:
+                        view.add_(g)  # a cast (mixed precision) or a gradient we did not attach
+                up.grad = None
+        self.attached = [False] * len(self.entries)
+        self.reshard()
+        if not self.requires_sync:
+            return  # keep summing into flat_grad (gradient accumulation without sync)
+        self.flat_grad = self.flat_views = None
+        accumulate = self._prepare_grad_segment()
+        self.reduce_handle = self.buffer.reduce_scatter(
+            flat, out=self.grad_seg, op=dist.ReduceOp.AVG, accumulate=accumulate, async_op=True
+        )
+        self.runtime.issue_reduce(self)
+
+    def _prepare_grad_segment(self) -> bool:
+        """Make the gradient segment ready; returns whether the reduction adds to it (an existing
+        ``.grad``: ``zero_grad(set_to_none=False)`` or no ``zero_grad`` at all) or overwrites it."""
+        if self.grad_seg is None:
+            self.grad_seg = self.buffer.alloc_grad_segment()
+            self.grad_views = self.buffer.local_views(self.grad_seg)
+        grads = [self.sharded[i].grad for i in self.trainable_local]
+        if all(g is None for g in grads):
+            return False
+        with torch.no_grad():
+            for i, g in zip(self.trainable_local, grads):
+                view = self.grad_views[i]
+                if view.numel() == 0 or (g is not None and _same_view(g, view)):
+                    continue
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g.reshape(-1))
+        return True
+
+    def release_unused_grad_segment(self) -> None:
+        """After ``zero_grad(set_to_none=True)`` no parameter refers to the gradient segment: free it
+        (as set_to_none frees gradients) until the next reduction allocates it again."""
+        if self.grad_seg is None or self.reduce_handle is not None:
+            return
+        if all(self.sharded[i].grad is None for i in self.trainable_local):
+            self.grad_seg, self.grad_views = None, None
+            self.buffer.free_grad_segment()
+
+    def wait_reduces(self) -> None:
+        if self.reduce_handle is None:
+            return
+        self.reduce_handle.wait()
+        self.reduce_handle = None
+        for i in self.trainable_local:
+            sp = self.sharded[i]
+            if sp.grad is None or not _same_view(sp.grad, self.grad_views[i]):
+                sp.grad = self.grad_views[i]
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers on nested inputs / outputs
+# ---------------------------------------------------------------------------------------------
+def _cast_tensors(obj: Any, dtype: torch.dtype) -> Any:
+    leaves, spec = tree_flatten(obj)
+    leaves = [x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype else x for x in leaves]
+    return tree_unflatten(leaves, spec)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs once the module's backward is done (the
+    node is created before any op of the module, so the engine runs it after them, and after the
+    parameters' AccumulateGrad nodes, which it always runs first; as FSDP2 does)."""
+
+    @staticmethod
+    def forward(ctx, bucket: _Bucket, *inputs: torch.Tensor):
+        ctx.bucket = bucket
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        b = ctx.bucket
+        if not b.post_backward_done:
+            b.runtime.queue_final_callback()
+            b.post_backward()
+        return (None, *grads)
+
+
+def _register_post_backward(bucket: _Bucket, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    leaves, spec = tree_flatten((args, kwargs))
+    idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
+    if idx:
+        outs = _PostBackward.apply(bucket, *(leaves[i] for i in idx))
+        for i, o in zip(idx, outs):
+            leaves[i] = o
+    return tree_unflatten(leaves, spec)
+
+
+def _register_on_tensors(obj: Any, hook: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    leaves, _ = tree_flatten(obj)
+    for x in leaves:
+        if torch.is_tensor(x) and x.requires_grad:
+            x.register_hook(hook)
+    return obj

@@ -1,0 +1,859 @@
+"""The planner: lay out every bucket of a model so no block crosses a rank boundary.
+
+``plan_model(buckets, world_size=W, config=...)`` returns a :class:`Plan` with one
+:class:`BucketPlan` per bucket. Everything here is integer arithmetic on shapes and block
+specs (no tensors, no process groups), deterministic on every rank: no hashing, no
+randomness, ties broken by input position.
+
+[Note: even layout]
+An even bucket is one buffer of ``W * S`` elements, rank ``r`` owns ``[r*S, (r+1)*S)``.
+For a candidate ``S`` the tensors are packed greedily, coarsest block first: a tensor that
+would cross a rank boundary inside a block is shifted forward to the nearest offset at which
+every boundary it crosses is a block boundary, and the gap this opens is filled with
+smaller pending tensors (the finest blocks: norms, biases) before padding is left. A
+tensor crossing two or more boundaries needs its block size to divide ``S``, so ``S`` is
+searched (bisection) on multiples of ``lcm(align, block sizes of tensors larger than
+N/W)``, from ``ceil(N/W)`` up. If keeping matrix blocks whole costs more than
+``padding_cap`` (padding / parameters of the bucket), matrix tensors are made splittable
+on rows, largest block first, until the padding fits under the cap; a cut matrix is
+recorded as ``Placement.split``.
+
+[Note: ragged layout and global balance]
+Ragged buckets have zero padding and whole blocks only, so a ragged bucket is an order of
+its tensors plus ``W + 1`` cut points at block boundaries. Balance is global: the ragged
+buckets are concatenated (in bucket order) into one stream and cut into ``W`` contiguous
+pieces at block boundaries near the targets ``k * R / W`` (``R`` = ragged bytes; even
+buckets add the same ``S`` to every rank, so they do not disturb the balance). Each rank
+then owns a contiguous slice of the model. Within a bucket the tensor order is free, and is
+chosen so the cuts land near their targets: before each target the gap is filled with the
+largest tensors that fit (greedy subset sum), and the tensor that must straddle the target
+is the one with a block boundary nearest to it; the cut snaps to that boundary. Every cut is
+then off its target by at most half of the straddling block, so per-rank bytes are within one
+block of the mean. When blocks approach the mean size (dense models at W >= 256) that bound is
+loose, so a second candidate is built: bisection on a per-rank capacity ``C`` in
+``[max(mean, largest block), mean + largest block]``, filling ranks in order up to ``C`` (same
+ordering rule, cuts snapped down); the candidate with the smaller largest rank wins (ties: the
+fixed targets). ``PlanStats.bytes_lower_bound`` (largest block over mean) is the best any
+whole-block plan can do; the benchmark reports the gap. Bytes are balanced; optimizer cost is
+only a tie-break (which tensor straddles), and is reported.
+
+[Note: auto layout cost model]
+Per bucket: EVEN when the even layout keeps every block whole with padding <= ``padding_cap``,
+else RAGGED. Why: on NCCL the ring ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` move
+``(W-1)/W`` of the buffer per rank at full bandwidth in one launch, while the uneven forms are
+``W`` grouped broadcasts (one launch and latency per owner), so even wins while its padding
+(extra bytes moved and stored, <= cap) is small. A split matrix costs one extra exchange of that
+matrix per optimizer step (about twice its bytes), more than the padding cap allows, so any
+bucket that would need a split goes ragged, where no block is ever cut. Gloo (measured, see
+DESIGN.md) runs the uneven forms no slower, so the rule never loses there.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from ._blocks import BlockKind, BlockSpec
+from ._plan import BucketPlan, Layout, Placement, Plan, PlanConfig, TensorSpec
+from ._ragged import RaggedShard
+
+__all__ = ["plan_model", "tensor_cost", "PlanStats", "plan_stats", "plan_report"]
+
+# Placements keep their RaggedShard bounds as plain tuples up to this world size; above it the
+# bounds are a lazy view of the bucket's rank bounds (W * num_tensors Python ints would take
+# seconds and gigabytes at W = 16384). Both behave the same through indexing and iteration.
+_EAGER_BOUNDS_MAX_WORLD = 256
+
+_NS_STEPS = 5
+"""Newton-Schulz iterations of torch.optim.Muon (its default ``ns_steps``)."""
+
+
+# ---------------------------------------------------------------------------------------
+# Optimizer cost model (pure)
+# ---------------------------------------------------------------------------------------
+def _ns_cost(rows: int, cols: int) -> float:
+    """Flops of Newton-Schulz on a ``rows x cols`` matrix: per step ``A = X Xᵀ`` (2m²n),
+    ``B = bA + cA²`` (2m³), ``X = aX + BX`` (2m²n) with ``m = min``, ``n = max``
+    (the quintic iteration of torch.optim.Muon)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return float(_NS_STEPS * (4 * m * m * n + 2 * m**3))
+
+
+def _shampoo_block_cost(br: int, bc: int) -> float:
+    """One Shampoo block ``br x bc``: factor updates and preconditioning (4·br·bc·(br+bc))
+    plus the eigendecompositions of both factors (br³ + bc³); 1-D: one factor."""
+    if bc <= 1:
+        return float(4 * br * br + br**3)
+    return float(4 * br * bc * (br + bc) + br**3 + bc**3)
+
+
+def _shampoo_strip_cost(strip_rows: int, cols: int, k: int) -> float:
+    """A strip of ``strip_rows`` (<= k) rows, blocked into columns of at most ``k``."""
+    if cols <= 1:
+        return _shampoo_block_cost(strip_rows, 1)
+    full, last = divmod(cols, k)
+    c = full * _shampoo_block_cost(strip_rows, k)
+    if last:
+        c += _shampoo_block_cost(strip_rows, last)
+    return c
+
+
+class _UniformCost(NamedTuple):
+    """Per-block costs of a tensor with equal blocks of ``unit`` elements but a partial last one."""
+
+    unit: int
+    num_blocks: int
+    full: float
+    last: float
+
+
+def _cost_profile(shape: Sequence[int], spec: BlockSpec) -> _UniformCost | tuple[list[int], list[float]]:
+    """The tensor's cost as blocks: uniform (unit, count, cost of a full and of the last block),
+    or explicit ``(block_starts, cumulative_costs)`` for matrices stacked by ``row_splits``."""
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    if numel == 0:
+        return _UniformCost(1, 0, 0.0, 0.0)
+    cols = math.prod(shape[1:]) if len(shape) >= 1 else 1
+    if spec.kind is BlockKind.ELEMENTS:
+        return _UniformCost(1, numel, 1.0, 1.0)
+    if spec.kind is BlockKind.ROWS:
+        k = spec.size
+        rows_ = shape[0] if shape else 1
+        nb, last_rows = -(-rows_ // k), rows_ % k or k
+        return _UniformCost(k * cols, nb, _shampoo_strip_cost(k, cols, k), _shampoo_strip_cost(last_rows, cols, k))
+    if spec.kind is BlockKind.EXPERT:
+        e, r, c = shape
+        ns = _ns_cost(r, c)
+        return _UniformCost(r * c, e, ns, ns)
+    mats = spec.matrices(shape)  # WHOLE
+    if not mats:  # not a 2-D matrix: element-wise treatment
+        return _UniformCost(1, numel, 1.0, 1.0)
+    if spec.row_splits is None:
+        ns = _ns_cost(shape[0], cols)
+        return _UniformCost(numel, 1, ns, ns)
+    starts = [m[0] for m in mats] + [numel]
+    cum = [0.0]
+    for _, r, c in mats:
+        cum.append(cum[-1] + _ns_cost(r, c))
+    return starts, cum
+
+
+def tensor_cost(shape: Sequence[int], spec: BlockSpec) -> float:
+    """Estimated optimizer work (flops) of one step on a tensor of ``shape`` with blocks ``spec``.
+
+    Matrix blocks (Muon): Newton-Schulz, ~rows·cols·min(rows, cols) per matrix; ``rows(k)``
+    strips (Shampoo): per block of at most k x k, the eigendecompositions (k³) plus the factor
+    and preconditioning matmuls; element-wise (AdamW, 8-bit AdamW): numel. Used to balance and
+    report per-rank optimizer cost; only ratios between ranks matter.
+    """
+    prof = _cost_profile(shape, spec)
+    if isinstance(prof, _UniformCost):
+        if prof.num_blocks == 0:
+            return 0.0
+        return (prof.num_blocks - 1) * prof.full + prof.last
+    return prof[1][-1]
+
+
+def _cum_cost(prof, numel: int, x: np.ndarray) -> np.ndarray:
+    """Cost of elements ``[0, x)`` of a tensor (vectorized; linear inside a block, which only
+    matters for split matrices: their cost is shared by rows held)."""
+    x = x.astype(np.float64)
+    if isinstance(prof, _UniformCost):
+        if prof.num_blocks == 0:
+            return np.zeros_like(x)
+        last_start = (prof.num_blocks - 1) * prof.unit
+        last_len = numel - last_start
+        head = x / prof.unit * prof.full
+        tail = (prof.num_blocks - 1) * prof.full + (x - last_start) / last_len * prof.last
+        return np.where(x < last_start, head, tail)
+    starts, cum = prof
+    return np.interp(x, starts, cum)
+
+
+# ---------------------------------------------------------------------------------------
+# Block geometry of one tensor (boundaries represented arithmetically)
+# ---------------------------------------------------------------------------------------
+class _Geom:
+    """Where a tensor may be cut: every multiple of ``unit`` (uniform blocks) or the explicit
+    ``starts`` (row-split matrices). ``split`` geometries cut matrices on rows."""
+
+    __slots__ = ("numel", "unit", "starts", "max_block")
+
+    def __init__(self, ts: TensorSpec, *, split: bool = False):
+        shape, spec = ts.shape, ts.spec
+        self.numel = math.prod(shape)
+        self.starts: list[int] | None = None
+        if split:
+            self.unit = max(spec.split_unit(shape), 1)
+        elif spec.is_uniform:
+            self.unit = spec.unit(shape)
+        else:
+            self.unit = 0
+            self.starts = spec.block_starts(shape)
+        if self.starts is not None:
+            self.max_block = max((b - a for a, b in zip(self.starts, self.starts[1:])), default=0)
+        else:
+            self.max_block = min(self.unit, self.numel)
+
+    def align_down(self, x: int) -> int:
+        """Largest block boundary <= x (0 and numel are boundaries)."""
+        if x >= self.numel:
+            return self.numel
+        if x <= 0:
+            return 0
+        if self.starts is None:
+            return x - x % self.unit
+        return self.starts[bisect.bisect_right(self.starts, x) - 1]
+
+    def align_up(self, x: int) -> int:
+        if x >= self.numel:
+            return self.numel
+        d = self.align_down(x)
+        if d == x:
+            return x
+        if self.starts is None:
+            return min(d + self.unit, self.numel)
+        return self.starts[bisect.bisect_right(self.starts, x)]
+
+    def is_boundary(self, x: int) -> bool:
+        return self.align_down(x) == x
+
+    def crossings_ok(self, offset: int, seg: int) -> bool:
+        """Every boundary ``k*seg`` strictly inside ``(offset, offset + numel)`` is a block boundary."""
+        end = offset + self.numel
+        first = (offset // seg + 1) * seg
+        if first >= end:
+            return True
+        if not self.is_boundary(first - offset):
+            return False
+        if first + seg >= end:
+            return True
+        if self.starts is None:
+            return seg % self.unit == 0
+        b = first + seg
+        while b < end:  # explicit blocks: few; fails fast once boundaries outnumber blocks
+            if not self.is_boundary(b - offset):
+                return False
+            b += seg
+        return True
+
+
+# ---------------------------------------------------------------------------------------
+# Even layout
+# ---------------------------------------------------------------------------------------
+def _first_offset(g: _Geom, pos: int, seg: int) -> int | None:
+    """Smallest offset >= pos at which ``g`` crosses rank boundaries only between blocks."""
+    if g.numel == 0:
+        return pos
+    nxt = (pos // seg + 1) * seg
+    if pos + g.numel <= nxt:
+        return pos
+    o = nxt - g.align_down(nxt - pos)
+    if g.crossings_ok(o, seg):
+        return o
+    if o != nxt and g.crossings_ok(nxt, seg):
+        return nxt
+    return None
+
+
+def _pack_even(geoms: list[_Geom], order: list[int], seg: int, world_size: int) -> list[int] | None:
+    """Offsets of the tensors packed into ``world_size`` segments of ``seg`` elements, or None."""
+    limit = world_size * seg
+    offsets = [0] * len(geoms)
+    pending = list(order)  # coarsest first; the tail (finest) fills gaps
+    pos = 0
+    while pending:
+        i = pending.pop(0)
+        o = _first_offset(geoms[i], pos, seg)
+        if o is None:
+            return None
+        if o > pos:  # fill the gap with the largest pending tensors that fit entirely
+            gap = o - pos
+            j = 0
+            while j < len(pending) and gap > 0:
+                k = pending[j]
+                if 0 < geoms[k].numel <= gap:
+                    offsets[k] = pos
+                    pos += geoms[k].numel
+                    gap -= geoms[k].numel
+                    pending.pop(j)
+                else:
+                    j += 1
+        offsets[i] = o
+        pos = o + geoms[i].numel
+        if pos > limit:
+            return None
+    return offsets
+
+
+def _even_layout(
+    geoms: list[_Geom], world_size: int, align: int
+) -> tuple[int, list[int]]:
+    """Smallest segment size found (see [Note: even layout]) and the tensor offsets."""
+    n = sum(g.numel for g in geoms)
+    if n == 0:
+        return 0, [0] * len(geoms)
+    # coarsest block first, then largest, then input order (deterministic)
+    order = sorted(range(len(geoms)), key=lambda i: (-geoms[i].max_block, -geoms[i].numel, i))
+    lo = max(-(-n // world_size), max(g.max_block for g in geoms), 1)
+    step = align
+    for g in geoms:
+        if g.starts is None and g.numel > lo and g.unit > 1:
+            cand = math.lcm(step, g.unit)
+            if cand <= n:
+                step = cand
+    lo_a = -(-lo // align) * align
+    # 1) a few sizes just above the lower bound (tensors crossing at most one boundary need no lcm)
+    for seg in range(lo_a, lo_a + _SCAN * align, align):
+        offs = _pack_even(geoms, order, seg, world_size)
+        if offs is not None:
+            return seg, offs
+    # 2) bisection on multiples of ``step`` (where tensors crossing many boundaries stay aligned)
+    lo_k = -(-lo // step)
+    hi_k = -(-(n + sum(g.max_block for g in geoms)) // step)  # everything fits in the first segment
+    best = (hi_k * step, _pack_even(geoms, order, hi_k * step, world_size))
+    if best[1] is None:  # unreachable: at hi no tensor crosses a boundary
+        raise AssertionError("even packing failed at its upper bound")
+    best = _bisect_seg(geoms, order, world_size, lo_k - 1, hi_k, step, best)
+    # 3) bisection on multiples of ``align`` below that (feasibility is not monotone: keep the best found)
+    if step != align:
+        best = _bisect_seg(geoms, order, world_size, lo_a // align - 1, best[0] // align, align, best)
+    return best
+
+
+_SCAN = 16
+"""Even layout: segment sizes tried one by one above the lower bound before bisecting."""
+
+
+def _bisect_seg(geoms, order, world_size, lo_k: int, hi_k: int, step: int, best):
+    """Smallest feasible ``k * step`` in ``(lo_k, hi_k]`` found by bisection (hi_k known feasible)."""
+    while hi_k - lo_k > 1:
+        mid = (lo_k + hi_k) // 2
+        offs = _pack_even(geoms, order, mid * step, world_size)
+        if offs is None:
+            lo_k = mid
+        else:
+            hi_k = mid
+            if mid * step < best[0]:
+                best = (mid * step, offs)
+    return best
+
+
+class _EvenResult(NamedTuple):
+    seg: int
+    offsets: list[int]
+    split: list[bool]  # tensor made splittable (its matrices may be cut on rows)
+    padding: int
+
+
+def _plan_even(specs: Sequence[TensorSpec], world_size: int, config: PlanConfig, *, allow_split: bool) -> _EvenResult:
+    n = sum(ts.numel for ts in specs)
+    split = [False] * len(specs)
+    geoms = [_Geom(ts) for ts in specs]
+    seg, offs = _even_layout(geoms, world_size, config.align)
+    res = _EvenResult(seg, offs, list(split), world_size * seg - n)
+    if not allow_split or res.padding <= config.padding_cap * n:
+        return res
+    # make matrix tensors splittable on rows, largest block first, until under the cap
+    sizes = sorted({geoms[i].max_block for i, ts in enumerate(specs) if ts.spec.is_matrix and ts.numel}, reverse=True)
+    for th in sizes:
+        for i, ts in enumerate(specs):
+            if ts.spec.is_matrix and ts.numel and not split[i] and geoms[i].max_block >= th:
+                split[i] = True
+                geoms[i] = _Geom(ts, split=True)
+        seg, offs = _even_layout(geoms, world_size, config.align)
+        cand = _EvenResult(seg, offs, list(split), world_size * seg - n)
+        if cand.padding < res.padding:
+            res = cand
+        if res.padding <= config.padding_cap * n:
+            break
+    return res
+
+
+# ---------------------------------------------------------------------------------------
+# Ragged layout: order + cuts within a bucket
+# ---------------------------------------------------------------------------------------
+def _order_and_cut(geoms: list[_Geom], costs: list[float], targets: list[int]) -> tuple[list[int], list[int]]:
+    """Order the bucket's tensors and place one cut (a block boundary) per local target.
+
+    Returns ``(offsets, cuts)``; ``cuts`` is non-decreasing and as long as ``targets``.
+    See [Note: ragged layout and global balance].
+    """
+    n = len(geoms)
+    offsets = [0] * n
+    remaining = sorted(range(n), key=lambda i: (-geoms[i].numel, i))  # largest first
+    cuts: list[int] = []
+    pos = 0
+    ti = 0
+    nt = len(targets)
+    while ti < nt:
+        p = targets[ti]
+        gap = p - pos
+        j = 0
+        while gap > 0 and j < len(remaining):  # greedy subset sum: largest tensors that fit
+            k = remaining[j]
+            if geoms[k].numel <= gap:
+                offsets[k] = pos
+                pos += geoms[k].numel
+                gap -= geoms[k].numel
+                remaining.pop(j)
+            else:
+                j += 1
+        if gap <= 0 or not remaining:  # the prefix hits the target (or the bucket is used up)
+            cuts.append(pos)
+            ti += 1
+            continue
+        # the target falls inside the next tensor: take the one with a boundary nearest to it,
+        # ties to the cheaper optimizer cost, then input order
+        best, best_key = -1, None
+        for k in remaining:
+            off = p - pos
+            d, u = geoms[k].align_down(off), geoms[k].align_up(off)
+            key = (min(off - d, u - off), costs[k], k)
+            if best_key is None or key < best_key:
+                best, best_key = k, key
+        remaining.remove(best)
+        g = geoms[best]
+        offsets[best] = pos
+        end = pos + g.numel
+        while ti < nt and targets[ti] < end:
+            off = targets[ti] - pos
+            d, u = g.align_down(off), g.align_up(off)
+            c = pos + (d if off - d <= u - off else u)
+            cuts.append(max(c, cuts[-1] if cuts else 0))
+            ti += 1
+        pos = end
+    for k in sorted(remaining):  # after the last cut: input order
+        offsets[k] = pos
+        pos += geoms[k].numel
+    return offsets, cuts
+
+
+_CAP_BISECT_STEPS = 24
+"""Ragged balance: bisection steps on the per-rank capacity (stops early at 1/4096 of the mean)."""
+
+
+def _ragged_fixed_targets(rag, total_b: int, w: int):
+    """Cuts near the fixed targets ``k * R / W`` (global byte offsets) and per-bucket offsets."""
+    targets = [k * total_b // w for k in range(1, w)]
+    glob_cuts = [0] * (w + 1)
+    glob_cuts[w] = total_b
+    offs_list = []
+    k = 0
+    for s, geoms, costs, isz in rag:
+        nb = sum(g.numel for g in geoms) * isz
+        k1 = bisect.bisect_left(targets, s + nb, lo=k)
+        local = [(t - s + isz // 2) // isz for t in targets[k:k1]]
+        offs, cuts = _order_and_cut(geoms, costs, local)
+        offs_list.append(offs)
+        for j, c in enumerate(cuts):
+            glob_cuts[k + j + 1] = s + c * isz
+        k = k1
+    return glob_cuts, offs_list
+
+
+def _ragged_capacity(rag, total_b: int, w: int, cap: int):
+    """Fill ranks in order up to ``cap`` bytes each (cuts snap down to block boundaries; tensor
+    order per bucket chosen as in ``_order_and_cut``). None if W ranks do not suffice."""
+    cuts_b: list[int] = []
+    offs_list = []
+    nxt = cap  # global byte position of the next target
+    for s, geoms, costs, isz in rag:
+        n = sum(g.numel for g in geoms)
+        offsets = [0] * len(geoms)
+        remaining = sorted(range(len(geoms)), key=lambda i: (-geoms[i].numel, i))
+        pos = 0
+        while remaining:
+            p = (nxt - s) // isz  # local target (elements), floor: never exceed cap
+            if p >= n or len(cuts_b) >= w - 1:
+                for k in sorted(remaining):
+                    offsets[k] = pos
+                    pos += geoms[k].numel
+                break
+            gap = p - pos
+            j = 0
+            while gap > 0 and j < len(remaining):
+                k = remaining[j]
+                if geoms[k].numel <= gap:
+                    offsets[k] = pos
+                    pos += geoms[k].numel
+                    gap -= geoms[k].numel
+                    remaining.pop(j)
+                else:
+                    j += 1
+            if gap <= 0 or not remaining:
+                c = pos
+            else:
+                off = p - pos
+                best = min(remaining, key=lambda k: (off - geoms[k].align_down(off), costs[k], k))
+                remaining.remove(best)
+                g = geoms[best]
+                offsets[best] = pos
+                c = pos + g.align_down(off)
+                end = pos + g.numel
+                cap_e = cap // isz
+                while True:  # further cuts inside this tensor
+                    cb = s + c * isz
+                    if cb <= (cuts_b[-1] if cuts_b else 0):
+                        return None  # no progress: a block larger than cap
+                    cuts_b.append(cb)
+                    nxt = cb + cap
+                    if c + cap_e >= end or len(cuts_b) >= w - 1:
+                        break
+                    if g.starts is None:  # uniform blocks: the next cuts are an arithmetic progression
+                        step = cap_e - cap_e % g.unit
+                        if step <= 0:
+                            return None
+                        k = min(-(-(end - cap_e - c) // step), w - 1 - len(cuts_b))
+                        cuts_b.extend(range(cb + step * isz, cb + (k + 1) * step * isz, step * isz))
+                        nxt = cuts_b[-1] + cap
+                        break
+                    c = pos + g.align_down(c + cap_e - pos)
+                pos = end
+                continue
+            cb = s + c * isz
+            if cuts_b and cb < cuts_b[-1]:
+                return None
+            cuts_b.append(cb)
+            nxt = cb + cap
+        offs_list.append(offsets)
+    if total_b - (cuts_b[-1] if cuts_b else 0) > cap:
+        return None
+    cuts_b += [total_b] * (w - 1 - len(cuts_b))
+    return [0, *cuts_b, total_b], offs_list
+
+
+# ---------------------------------------------------------------------------------------
+# Per-tensor bounds (eager tuple, or lazy for huge W)
+# ---------------------------------------------------------------------------------------
+class _ClippedBounds(Sequence):
+    """``clip(rank_bounds[r] - offset, 0, numel)`` for r in 0..W, computed on access."""
+
+    __slots__ = ("_rb", "_offset", "_numel")
+
+    def __init__(self, rank_bounds: tuple[int, ...], offset: int, numel: int):
+        self._rb, self._offset, self._numel = rank_bounds, offset, numel
+
+    def __len__(self) -> int:
+        return len(self._rb)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(min(max(b - self._offset, 0), self._numel) for b in self._rb[i])
+        return min(max(self._rb[i] - self._offset, 0), self._numel)
+
+    def __iter__(self):
+        o, n = self._offset, self._numel
+        return (min(max(b - o, 0), n) for b in self._rb)
+
+    def __eq__(self, other) -> bool:
+        try:
+            return tuple(self) == tuple(other)
+        except TypeError:
+            return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"_ClippedBounds(offset={self._offset}, numel={self._numel}, world_size={len(self) - 1})"
+
+
+def _make_shard(shape: tuple[int, ...], rank_bounds: tuple[int, ...], rb_np: np.ndarray, offset: int) -> RaggedShard:
+    numel = math.prod(shape)
+    w = len(rank_bounds) - 1
+    if w <= _EAGER_BOUNDS_MAX_WORLD:
+        return RaggedShard(shape, tuple(np.clip(rb_np - offset, 0, numel).tolist()))
+    # Valid by construction (rank bounds rise from 0 to >= offset + numel), so skip the O(W) check.
+    shard = object.__new__(RaggedShard)
+    object.__setattr__(shard, "shape", tuple(int(s) for s in shape))
+    object.__setattr__(shard, "bounds", _ClippedBounds(rank_bounds, offset, numel))
+    return shard
+
+
+# ---------------------------------------------------------------------------------------
+# The model planner
+# ---------------------------------------------------------------------------------------
+def _validate(buckets, world_size: int, config: PlanConfig) -> list[tuple[str, list[TensorSpec], int]]:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(config, PlanConfig):
+        raise ValueError(f"config must be a PlanConfig, got {type(config).__name__}")
+    out = []
+    for bi, bucket in enumerate(buckets):
+        try:
+            name, specs = bucket
+        except (TypeError, ValueError):
+            raise ValueError(f"bucket {bi} must be a (name, [TensorSpec, ...]) pair, got {bucket!r}") from None
+        specs = list(specs)
+        itemsizes = set()
+        for ts in specs:
+            if not isinstance(ts, TensorSpec):
+                raise ValueError(f"bucket {name!r}: expected TensorSpec entries, got {type(ts).__name__}")
+            if any((not isinstance(d, int)) or d < 0 for d in ts.shape):
+                raise ValueError(f"bucket {name!r}: {ts.name} has an invalid shape {ts.shape}")
+            ts.spec.check(ts.shape, ts.name)
+            itemsizes.add(ts.itemsize)
+        if len(itemsizes) > 1:
+            raise ValueError(
+                f"bucket {name!r} mixes element sizes {sorted(itemsizes)} (bytes); one bucket is one flat "
+                "buffer of one dtype: put tensors of different dtypes in different buckets"
+            )
+        out.append((str(name), specs, itemsizes.pop() if itemsizes else 4))
+    return out
+
+
+def plan_model(
+    buckets: Sequence[tuple[str, Sequence[TensorSpec]]],
+    *,
+    world_size: int,
+    config: PlanConfig = PlanConfig(),
+) -> Plan:
+    """Lay out every bucket over ``world_size`` ranks, balancing bytes over the whole model.
+
+    ``buckets``: ``(name, tensor specs)`` per communication unit, in execution order.
+    Each bucket is EVEN or RAGGED (``config.layout``; ``"auto"`` picks per bucket, see
+    [Note: auto layout cost model]). Deterministic: the same input gives the same plan on
+    every rank. Every returned ``BucketPlan`` passes ``BucketPlan.check()``.
+    """
+    t0 = time.perf_counter()
+    items = _validate(buckets, world_size, config)
+    w = world_size
+
+    # 1) layout per bucket
+    layouts: list[Layout] = []
+    evens: list[_EvenResult | None] = []
+    for _, specs, _ in items:
+        if config.layout == "ragged":
+            layouts.append(Layout.RAGGED)
+            evens.append(None)
+            continue
+        n = sum(ts.numel for ts in specs)
+        if config.layout == "even":
+            layouts.append(Layout.EVEN)
+            evens.append(_plan_even(specs, w, config, allow_split=True))
+            continue
+        res = _plan_even(specs, w, config, allow_split=False)
+        if res.padding <= config.padding_cap * n:
+            layouts.append(Layout.EVEN)
+            evens.append(res)
+        else:
+            layouts.append(Layout.RAGGED)
+            evens.append(None)
+
+    # 2) global cut targets over the concatenated ragged buckets (bytes)
+    ragged_idx = [i for i, lay in enumerate(layouts) if lay is Layout.RAGGED]
+    starts_b, total_b = {}, 0
+    for i in ragged_idx:
+        starts_b[i] = total_b
+        total_b += sum(ts.numel for ts in items[i][1]) * items[i][2]
+    rag = [(starts_b[i], [_Geom(ts) for ts in items[i][1]], [tensor_cost(ts.shape, ts.spec) for ts in items[i][1]], items[i][2]) for i in ragged_idx]
+    glob_cuts, offs_list = _ragged_fixed_targets(rag, total_b, w)
+    if w > 1 and rag:
+        # second candidate: smallest capacity per rank found by bisection (greedy fill, snap down);
+        # keep whichever has the smaller largest rank (ties: the fixed targets)
+        biggest = max((g.max_block * isz for _, gs, _, isz in rag for g in gs), default=0)
+        lo, hi = max(-(-total_b // w), biggest), -(-total_b // w) + biggest
+        best_max = max(b - a for a, b in zip(glob_cuts, glob_cuts[1:]))
+        if best_max > lo:
+            hi = min(hi, best_max)
+            found = None
+            for _ in range(_CAP_BISECT_STEPS):
+                if hi - lo <= max(1, total_b // (w * 4096)):
+                    break
+                mid = (lo + hi) // 2
+                res = _ragged_capacity(rag, total_b, w, mid)
+                if res is None:
+                    lo = mid
+                else:
+                    hi, found = mid, res
+            if found is not None and max(b - a for a, b in zip(found[0], found[0][1:])) < best_max:
+                glob_cuts, offs_list = found
+    ragged_offsets = dict(zip(ragged_idx, offs_list))
+    # cuts are non-decreasing within a bucket and buckets are in order
+    glob = np.asarray(glob_cuts, dtype=np.int64)
+
+    # 3) materialize bucket plans
+    out: list[BucketPlan] = []
+    for i, (name, specs, isz) in enumerate(items):
+        if layouts[i] is Layout.EVEN:
+            ev = evens[i]
+            rb_np = np.arange(w + 1, dtype=np.int64) * ev.seg
+            offsets, splits = ev.offsets, ev.split
+        else:
+            nb = sum(ts.numel for ts in specs) * isz
+            rb_np = np.clip(glob - starts_b[i], 0, nb) // isz
+            offsets, splits = ragged_offsets[i], [False] * len(specs)
+        rank_bounds = tuple(rb_np.tolist())
+        placements = []
+        for j in sorted(range(len(specs)), key=lambda j: (offsets[j], specs[j].numel > 0, j)):
+            ts = specs[j]
+            shard = _make_shard(tuple(ts.shape), rank_bounds, rb_np, offsets[j])
+            # a splittable matrix is recorded as split only if a rank boundary actually cuts a block
+            cut = bool(splits[j]) and not _Geom(ts).crossings_ok(offsets[j], rb_np[1].item() or 1)
+            placements.append(
+                Placement(name=ts.name, shape=tuple(ts.shape), spec=ts.spec, offset=offsets[j], shard=shard, split=cut)
+            )
+        out.append(BucketPlan(name=name, layout=layouts[i], placements=tuple(placements), rank_bounds=rank_bounds, itemsize=isz))
+    return Plan(world_size=w, buckets=tuple(out), config=config, seconds=time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------------------
+# Statistics and report
+# ---------------------------------------------------------------------------------------
+class PlanStats(NamedTuple):
+    """Whole-model figures of a plan (see ``fsdp-optim plan``)."""
+
+    world_size: int
+    num_buckets: int
+    num_even_buckets: int
+    num_ragged_buckets: int
+    num_tensors: int
+    param_numel: int
+    padding_ratio: float
+    """Padding elements / parameter elements."""
+    num_split_blocks: int
+    split_bytes_ratio: float
+    """Bytes of split matrix blocks / bytes of all matrix blocks (0 without matrix blocks)."""
+    bytes_max_over_mean: float
+    """Per-rank stored bytes (padding included) over all buckets: max / mean."""
+    cost_max_over_mean: float
+    """Per-rank optimizer cost (``tensor_cost``) over all buckets: max / mean."""
+    bytes_lower_bound: float
+    """Largest indivisible block / mean per-rank parameter bytes, floored at 1."""
+    max_rank_bytes: int
+    mean_rank_bytes: float
+    plan_seconds: float
+
+    def as_dict(self) -> dict:
+        return dict(self._asdict())
+
+
+def _per_rank(plan: Plan) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+    """Per-rank bytes and cost arrays, plus per-bucket details (for the report)."""
+    w = plan.world_size
+    rank_bytes = np.zeros(w, dtype=np.float64)
+    rank_cost = np.zeros(w, dtype=np.float64)
+    details = []
+    for b in plan.buckets:
+        rb = np.asarray(b.rank_bounds, dtype=np.int64)
+        seg = np.diff(rb)
+        rank_bytes += seg * b.itemsize
+        bcost = np.zeros(w, dtype=np.float64)
+        split_blocks, split_bytes, matrix_bytes = 0, 0, 0
+        for p in b.placements:
+            numel = p.numel
+            mats = p.spec.matrices(p.shape) if p.spec.is_matrix else []
+            matrix_bytes += sum(r * c for _, r, c in mats) * b.itemsize
+            if numel == 0:
+                continue
+            r0 = int(np.searchsorted(rb, p.offset, side="right")) - 1
+            r1 = int(np.searchsorted(rb, p.offset + numel, side="left"))
+            r0, r1 = max(r0, 0), min(max(r1, r0 + 1), w)
+            x = np.clip(rb[r0 : r1 + 1] - p.offset, 0, numel)
+            cum = _cum_cost(_cost_profile(p.shape, p.spec), numel, x)
+            bcost[r0:r1] += np.diff(cum)
+            if p.split:
+                inner = x[1:-1]
+                inner = inner[(inner > 0) & (inner < numel)]
+                for off, r, c in mats:
+                    if np.any((inner > off) & (inner < off + r * c)):
+                        split_blocks += 1
+                        split_bytes += r * c * b.itemsize
+        rank_cost += bcost
+        details.append(
+            dict(split_blocks=split_blocks, split_bytes=split_bytes, matrix_bytes=matrix_bytes, seg=seg, cost=bcost)
+        )
+    return rank_bytes, rank_cost, details
+
+
+def _largest_block(shape: Sequence[int], spec: BlockSpec) -> int:
+    numel = math.prod(shape)
+    if numel == 0:
+        return 0
+    if spec.is_uniform:
+        return min(spec.unit(shape), numel)
+    starts = spec.block_starts(shape)
+    return max(b - a for a, b in zip(starts, starts[1:]))
+
+
+def _ratio(a: np.ndarray) -> float:
+    m = float(a.mean()) if a.size else 0.0
+    return float(a.max()) / m if m > 0 else 1.0
+
+
+def plan_stats(plan: Plan, *, _per_rank_cache=None) -> PlanStats:
+    """Whole-model statistics of ``plan`` (``Plan.stats()``)."""
+    rank_bytes, rank_cost, details = _per_rank_cache or _per_rank(plan)
+    param = sum(b.param_numel for b in plan.buckets)
+    param_bytes = sum(b.param_numel * b.itemsize for b in plan.buckets)
+    pad = sum(b.padding for b in plan.buckets)
+    biggest = max(
+        (_largest_block(p.shape, p.spec) * b.itemsize for b in plan.buckets for p in b.placements), default=0
+    )
+    mean_param = param_bytes / plan.world_size
+    matrix_bytes = sum(d["matrix_bytes"] for d in details)
+    return PlanStats(
+        world_size=plan.world_size,
+        num_buckets=len(plan.buckets),
+        num_even_buckets=sum(b.layout is Layout.EVEN for b in plan.buckets),
+        num_ragged_buckets=sum(b.layout is Layout.RAGGED for b in plan.buckets),
+        num_tensors=sum(len(b.placements) for b in plan.buckets),
+        param_numel=param,
+        padding_ratio=pad / param if param else 0.0,
+        num_split_blocks=sum(d["split_blocks"] for d in details),
+        split_bytes_ratio=sum(d["split_bytes"] for d in details) / matrix_bytes if matrix_bytes else 0.0,
+        bytes_max_over_mean=_ratio(rank_bytes),
+        cost_max_over_mean=_ratio(rank_cost),
+        bytes_lower_bound=max(1.0, biggest / mean_param) if mean_param else 1.0,
+        max_rank_bytes=int(rank_bytes.max()) if rank_bytes.size else 0,
+        mean_rank_bytes=float(rank_bytes.mean()) if rank_bytes.size else 0.0,
+        plan_seconds=plan.seconds,
+    )
+
+
+def _fmt_bytes(x: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{x:.1f} {unit}" if unit != "B" else f"{int(x)} B"
+        x /= 1024
+    return f"{x:.1f} TiB"
+
+
+def plan_report(plan: Plan) -> str:
+    """Human-readable report: layout per bucket, padding, split blocks, per-rank balance,
+    bytes per collective (``Plan.report()``)."""
+    per_rank = _per_rank(plan)
+    st = plan_stats(plan, _per_rank_cache=per_rank)
+    details = per_rank[2]
+    cfg = plan.config
+    lines = [
+        f"plan: {st.num_buckets} buckets ({st.num_even_buckets} even, {st.num_ragged_buckets} ragged), "
+        f"{st.num_tensors} tensors, {st.param_numel:,} parameters, world size {st.world_size} "
+        f"(layout={cfg.layout}, padding_cap={cfg.padding_cap}, align={cfg.align}), planned in {st.plan_seconds:.3f} s",
+        f"{'bucket':<28} {'layout':<6} {'tensors':>7} {'params':>15} {'padding%':>9} {'split':>6} "
+        f"{'split bytes':>12} {'seg max/mean':>12} {'cost max/mean':>13} {'bytes/collective':>17}",
+    ]
+    for b, d in zip(plan.buckets, details):
+        seg = d["seg"]
+        pad_pct = 100.0 * b.padding / b.param_numel if b.param_numel else 0.0
+        lines.append(
+            f"{b.name[:28]:<28} {b.layout.value:<6} {len(b.placements):>7} {b.param_numel:>15,} {pad_pct:>9.3f} "
+            f"{d['split_blocks']:>6} {_fmt_bytes(d['split_bytes']):>12} {_ratio(seg):>12.3f} "
+            f"{_ratio(d['cost']):>13.3f} {_fmt_bytes(b.total_numel * b.itemsize):>17}"
+        )
+    lines += [
+        f"padding: {100 * st.padding_ratio:.3f}% of parameters",
+        f"split matrix blocks: {st.num_split_blocks} ({100 * st.split_bytes_ratio:.2f}% of matrix bytes)",
+        f"per-rank bytes: max {_fmt_bytes(st.max_rank_bytes)}, mean {_fmt_bytes(st.mean_rank_bytes)}, "
+        f"max/mean {st.bytes_max_over_mean:.4f} (whole-block lower bound {st.bytes_lower_bound:.4f})",
+        f"per-rank optimizer cost: max/mean {st.cost_max_over_mean:.4f}",
+        "bytes/collective: the gathered bucket (all-gather output / reduce-scatter input), padding included",
+    ]
+    return "\n".join(lines)

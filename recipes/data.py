@@ -1,0 +1,195 @@
+"""Data for pretraining: tokenizers, a token stream with a held-out tail, a deterministic per-rank sampler.
+
+Sources (``data.path``):
+- "" : the embedded corpus shipped in the package (fsdp_optim/data/corpus.txt), so the first run works offline;
+- a text file, a folder of text files (.txt/.md/.rst, recursively) or a glob: tokenized at startup;
+- a ``.bin`` file (or a folder/glob of them): pre-tokenized tokens, ``uint16``/``uint32``, memory-mapped.
+
+The stream is cut into windows of ``seq_len + 1`` tokens (input and shifted target); the last
+``val_fraction`` of windows is the held-out split. The sampler visits train windows in a
+permutation fixed by (seed, epoch) and gives global batch ``i`` to the ranks in order, so a
+batch depends only on the sampler's position, which checkpoints save and restore.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, plus BOS=256 and EOS=257: no vocabulary file, nothing to download."""
+
+    bos_id, eos_id, vocab_size = 256, 257, 258
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A local ``tokenizer.json`` via the ``tokenizers`` package (optional dependency)."""
+
+    def __init__(self, path: str):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise ValueError(
+                f"data.tokenizer = {path!r} needs the tokenizers package: pip install tokenizers "
+                "(or pip install 'fsdp_optim[hf]'), or use data.tokenizer = 'byte'"
+            ) from e
+        if not Path(path).is_file():
+            raise ValueError(f"data.tokenizer: {path!r} is not a file; give a local tokenizer.json or 'byte'")
+        self.tok = Tokenizer.from_file(path)
+        self.vocab_size = self.tok.get_vocab_size()
+        self.eos_id = next(
+            (self.tok.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+             if self.tok.token_to_id(t) is not None),
+            None,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+def build_tokenizer(name: str) -> ByteTokenizer | HFTokenizer:
+    return ByteTokenizer() if name == "byte" else HFTokenizer(name)
+
+
+def default_corpus() -> Path:
+    return Path(str(resources.files("fsdp_optim") / "data" / "corpus.txt"))
+
+
+def _files(path: str) -> list[Path]:
+    if os.path.isdir(path):
+        return sorted(p for p in Path(path).rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + (".bin",))
+    if any(c in path for c in "*?["):
+        return sorted(Path(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+    return [Path(path)] if os.path.isfile(path) else []
+
+
+def load_tokens(path: str, tokenizer, token_dtype: str = "uint16") -> np.ndarray:
+    """The whole token stream of ``path`` (see module docstring) as a 1-D numpy array (memmap for .bin)."""
+    if not path:
+        files, where = [default_corpus()], "the embedded corpus"
+    else:
+        files, where = _files(path), f"data.path = {path!r}"
+    if not files:
+        raise ValueError(
+            f"{where}: no data found (expected a text file, a folder of {'/'.join(TEXT_SUFFIXES)} or .bin files, "
+            "or a glob); fix data.path, or leave it empty for the embedded corpus"
+        )
+    bins = [f for f in files if f.suffix == ".bin"]
+    if bins:
+        if len(bins) != len(files):
+            raise ValueError(f"{where}: mixes .bin token files and text files; point data.path at one kind")
+        if token_dtype not in ("uint16", "uint32"):
+            raise ValueError(f"data.token_dtype must be 'uint16' or 'uint32', got {token_dtype!r}")
+        arrays = [np.memmap(f, dtype=token_dtype, mode="r") for f in bins if f.stat().st_size > 0]
+        tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else np.zeros(0, np.uint16)
+    else:
+        # Documents: files, split further on the corpus's form-feed separators; EOS between documents.
+        ids: list[int] = []
+        eos = getattr(tokenizer, "eos_id", None)
+        for f in files:
+            for doc in f.read_text(encoding="utf-8", errors="replace").split("\f"):
+                doc = doc.strip()
+                if doc:
+                    ids.extend(tokenizer.encode(doc))
+                    if eos is not None:
+                        ids.append(eos)
+        tokens = np.asarray(ids, dtype=np.uint32 if tokenizer.vocab_size > 65535 else np.uint16)
+    if tokens.size == 0:
+        raise ValueError(f"{where}: the files hold no tokens; fix data.path")
+    return tokens
+
+
+class TokenWindows:
+    """Windows ``[i*seq_len, i*seq_len + seq_len + 1)`` of a token stream, split into train and val."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float, where: str = "data"):
+        self.tokens, self.seq_len = tokens, seq_len
+        n = (len(tokens) - 1) // seq_len
+        n_val = int(round(n * val_fraction)) if val_fraction > 0 else 0
+        if val_fraction > 0:
+            n_val = max(n_val, 1)
+        self.n_train, self.n_val = n - n_val, n_val
+        if self.n_train < 1:
+            raise ValueError(
+                f"{where}: {len(tokens)} tokens make {n} windows of data.seq_len={seq_len} (+{n_val} held out); "
+                "give more data or a shorter data.seq_len"
+            )
+
+    def window(self, i: int) -> torch.Tensor:
+        s = i * self.seq_len
+        return torch.from_numpy(self.tokens[s : s + self.seq_len + 1].astype(np.int64))
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        w = torch.stack([self.window(i) for i in indices])
+        return w[:, :-1], w[:, 1:]
+
+
+class Sampler:
+    """Deterministic, resumable per-rank batches of train windows.
+
+    Global batch ``k`` of an epoch is windows ``perm[k*B*W : (k+1)*B*W]`` of the epoch's permutation
+    (seeded by ``seed`` and the epoch); rank ``r`` takes its ``B`` consecutive ones. An epoch drops the
+    remainder that cannot fill a global batch. ``state_dict`` is the position (epoch, batch).
+    """
+
+    def __init__(self, data: TokenWindows, batch_size: int, rank: int, world_size: int, seed: int):
+        self.data, self.B, self.rank, self.W, self.seed = data, batch_size, rank, world_size, seed
+        self.per_epoch = data.n_train // (batch_size * world_size)
+        if self.per_epoch < 1:
+            raise ValueError(
+                f"the data cannot feed world size {world_size}: {data.n_train} train windows of "
+                f"seq_len {data.seq_len} < batch_size {batch_size} x world size {world_size}; "
+                "give more data, or lower train.batch_size or data.seq_len"
+            )
+        self.epoch, self.index = 0, 0
+        self._perm_epoch, self._perm = -1, None
+
+    def _permutation(self) -> torch.Tensor:
+        if self._perm_epoch != self.epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self._perm, self._perm_epoch = torch.randperm(self.data.n_train, generator=g), self.epoch
+        return self._perm
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.index >= self.per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        start = (self.index * self.W + self.rank) * self.B
+        idx = self._permutation()[start : start + self.B].tolist()
+        self.index += 1
+        return self.data.batch(idx)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+def val_batches(data: TokenWindows, batch_size: int, rank: int, world_size: int, n_batches: int):
+    """The first ``n_batches`` global batches of the held-out windows, this rank's share (same every eval)."""
+    val = list(range(data.n_train, data.n_train + data.n_val))
+    per = batch_size * world_size
+    if len(val) < per:
+        raise ValueError(
+            f"the held-out split ({len(val)} windows) cannot feed world size {world_size} x batch_size "
+            f"{batch_size}; raise data.val_fraction or lower train.batch_size"
+        )
+    for k in range(min(n_batches, len(val) // per)):
+        yield data.batch(val[k * per + rank * batch_size : k * per + (rank + 1) * batch_size])

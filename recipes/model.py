@@ -1,0 +1,274 @@
+"""A Llama-3-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) and its MoE variant.
+
+``Transformer.layers`` is an ``nn.ModuleList`` so the recipe can shard layer by layer. The MoE
+feed-forward stores its experts as 3-D ``[E, r, c]`` weights (one matrix per expert, which is
+what Muon's ``expert()`` blocks keep whole) and applies them with one batched matmul over experts.
+``build_model`` also makes a Hugging Face ``transformers`` model from a config (no download).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from config import ModelConfig
+
+
+def ffn_hidden(dim: int, multiple_of: int) -> int:
+    """Llama's SwiGLU width: 2/3 of 4*dim, rounded up to ``multiple_of``."""
+    hidden = int(2 * 4 * dim / 3)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of each head by the position's angle; x is [B, H, T, D]."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        if cfg.dim % cfg.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.dim ({cfg.dim}) must be a multiple of model.n_heads ({cfg.n_heads}), and n_heads a "
+                f"multiple of model.n_kv_heads ({self.n_kv_heads})"
+            )
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.wo.is_out_proj = True  # residual-branch output: smaller init (see Transformer.init_module)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w2.is_out_proj = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts with weights ``w1, w3: [E, hidden, dim]`` and ``w2: [E, dim, hidden]``.
+
+    Tokens are sorted by expert and packed into an ``[E, C, dim]`` batch (C = the busiest expert's
+    token count, nothing dropped), run through the experts with ``torch.bmm``, and combined with the
+    router's renormalized top-k weights. ``aux_loss`` is the Switch Transformer load-balancing term
+    E * sum_e(fraction of routed tokens_e * mean router probability_e) (Fedus et al. 2021, eq. 4).
+    """
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"model.top_k ({top_k}) must be between 1 and model.n_experts ({n_experts})")
+        self.n_experts, self.top_k = n_experts, top_k
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [N, dim]
+        probs = self.router(x).float().softmax(-1)  # [N, E]
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        frac = torch.bincount(experts.flatten(), minlength=self.n_experts).float() / experts.numel()
+        self.aux_loss = self.n_experts * (frac * probs.mean(0)).sum()
+
+        flat = experts.flatten()  # [N*k]: assignment a -> token a // k
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        slot = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+        cap = int(counts.max())
+        packed = x.new_zeros(self.n_experts, cap, shape[-1])
+        packed[flat[order], slot] = x[order // self.top_k]
+        h = F.silu(torch.bmm(packed, self.w1.transpose(1, 2))) * torch.bmm(packed, self.w3.transpose(1, 2))
+        out_packed = torch.bmm(h, self.w2.transpose(1, 2))  # [E, C, dim]
+        out = x.new_zeros(flat.numel(), shape[-1])
+        out[order] = out_packed[flat[order], slot]
+        out = (out.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(1)
+        return out.view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        hidden = cfg.ffn_dim or ffn_hidden(cfg.dim, cfg.multiple_of)
+        if cfg.kind == "moe":
+            self.feed_forward = MoE(cfg.dim, cfg.moe_ffn_dim or hidden, cfg.n_experts, cfg.top_k)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        # torch's default inits draw from the RNG; discard them so init_weights() starts from the caller's
+        # RNG state, as fsdp_optim.init_weights does after a meta-device build (same values either way).
+        with torch.random.fork_rng(devices=[]):
+            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if not any(p.is_meta for p in self.parameters()):  # on meta: init after sharding (model.meta_init)
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_module(self, m: nn.Module) -> None:
+        """Initialize ``m``'s own parameters and buffers: Normal(0, 0.02), output projections (attention
+        ``wo``, SwiGLU ``w2``) scaled by 1/sqrt(2 * n_layers) as in GPT-2, norms 1, RoPE tables.
+
+        Per module, so ``fsdp_optim.init_weights(model, model.init_module)`` can run it on a sharded,
+        meta-built model at full shapes (and gets the same values as an unsharded init)."""
+        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        if m is self:
+            cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std)
+        elif isinstance(m, MoE):
+            nn.init.normal_(m.w1, std=std)
+            nn.init.normal_(m.w3, std=std)
+            nn.init.normal_(m.w2, std=out_std)
+        elif isinstance(m, nn.Linear) and not (m is self.output and self.cfg.tie_embeddings):
+            nn.init.normal_(m.weight, std=out_std if getattr(m, "is_out_proj", False) else std)
+
+    def init_weights(self) -> None:
+        for m in self.modules():
+            self.init_module(m)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        T = tokens.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len {self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h)).float()
+
+    def aux_loss(self) -> torch.Tensor | float:
+        """Sum of the MoE layers' load-balancing losses of the last forward (0 for dense models)."""
+        return sum((l.feed_forward.aux_loss for l in self.layers if isinstance(l.feed_forward, MoE)), 0.0)
+
+
+class HFCausalLM(nn.Module):
+    """A ``transformers`` causal LM behind the same interface: ``layers``, ``forward -> logits``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        try:
+            import transformers
+        except ImportError as e:
+            raise ValueError(
+                "model.kind = 'hf' needs Hugging Face transformers: pip install 'fsdp_optim[hf]'"
+            ) from e
+        kwargs = dict(cfg.hf_config)
+        model_type = kwargs.pop("model_type", None)
+        if not model_type:
+            raise ValueError("model.hf_config must name a model_type, e.g. model.hf_config = {model_type = 'llama', ...}")
+        kwargs.setdefault("vocab_size", cfg.vocab_size)
+        kwargs.setdefault("max_position_embeddings", cfg.max_seq_len)
+        kwargs.setdefault("tie_word_embeddings", cfg.tie_embeddings)
+        hf_cfg = transformers.AutoConfig.for_model(model_type, **kwargs)
+        if cfg.meta_init:
+            raise ValueError("model.meta_init is not supported for model.kind = 'hf'; set it false")
+        self.cfg = cfg
+        self.hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
+        self.max_seq_len = hf_cfg.max_position_embeddings
+        # The decoder blocks: model.model.layers for Llama/Qwen/Mistral-style models.
+        self.layers = getattr(getattr(self.hf, "model", self.hf), "layers", None)
+        if self.layers is None:
+            raise ValueError(f"transformers model_type {model_type!r} has no .model.layers to shard per layer")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > self.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_position_embeddings {self.max_seq_len}")
+        return self.hf(input_ids=tokens, use_cache=False).logits.float()
+
+    def aux_loss(self) -> float:
+        return 0.0
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    if cfg.kind in ("llama", "moe"):
+        return Transformer(cfg)
+    if cfg.kind == "hf":
+        return HFCausalLM(cfg)
+    raise ValueError(f"model.kind must be 'llama', 'moe' or 'hf', got {cfg.kind!r}")
+
+
+def max_seq_len(model: nn.Module) -> int:
+    return model.max_seq_len if isinstance(model, HFCausalLM) else model.cfg.max_seq_len
+
+
+def num_params(model: nn.Module, *, exclude_embedding: bool = False) -> int:
+    """Parameter count (tied weights once); with ``exclude_embedding``, minus the input embedding table
+    (a lookup, no matmul FLOPs; an untied output head is kept)."""
+    seen, n = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if exclude_embedding and ("tok_embeddings" in name or "embed_tokens" in name):
+            if not (isinstance(model, Transformer) and model.cfg.tie_embeddings):
+                continue
+        n += p.numel()
+    return n

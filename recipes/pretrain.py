@@ -1,0 +1,413 @@
+"""Pretrain a Llama-style (or MoE, or Hugging Face) language model with FSDP sharding.
+
+    torchrun --nproc_per_node=2 recipes/pretrain.py --config recipes/configs/tiny.toml --out runs/tiny
+    torchrun --nproc_per_node=2 recipes/pretrain.py --config recipes/configs/tiny.toml --out runs/tiny --resume
+    torchrun ... --optimizer muon --steps 50 --set model.dim=128 --set train.batch_size=4
+
+Writes OUT/metrics.jsonl (one JSON object per logged step), OUT/loss.png, OUT/config.json and
+OUT/checkpoints/step_NNNNNN/. ``--set section.key=value`` overrides any config key (see config.py).
+The script reads top to bottom: config, process group, data, model, sharding, optimizer, resume,
+the training loop (with eval, metrics and checkpoints), and the loss plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # config, data, model live next to this file
+from config import DEFAULT_LR, Config, load_config, to_dict  # noqa: E402
+from data import Sampler, TokenWindows, build_tokenizer, load_tokens, val_batches  # noqa: E402
+from model import build_model, max_seq_len, num_params  # noqa: E402
+
+# Peak dense bf16 TFLOP/s per device, for MFU (vendor datasheets: NVIDIA H100/H200 SXM 989, A100 312,
+# B200 2250, L4 121; AMD MI300X 1307). CPU: 0.1 per rank, the order of one AVX2 core's FMA peak
+# (2 FMA units x 8 fp32 lanes x 2 FLOPs x ~3 GHz), a nominal figure; set log.peak_tflops for yours.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0, "L4": 121.0, "MI300X": 1307.0}
+CPU_PEAK_TFLOPS = 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# The runtime switch: our fully_shard / optimizers / checkpoints, or PyTorch FSDP2 + torch optimizers
+# + DCP. Everything backend-specific is in these few functions.
+# ---------------------------------------------------------------------------------------------
+OPTIMIZERS = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "muon": "Muon", "shampoo": "Shampoo"}
+
+
+def pick_backend(cfg: Config) -> str:
+    if cfg.train.backend in ("fsdp_optim", "torch"):
+        return cfg.train.backend
+    if cfg.train.backend != "auto":
+        raise ValueError(f"train.backend must be auto, fsdp_optim or torch, got {cfg.train.backend!r}")
+    import fsdp_optim
+    import fsdp_optim.optimizers as ours
+
+    ready = all(hasattr(fsdp_optim, f) for f in ("fully_shard", "clip_grad_norm_", "save_checkpoint", "load_checkpoint"))
+    return "fsdp_optim" if ready and hasattr(ours, OPTIMIZERS[cfg.optim.name]) else "torch"
+
+
+def shard_model(model: torch.nn.Module, backend: str, opt_name: str, param_dtype: torch.dtype) -> None:
+    """Shard each decoder layer, then the root (embeddings, final norm, head), FSDP2-style."""
+    if backend == "fsdp_optim":
+        import fsdp_optim
+        from fsdp_optim import optimizers
+
+        blocks = getattr(optimizers, OPTIMIZERS[opt_name]).blocks
+        mp = None
+        if param_dtype != torch.float32:
+            mp = fsdp_optim.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fsdp_optim.fully_shard(layer, blocks=blocks, mp_policy=mp)
+        fsdp_optim.fully_shard(model, blocks=blocks, mp_policy=mp)
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+
+
+def init_sharded(model: torch.nn.Module, backend: str, device: torch.device) -> None:
+    """Initialize a model built on the meta device and sharded (same values as an unsharded init)."""
+    if backend == "fsdp_optim":
+        import fsdp_optim
+
+        fsdp_optim.init_weights(model, model.init_module)
+    else:
+        model.to_empty(device=device)
+        model.init_weights()  # FSDP2: on DTensors, so each rank draws its own shards
+
+
+def global_ndim(p: torch.Tensor) -> int:
+    """Dims of the full parameter (ours are flat 1-D pieces; FSDP2's DTensors report the global shape)."""
+    from fsdp_optim.sharding._shard_info import shard_info
+
+    info = shard_info(p)
+    return len(info.shape) if info is not None else p.ndim
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config, backend: str) -> torch.optim.Optimizer:
+    o = cfg.optim
+    lr = o.lr if o.lr is not None else DEFAULT_LR[o.name]
+    params = list(model.parameters())
+    # Weight decay on matrices only (not norms, biases); nanoGPT's grouping.
+    groups = [
+        {"params": [p for p in params if global_ndim(p) >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in params if global_ndim(p) < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if backend == "fsdp_optim":
+        from fsdp_optim import optimizers
+
+        if o.name == "adamw":
+            return optimizers.AdamW(groups, lr=lr, betas=o.betas, eps=o.eps)
+        if o.name == "adamw8bit":  # torch.compile'd step on GPUs; eager on CPU (compiling takes minutes there)
+            return optimizers.AdamW8bit(groups, lr=lr, betas=o.betas, eps=o.eps, compile=torch.cuda.is_available())
+        if o.name == "muon":  # matrices: Muon; embeddings, head, norms: its AdamW fallback (own lr)
+            for g in groups:
+                g["adamw_weight_decay"] = g["weight_decay"]
+            return optimizers.Muon(
+                groups, lr=lr, momentum=o.momentum, adamw_lr=o.adamw_lr or DEFAULT_LR["adamw"], adamw_betas=o.betas,
+                adamw_eps=o.eps,
+            )
+        return optimizers.Shampoo(
+            groups, lr=lr, betas=o.betas, grafting_epsilon=o.eps, max_preconditioner_dim=o.max_preconditioner_dim,
+            precondition_frequency=o.precondition_frequency,
+        )
+    if o.name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=o.betas, eps=o.eps)
+    if o.name == "adamw8bit":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(groups, lr=lr, betas=o.betas, eps=o.eps)
+    raise ValueError(
+        f"optim.name = {o.name!r} needs fsdp_optim.optimizers.{OPTIMIZERS[o.name]} (train.backend = 'fsdp_optim'); "
+        "the torch backend (PyTorch FSDP2) runs adamw and adamw8bit"
+    )
+
+
+def clip_grads(model: torch.nn.Module, max_norm: float, backend: str) -> float:
+    if backend == "fsdp_optim":
+        import fsdp_optim
+
+        return float(fsdp_optim.clip_grad_norm_(model.parameters(), max_norm or math.inf))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def save_checkpoint(path: Path, model, optimizer, scheduler, extra: dict, backend: str) -> None:
+    if backend == "fsdp_optim":
+        import fsdp_optim
+
+        fsdp_optim.save_checkpoint(str(path), model=model, optimizer=optimizer, scheduler=scheduler, extra=extra)
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, optimizer)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+        if dist.get_rank() == 0:
+            torch.save({"scheduler": scheduler.state_dict(), "extra": extra}, path / "recipe_extra.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:  # the marker that makes this checkpoint "complete" for --resume
+        (path / "recipe_done.json").write_text(json.dumps({"step": extra["step"]}))
+    dist.barrier()
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler, backend: str) -> dict:
+    if backend == "fsdp_optim":
+        import fsdp_optim
+
+        return fsdp_optim.load_checkpoint(str(path), model=model, optimizer=optimizer, scheduler=scheduler)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    saved = torch.load(path / "recipe_extra.pt", weights_only=False)
+    scheduler.load_state_dict(saved["scheduler"])
+    return saved["extra"]
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    done = sorted((out / "checkpoints").glob("step_*/recipe_done.json"))
+    return done[-1].parent if done else None
+
+
+# ---------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="TOML config (recipes/configs/*.toml); default: built-in defaults")
+    p.add_argument("--out", required=True, help="output folder: metrics.jsonl, loss.png, checkpoints/")
+    p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="optim.name")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    overrides = list(args.set)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    if args.optimizer is not None:
+        overrides.append(f"optim.name={json.dumps(args.optimizer)}")
+    cfg = load_config(args.config, overrides)
+    if cfg.optim.name not in OPTIMIZERS:
+        raise ValueError(f"optim.name must be one of {sorted(OPTIMIZERS)}, got {cfg.optim.name!r}")
+    out = Path(args.out)
+
+    # ---- process group and device ----
+    use_cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if cfg.train.dtype == "auto":
+        dtype = torch.bfloat16 if use_cuda and torch.cuda.is_bf16_supported() else torch.float32
+    elif cfg.train.dtype in ("bf16", "fp32"):
+        dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+    else:
+        raise ValueError(f"train.dtype must be auto, bf16 or fp32, got {cfg.train.dtype!r}")
+    backend = pick_backend(cfg)
+    master = rank == 0
+
+    # ---- data: every rank tokenizes the same stream and takes its own windows ----
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = tokenizer.vocab_size
+    elif cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size}; raise it or set 0")
+    tokens = load_tokens(cfg.data.path, tokenizer, cfg.data.token_dtype)
+    windows = TokenWindows(tokens, cfg.data.seq_len, cfg.data.val_fraction, where=f"data.path = {cfg.data.path!r}")
+    sampler = Sampler(windows, cfg.train.batch_size, rank, world, cfg.train.seed)
+
+    # ---- model: built whole (same seed on every rank) or on meta, then sharded per layer ----
+    torch.manual_seed(cfg.train.seed)
+    with torch.device("meta" if cfg.model.meta_init else device):
+        model = build_model(cfg.model)
+    if cfg.data.seq_len > max_seq_len(model):
+        raise ValueError(
+            f"data.seq_len {cfg.data.seq_len} is longer than the model supports ({max_seq_len(model)}); "
+            "lower data.seq_len or raise model.max_seq_len"
+        )
+    n_params, n_flop_params = num_params(model), num_params(model, exclude_embedding=True)
+    shard_model(model, backend, cfg.optim.name, dtype)
+    if cfg.model.meta_init:  # initialize at full shape, one bucket at a time, keeping this rank's piece
+        torch.manual_seed(cfg.train.seed)
+        init_sharded(model, backend, device)
+
+    # ---- optimizer and LR schedule: linear warmup, cosine to min_lr_ratio ----
+    optimizer = build_optimizer(model, cfg, backend)
+    t = cfg.train
+
+    def lr_factor(step: int) -> float:  # ``step`` optimizer steps done so far
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+    # ---- resume ----
+    step = 0
+    if master:
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    ckpt = latest_checkpoint(out) if args.resume else None
+    if ckpt is not None:
+        extra = load_checkpoint(ckpt, model, optimizer, scheduler, backend)
+        step = int(extra["step"])
+        sampler.load_state_dict(extra["data"])
+    metrics_path = out / "metrics.jsonl"
+    if master:
+        # Drop records past the checkpoint (a killed run's tail); a fresh run starts a fresh file.
+        old = metrics_path.read_text().splitlines() if (ckpt is not None and metrics_path.exists()) else []
+        metrics_path.write_text("".join(l + "\n" for l in old if json.loads(l)["step"] <= step))
+        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        print(
+            f"[pretrain] {cfg.model.kind} model, {n_params / 1e6:.2f}M params; backend {backend}; "
+            f"optimizer {cfg.optim.name}; world {world} on {device.type}, {dtype}; "
+            f"{len(tokens) / 1e6:.2f}M tokens ({windows.n_train} train / {windows.n_val} held-out windows); "
+            + (f"resumed from {ckpt} at step {step}" if ckpt else "from scratch"),
+            flush=True,
+        )
+
+    # ---- helpers for the loop ----
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum * world
+    peak = cfg.log.peak_tflops or (
+        next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name(device)), 0.0)
+        if use_cuda else CPU_PEAK_TFLOPS
+    )
+
+    def loss_fn(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(x.to(device))
+        ce = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten())
+        return ce, ce + cfg.model.moe_aux_loss * model.aux_loss()
+
+    @torch.no_grad()
+    def evaluate() -> float | None:
+        if windows.n_val == 0:
+            return None
+        model.eval()
+        total, n = torch.zeros((), device=device), 0
+        for x, y in val_batches(windows, cfg.train.batch_size, rank, world, cfg.log.eval_batches):
+            total += loss_fn(x, y)[0]
+            n += 1
+        model.train()
+        dist.all_reduce(total)
+        return total.item() / (n * world)
+
+    def memory_gb() -> float:
+        if use_cuda:
+            return torch.cuda.max_memory_allocated(device) / 1e9
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB -> GB (peak RSS)
+
+    def checkpoint(step: int) -> None:
+        path = out / "checkpoints" / f"step_{step:06d}"
+        if master and path.exists():
+            shutil.rmtree(path)  # an incomplete save of this step from a killed run
+        dist.barrier()
+        save_checkpoint(path, model, optimizer, scheduler, {"step": step, "data": sampler.state_dict()}, backend)
+        if master and cfg.log.keep_ckpts > 0:
+            for old in sorted((out / "checkpoints").glob("step_*"))[: -cfg.log.keep_ckpts]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # ---- the training loop ----
+    bar = tqdm(total=t.steps, initial=step, disable=not master, dynamic_ncols=True, desc="pretrain")
+    t_last, step_last = time.perf_counter(), step
+    while step < t.steps:
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(t.grad_accum):
+            model.set_requires_gradient_sync(micro == t.grad_accum - 1)  # reduce-scatter once per step
+            x, y = sampler.next()
+            ce, loss = loss_fn(x, y)
+            (loss / t.grad_accum).backward()
+            loss_sum += ce.detach()
+        grad_norm = clip_grads(model, t.grad_clip, backend)
+        lr = float(optimizer.param_groups[0]["lr"])  # torchao keeps lr as a tensor
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+
+        last = step == t.steps
+        if step % cfg.log.every == 0 or last:
+            dist.all_reduce(loss_sum)
+            now = time.perf_counter()
+            tps = tokens_per_step * (step - step_last) / (now - t_last)
+            t_last, step_last = now, step
+            rec = {
+                "step": step, "loss": loss_sum.item() / (t.grad_accum * world), "lr": lr,
+                "grad_norm": grad_norm, "tokens_per_s": tps, "tokens": step * tokens_per_step,
+                "mfu": 6 * n_flop_params * tps / (peak * 1e12 * world) if peak else None,
+                "mem_gb": memory_gb(),
+            }
+            if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or last:
+                rec["eval_loss"] = evaluate()
+            if master:
+                with metrics_path.open("a") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+                bar.set_postfix(
+                    loss=f"{rec['loss']:.3f}", tok_s=f"{tps:,.0f}",
+                    mfu=f"{100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "n/a", mem=f"{rec['mem_gb']:.2f}GB",
+                )
+            t_last = time.perf_counter()  # eval and logging are not training time
+        bar.update(1)
+        if (cfg.log.ckpt_every and step % cfg.log.ckpt_every == 0) or last:
+            checkpoint(step)
+            t_last = time.perf_counter()
+    bar.close()
+
+    # ---- the loss curve ----
+    records = [json.loads(l) for l in metrics_path.read_text().splitlines()] if master else []
+    if master and records:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train")
+        ev = [r for r in records if r.get("eval_loss") is not None]
+        ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="held-out")
+        ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=f"{cfg.model.kind}, {cfg.optim.name}, W={world}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "loss.png", dpi=120)
+        plt.close(fig)
+        first, final = records[0], records[-1]
+        print(f"[pretrain] step {final['step']}: loss {first['loss']:.3f} -> {final['loss']:.3f}, "
+              f"held-out {final.get('eval_loss')}; wrote {metrics_path}, {out / 'loss.png'}", flush=True)
+    return {"records": records, "backend": backend, "resumed_from": str(ckpt) if ckpt else None}
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as e:  # user errors: one clear line per rank, no traceback
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,96 @@
+"""A tiny decoder-only transformer for the sharding tests: dims that divide nothing.
+
+Hidden 72 with 3 heads (head dim 24), MLP 200 wide with biases, vocab 1009 (prime), the
+output head tied to the embedding. ``frozen=True`` freezes one parameter
+(``layers.1.mlp_norm.weight``) so frozen and trainable tensors share a bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["TinyConfig", "TinyTransformer", "make_batch"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyConfig:
+    vocab_size: int = 1009
+    dim: int = 72
+    num_heads: int = 3
+    num_layers: int = 2
+    mlp_dim: int = 200
+    tie_embeddings: bool = True
+    frozen: bool = True
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TinyConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (w(x).view(b, t, self.num_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TinyConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.mlp_dim)
+        self.w2 = nn.Linear(cfg.mlp_dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TinyConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.dim)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.dim)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, cfg: TinyConfig | None = None) -> None:
+        super().__init__()
+        cfg = cfg or TinyConfig()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.dim)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.embed.weight
+        if cfg.frozen and cfg.num_layers > 1:
+            self.layers[1].mlp_norm.weight.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def make_batch(
+    *, batch_size: int, seq_len: int, vocab_size: int = 1009, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``(tokens, targets)`` of shape ``[batch_size, seq_len]`` (same on every rank for a seed)."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=g)
+    return data[:, :-1], data[:, 1:]

@@ -1,0 +1,501 @@
+"""Muon on shards equals torch.optim.Muon (matrices) + torch.optim.AdamW (the rest), unsharded.
+
+Every comparison is bitwise: Muon's update is element-wise but for Newton–Schulz, which runs on
+the whole matrix with the same ops as torch (owned matrices locally, split matrices on their owner
+after an exact bf16 exchange), so there is no rounding difference to tolerate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed
+from fsdp_optim.optimizers import Muon
+from fsdp_optim.optimizers._muon import DEFAULT_NS_COEFFICIENTS, assign_owners, newton_schulz
+from fsdp_optim.sharding import RaggedShard, elements, expert, whole
+
+STEPS = 3
+
+
+@contextlib.contextmanager
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks run single-threaded; so does the reference
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _grads(shapes: dict[str, tuple[int, ...]], step: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+
+
+def _init(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+
+
+# ---- layouts ------------------------------------------------------------------------------
+def owner_layout(shape, world_size: int, owner: int) -> RaggedShard:
+    """All of the tensor on ``owner`` (what a ragged plan does with a matrix); other ranks empty."""
+    n = math.prod(shape)
+    return RaggedShard(tuple(shape), tuple([0] * (owner + 1) + [n] * (world_size - owner)))
+
+
+def uneven_layout(shape, world_size: int, unit: int = 1) -> RaggedShard:
+    """Uneven, ``unit``-aligned ranges (rank r gets a share ~ r + 1): divides nothing."""
+    n = math.prod(shape)
+    units = -(-n // unit)
+    tot = world_size * (world_size + 1) // 2
+    cuts = [min(units * (r * (r + 1) // 2) // tot * unit, n) for r in range(world_size)] + [n]
+    return RaggedShard(tuple(shape), tuple(cuts))
+
+
+# ---- the reference ------------------------------------------------------------------------
+MUON_KW = dict(lr=0.02, momentum=0.9, ns_steps=5)
+ADAMW_KW = dict(adamw_lr=3e-3, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=0.05)
+
+
+def reference(
+    init: dict[str, torch.Tensor],
+    shapes: dict[str, tuple[int, ...]],
+    muon_names: list[str],
+    *,
+    weight_decay: float,
+    nesterov: bool,
+    adjust_lr_fn: str | None,
+    sub_matrices: dict[str, list[tuple[int, int, int]]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """torch.optim.Muon on every hidden matrix (or on each of its sub-matrices), torch.optim.AdamW on
+    the rest; full tensors, one process, one thread."""
+    sub_matrices = sub_matrices or {}
+    with _one_thread():
+        full = {k: v.clone() for k, v in init.items()}
+        pieces: dict[str, list[torch.nn.Parameter]] = {}
+        for k in muon_names:
+            mats = sub_matrices.get(k) or [(0, *shapes[k])]
+            flat = full[k].reshape(-1)
+            pieces[k] = [torch.nn.Parameter(flat[o : o + r * c].view(r, c).clone()) for o, r, c in mats]
+        rest = {k: torch.nn.Parameter(full[k]) for k in full if k not in muon_names}
+        muon = torch.optim.Muon(
+            [q for k in muon_names for q in pieces[k]], weight_decay=weight_decay, nesterov=nesterov,
+            adjust_lr_fn=adjust_lr_fn, **MUON_KW,
+        )  # fmt: skip
+        adamw = torch.optim.AdamW(
+            list(rest.values()) or [torch.nn.Parameter(torch.zeros(1))],
+            lr=ADAMW_KW["adamw_lr"], betas=ADAMW_KW["adamw_betas"],
+            eps=ADAMW_KW["adamw_eps"], weight_decay=ADAMW_KW["adamw_weight_decay"],
+        )  # fmt: skip
+        for s in range(STEPS):
+            g = _grads(shapes, s)
+            for k in muon_names:
+                mats = sub_matrices.get(k) or [(0, *shapes[k])]
+                flat = g[k].reshape(-1)
+                for q, (o, r, c) in zip(pieces[k], mats):
+                    q.grad = flat[o : o + r * c].view(r, c).clone()
+            for k, q in rest.items():
+                q.grad = g[k].clone()
+            muon.step()
+            adamw.step()
+        out = {k: v.detach().clone() for k, v in rest.items()}
+        for k in muon_names:
+            out[k] = torch.cat([q.detach().reshape(-1) for q in pieces[k]]).view(shapes[k])
+        return out
+
+
+def run_sharded(
+    init, shapes, specs, layouts, splits, buckets, *, world_size, configs: list[dict]
+) -> list[tuple[dict[str, torch.Tensor], list]]:
+    """Our Muon on sharded params over ``world_size`` gloo ranks, once per optimizer config (one
+    launch); per config the unsharded result and each rank's per-step collective counts."""
+
+    def fn():
+        out = []
+        for kw in configs:
+            params = {
+                k: make_sharded_param(
+                    init[k], spec=specs[k], layout=layouts[k], fqn=k, bucket=buckets.get(k, 0), split=k in splits
+                )
+                for k in shapes
+            }
+            opt = Muon(list(params.values()), **MUON_KW, **ADAMW_KW, **kw)
+            counts = []
+            for s in range(STEPS):
+                g = _grads(shapes, s)
+                for k, p in params.items():
+                    p.grad = layouts[k].shard(g[k], dist.get_rank()).clone()
+                with CommDebugMode() as mode:
+                    opt.step()
+                counts.append({str(op): n for op, n in mode.get_comm_counts().items() if n})
+            out.append(({k: p.detach().clone() for k, p in params.items()}, counts))
+        return out
+
+    outs = run_distributed(fn, world_size=world_size)
+    return [
+        ({k: layouts[k].unshard([o[i][0][k] for o in outs]) for k in shapes}, [o[i][1] for o in outs])
+        for i in range(len(configs))
+    ]
+
+
+def assert_bitwise(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    for k in ref:
+        assert torch.equal(ours[k], ref[k]), f"{k}: max |diff| {(ours[k] - ref[k]).abs().max().item():.3e}"
+
+
+# ---- a small model's parameters --------------------------------------------------------------
+SHAPES = {
+    "embed.weight": (11, 6),
+    "layers.0.attn.wq.weight": (12, 10),
+    "layers.0.mlp.w1.weight": (7, 13),
+    "layers.0.mlp.w2.weight": (13, 7),
+    "layers.0.norm.weight": (10,),
+    "layers.0.mlp.b1": (7,),
+    "lm_head.weight": (9, 6),
+}
+MATRICES = ["layers.0.attn.wq.weight", "layers.0.mlp.w1.weight", "layers.0.mlp.w2.weight"]
+
+
+def _specs(shapes):
+    return {k: Muon.blocks(k, torch.empty(s), None) for k, s in shapes.items()}
+
+
+CONFIGS = [
+    dict(adjust_lr_fn="original", nesterov=True, weight_decay=0.1),
+    dict(adjust_lr_fn="original", nesterov=False, weight_decay=0.0),
+    dict(adjust_lr_fn="match_rms_adamw", nesterov=True, weight_decay=0.0),
+    dict(adjust_lr_fn="match_rms_adamw", nesterov=False, weight_decay=0.1),
+]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_whole_matrices_equal_torch_muon(world_size):
+    """Both adjust_lr_fns x Nesterov on/off x weight decay on/off (one launch per W)."""
+    init, specs = _init(SHAPES), _specs(SHAPES)
+    assert [k for k in SHAPES if specs[k].is_matrix] == MATRICES  # embeddings, head, 1-D -> AdamW
+    layouts = {}
+    for i, (k, s) in enumerate(SHAPES.items()):
+        layouts[k] = owner_layout(s, world_size, i % world_size) if specs[k].is_matrix else uneven_layout(s, world_size)
+    results = run_sharded(init, SHAPES, specs, layouts, set(), {}, world_size=world_size, configs=CONFIGS)
+    for kw, (ours, counts) in zip(CONFIGS, results):
+        assert_bitwise(ours, reference(init, SHAPES, MATRICES, **kw))
+        assert all(c == {} for per_rank in counts for c in per_rank), counts  # zero collectives in step()
+
+
+def _split_case(world_size):
+    """Two buckets with split matrices (bucket 0 also holds a whole one), bucket 2 without."""
+    shapes = {
+        "a.weight": (13, 7), "b.weight": (6, 17), "c.weight": (9, 9), "d.weight": (10, 5), "e.bias": (9,),
+    }  # fmt: skip
+    buckets = {"a.weight": 0, "b.weight": 0, "c.weight": 1, "d.weight": 2, "e.bias": 2}
+    specs = _specs(shapes)
+    layouts, splits = {}, set()
+    for k, s in shapes.items():
+        if k in ("a.weight", "c.weight") and world_size > 1:  # cut on rows, unevenly (an empty rank at W >= 3)
+            layouts[k] = uneven_layout(s, world_size, unit=s[1])
+            splits.add(k)
+        elif specs[k].is_matrix:
+            layouts[k] = owner_layout(s, world_size, world_size - 1)
+        else:
+            layouts[k] = uneven_layout(s, world_size)
+    return shapes, buckets, specs, layouts, splits
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_split_matrices_equal_torch_muon_with_one_exchange_pair_per_bucket(world_size):
+    shapes, buckets, specs, layouts, splits = _split_case(world_size)
+    assert all(len(set(layouts[k].bounds)) >= 3 for k in splits)  # really cut: pieces on >= 2 ranks
+    init = _init(shapes)
+    configs = [CONFIGS[0], CONFIGS[3]]
+    results = run_sharded(init, shapes, specs, layouts, splits, buckets, world_size=world_size, configs=configs)
+    want = {"c10d.alltoall_base_": 2 * len({buckets[k] for k in splits})} if splits else {}
+    for kw, (ours, counts) in zip(configs, results):
+        # Bitwise, not within a tolerance: the owner orthogonalizes the exact full bf16 update.
+        assert_bitwise(ours, reference(init, shapes, [k for k in shapes if specs[k].is_matrix], **kw))
+        assert all(c == want for per_rank in counts for c in per_rank), counts
+
+
+def _sub_matrix_case(world_size, *, split: bool):
+    shapes = {"attn.wq.weight": (12, 10), "attn.wqkv.weight": (10, 6), "moe.experts.w1": (3, 5, 7)}
+    rule = Muon.rule(head_dims={"attn.wq.weight": 4}, row_splits={"attn.wqkv.weight": [6, 2, 2]})
+    specs = {k: rule(k, torch.empty(s), None) for k, s in shapes.items()}
+    assert specs["attn.wq.weight"] == whole(row_splits=[4, 4, 4]) and specs["moe.experts.w1"] == expert()
+    layouts = {}
+    for k, s in shapes.items():
+        unit = specs[k].split_unit(s) if split else None
+        if split:  # cut on rows, never on a sub-matrix boundary (move such cuts one row on)
+            b = list(uneven_layout(s, world_size, unit=unit).bounds)
+            for i in range(1, world_size):
+                b[i] = max(b[i - 1], b[i] + unit if 0 < b[i] < b[-1] and specs[k].is_boundary(s, b[i]) else b[i])
+            layouts[k] = RaggedShard(s, tuple(b))
+        else:  # whole sub-matrices spread over the ranks (block starts), uneven
+            starts = specs[k].block_starts(s)
+            idx = [len(starts) - 1 - (len(starts) - 1) * (world_size - r) * (world_size - r + 1)
+                   // (world_size * (world_size + 1)) for r in range(world_size)] + [len(starts) - 1]
+            idx[0] = 0
+            layouts[k] = RaggedShard(s, tuple(starts[i] for i in idx))
+            assert layouts[k].is_aligned(specs[k])
+    subs = {k: specs[k].matrices(s) for k, s in shapes.items()}
+    return shapes, specs, layouts, subs
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("split", [False, True])
+def test_heads_fused_qkv_and_experts_equal_torch_muon_per_sub_matrix(world_size, split):
+    shapes, specs, layouts, subs = _sub_matrix_case(world_size, split=split)
+    splits = {k for k in shapes if split and world_size > 1 and any(
+        o < b < o + r * c for o, r, c in subs[k] for b in layouts[k].bounds[1:-1])}  # fmt: skip
+    if split and world_size > 1:
+        assert splits == set(shapes)
+    init = _init(shapes)
+    kw = dict(weight_decay=0.1, nesterov=True, adjust_lr_fn="match_rms_adamw")
+    [(ours, counts)] = run_sharded(init, shapes, specs, layouts, splits, {}, world_size=world_size, configs=[kw])
+    assert_bitwise(ours, reference(init, shapes, list(shapes), sub_matrices=subs, **kw))
+    want = {"c10d.alltoall_base_": 2} if splits else {}
+    assert all(c == want for per_rank in counts for c in per_rank), counts
+
+
+def test_comm_debug_mode_counts_c10d_collectives():
+    """Positive control for the zero-collective assertions above."""
+
+    def fn():
+        with CommDebugMode() as mode:
+            out = torch.empty(dist.get_world_size())
+            dist.all_to_all_single(out, torch.ones(dist.get_world_size()))
+            dist.all_to_all_single(torch.empty(0), torch.empty(0), [0] * 3, [0] * 3)
+        return {str(k): v for k, v in mode.get_comm_counts().items() if v}
+
+    assert run_distributed(fn, world_size=3) == [{"c10d.alltoall_base_": 2}] * 3
+
+
+# ---- state ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_state_dict_keys_and_shapes_are_checkpoint_shaped(world_size):
+    shapes, buckets, specs, layouts, splits = _split_case(world_size)
+    init = _init(shapes)
+
+    def fn():
+        params = [make_sharded_param(init[k], spec=specs[k], layout=layouts[k], fqn=k, bucket=buckets[k],
+                                     split=k in splits) for k in shapes]  # fmt: skip
+        opt = Muon(params, lr=0.02)
+        desc = lambda sd: {i: {k: tuple(v.shape) for k, v in st.items()} for i, st in sd["state"].items()}  # noqa: E731
+        before = desc(opt.state_dict())
+        for p, k in zip(params, shapes):
+            p.grad = layouts[k].shard(_grads(shapes, 0)[k], dist.get_rank()).clone()
+        opt.step()
+        after = desc(opt.state_dict())
+        shards = {i: {k: tuple(v) for k, v in opt.state_shards(p).items()} for i, p in enumerate(params)}
+        sizes = {i: {k: opt.state[p][k].numel() for k in opt.state_shards(p)} for i, p in enumerate(params)}
+        keys = {i: sorted(st) for i, st in opt.state_dict()["state"].items()}
+        return before, after, shards, sizes, keys, [{k: v for k, v in g.items() if k != "params"}
+                                                    for g in opt.state_dict()["param_groups"]]
+
+    outs = run_distributed(fn, world_size=world_size)
+    for before, after, shards, sizes, keys, groups in outs:
+        assert before == after
+        assert keys == outs[0][4] and groups == outs[0][5]  # the same keys and groups on every rank
+        for i, st in shards.items():
+            for k, (gnum, a, b) in st.items():
+                assert sizes[i][k] == b - a
+    for i in outs[0][2]:  # global sizes agree and the ranges tile the global state
+        for k in outs[0][2][i]:
+            gnum = outs[0][2][i][k][0]
+            assert [o[2][i][k][0] for o in outs] == [gnum] * world_size
+            assert sum(o[3][i][k] for o in outs) == gnum
+
+
+def test_state_dict_round_trip_and_lr_scheduler():
+    init = _init(SHAPES)
+    named = lambda: [(k, torch.nn.Parameter(v.clone())) for k, v in init.items()]  # noqa: E731
+
+    def run(params, opt, steps):
+        for s in steps:
+            g = _grads(SHAPES, s)
+            for k, p in params:
+                p.grad = g[k].clone()
+            opt.step()
+
+    with _one_thread():
+        a = named()
+        opt_a = Muon(a, lr=0.02, adamw_lr=1e-3)
+        assert [g["use_muon"] for g in opt_a.param_groups] == [True, False]
+        assert [g["lr"] for g in opt_a.param_groups] == [0.02, 1e-3]
+        sched = torch.optim.lr_scheduler.LambdaLR(opt_a, lambda s: 0.5)
+        assert [g["lr"] for g in opt_a.param_groups] == [0.01, 5e-4]  # both groups scheduled
+        run(a, opt_a, [0, 1])
+        b = [(k, torch.nn.Parameter(p.detach().clone())) for k, p in a]
+        opt_b = Muon(b, lr=0.02, adamw_lr=1e-3)
+        opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # as from a checkpoint
+        run(a, opt_a, [2])
+        run(b, opt_b, [2])
+        del sched
+    for (k, p), (_, q) in zip(a, b):
+        assert torch.equal(p, q), k
+
+
+def test_plain_named_parameters_equal_torch():
+    """W = 1 without ShardInfo: names route embeddings and the head to AdamW."""
+    init = _init(SHAPES)
+    with _one_thread():
+        params = [(k, torch.nn.Parameter(v.clone())) for k, v in init.items()]
+        opt = Muon(params, **MUON_KW, **ADAMW_KW, weight_decay=0.1)
+        for s in range(STEPS):
+            g = _grads(SHAPES, s)
+            for k, p in params:
+                p.grad = g[k].clone()
+            opt.step()
+    ref = reference(init, SHAPES, MATRICES, weight_decay=0.1, nesterov=True, adjust_lr_fn=None)
+    assert_bitwise({k: p.detach() for k, p in params}, ref)
+
+
+# ---- pieces ------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(5, 7), (7, 5), (16, 16), (33, 65), (65, 33)])
+def test_newton_schulz_same_bits_as_torch(shape):
+    """The premise of bitwise equality: the same ops on the same full matrix, matrix by matrix or
+    batched (experts / heads)."""
+    g = torch.randn(3, *shape)
+    with _one_thread():
+        ref = torch.stack([_zeropower_via_newtonschulz(g[i], DEFAULT_NS_COEFFICIENTS, 5, 1e-7) for i in range(3)])
+        assert torch.equal(newton_schulz(g[1]), ref[1])
+        assert torch.equal(newton_schulz(g), ref)
+        assert torch.equal(newton_schulz(g[1].bfloat16()), ref[1])  # the exchanged (bf16) input
+    gb = g.bfloat16()
+    newton_schulz(gb)
+    assert torch.equal(gb, g.bfloat16())  # input untouched
+
+
+def test_assign_owners_balances_and_is_deterministic():
+    # two big matrices go to different ranks; rank 1 starts loaded, so the first goes to rank 0
+    assert assign_owners([10, 10, 1], [[5, 5], [5, 5], [0, 1]], [0, 3]) == [0, 1, 0]
+    # ties go to the rank holding more of the matrix
+    assert assign_owners([4], [[1, 3, 0]], [0, 0, 0]) == [1]
+    costs = [7, 3, 9, 2, 2, 5]
+    owners = assign_owners(costs, [[1, 1, 1]] * 6, [0, 0, 0])
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(3)]
+    assert max(loads) <= sum(costs) / 3 + max(costs)  # LPT bound
+    assert owners == assign_owners(costs, [[1, 1, 1]] * 6, [0, 0, 0])
+
+
+def test_bad_layout_raises_naming_the_parameter_and_the_fix():
+    full = torch.randn(6, 4)
+    layout = RaggedShard((6, 4), (0, 10, 24))  # cuts a row and the matrix, not recorded as split
+    p = make_sharded_param(full, spec=whole(), layout=layout, fqn="blocks.0.w")
+    with pytest.raises(ValueError, match=r"blocks\.0\.w.*Muon\.blocks"):
+        Muon([p])
+    p = make_sharded_param(full, spec=whole(), layout=layout, fqn="blocks.0.w", split=True)
+    with pytest.raises(ValueError, match=r"blocks\.0\.w.*row boundaries"):
+        Muon([p])
+    q = make_sharded_param(full, spec=elements(1), layout=layout, fqn="blocks.0.w2")
+    with pytest.warns(UserWarning, match=r"blocks\.0\.w2.*AdamW fallback"):
+        Muon([q])  # element-wise spec: AdamW fallback, any layout; a matrix there is worth a warning
+
+
+def test_error_is_raised_on_every_rank():
+    full = torch.randn(6, 4)
+
+    def fn():
+        p = make_sharded_param(full, spec=whole(), layout=RaggedShard((6, 4), (0, 8, 24)), fqn="w")
+        Muon([p])
+
+    with pytest.raises(DistributedTestError, match=r"ranks with errors: \[0, 1\]"):
+        run_distributed(fn, world_size=2)
+
+
+# ---- end to end with fully_shard ---------------------------------------------------------------
+def _fully_shard():
+    try:
+        from fsdp_optim.sharding import fully_shard
+    except ImportError:
+        fully_shard = pytest.importorskip("fsdp_optim.sharding._fully_shard").fully_shard
+    return fully_shard
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 10), torch.nn.Tanh(), torch.nn.Linear(10, 7), torch.nn.Tanh(),
+        torch.nn.Linear(7, 5, bias=False),
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fully_shard_with_muon_blocks_equals_torch_muon(world_size):
+    """fully_shard(..., blocks=Muon.blocks) + Muon(model.parameters()) vs torch.optim.Muon / AdamW on
+    the unsharded model. Every rank sees the same batch, so the averaged gradient is exactly the
+    single-process one (sums of W equal values, W a power of two) and the result is bitwise."""
+    fully_shard = _fully_shard()
+
+    def fn():
+        model, ref = _mlp(), _mlp()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, blocks=Muon.blocks)
+        fully_shard(model, blocks=Muon.blocks)
+        opt = Muon(model.parameters(), lr=0.02, weight_decay=0.1)
+        muon = torch.optim.Muon([p for p in ref.parameters() if p.ndim == 2], lr=0.02, weight_decay=0.1)
+        adamw = torch.optim.AdamW([p for p in ref.parameters() if p.ndim != 2])
+        for s in range(3):
+            x = torch.randn(6, 12, generator=torch.Generator().manual_seed(s))
+            for m in (model, ref):
+                m(x).square().sum().backward()
+            for o in (opt, muon, adamw):
+                o.step()
+                o.zero_grad()
+        from fsdp_optim.sharding._shard_info import shard_info
+
+        return [(n, torch.equal(p.detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank)))
+                for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())]  # fmt: skip
+
+    for per_rank in run_distributed(fn, world_size=world_size):
+        assert all(ok for _, ok in per_rank), per_rank
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_param_groups_with_own_hyperparameters_share_a_split_bucket(world_size):
+    """Two user groups (own lr, momentum, Nesterov, ns_steps, adamw_lr) with split matrices of both in
+    one bucket: one exchange pair, each matrix orthogonalized with its own group's settings."""
+    shapes, _, specs, layouts, splits = _split_case(world_size)
+    init = _init(shapes)
+    g1 = dict(lr=0.01, momentum=0.8, nesterov=False, ns_steps=4, adamw_lr=1e-2)
+    first, second = ["a.weight", "b.weight"], ["c.weight", "d.weight", "e.bias"]
+
+    def fn():
+        params = {k: make_sharded_param(init[k], spec=specs[k], layout=layouts[k], fqn=k, bucket=0,
+                                        split=k in splits) for k in shapes}  # fmt: skip
+        opt = Muon([{"params": [params[k] for k in first]}, {"params": [params[k] for k in second], **g1}],
+                   lr=0.02, weight_decay=0.1, adjust_lr_fn="original")  # fmt: skip
+        counts = []
+        for s in range(STEPS):
+            g = _grads(shapes, s)
+            for k, p in params.items():
+                p.grad = layouts[k].shard(g[k], dist.get_rank()).clone()
+            with CommDebugMode() as mode:
+                opt.step()
+            counts.append({str(op): n for op, n in mode.get_comm_counts().items() if n})
+        return {k: p.detach().clone() for k, p in params.items()}, counts
+
+    outs = run_distributed(fn, world_size=world_size)
+    ours = {k: layouts[k].unshard([o[0][k] for o in outs]) for k in shapes}
+    assert all(c == {"c10d.alltoall_base_": 2} for o in outs for c in o[1])
+    with _one_thread():
+        full = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
+        m1 = torch.optim.Muon([full["a.weight"], full["b.weight"]], lr=0.02, weight_decay=0.1, adjust_lr_fn="original")
+        m2 = torch.optim.Muon([full["c.weight"], full["d.weight"]], lr=0.01, momentum=0.8, nesterov=False,
+                              ns_steps=4, weight_decay=0.1, adjust_lr_fn="original")  # fmt: skip
+        aw = torch.optim.AdamW([full["e.bias"]], lr=1e-2)
+        for s in range(STEPS):
+            g = _grads(shapes, s)
+            for k, p in full.items():
+                p.grad = g[k].clone()
+            for o in (m1, m2, aw):
+                o.step()
+    assert_bitwise(ours, {k: p.detach() for k, p in full.items()})

@@ -1,0 +1,85 @@
+"""Data: tokenizers, sources (embedded corpus, text, folders, .bin), held-out split, the sampler."""
+
+import numpy as np
+import pytest
+import torch
+from data import ByteTokenizer, Sampler, TokenWindows, default_corpus, load_tokens, val_batches
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    text = "naïve café — ünïcode\n"
+    ids = tok.encode(text)
+    assert max(ids) < 256 and tok.decode(ids + [tok.eos_id]) == text and tok.vocab_size == 258
+
+
+def test_embedded_corpus_exists_with_license():
+    path = default_corpus()
+    assert path.is_file() and 0.5e6 < path.stat().st_size < 5e6
+    assert "Python Software Foundation" in (path.parent / "CORPUS_LICENSE.txt").read_text()
+    tokens = load_tokens("", ByteTokenizer())
+    assert tokens.dtype == np.uint16 and len(tokens) > 0.5e6 and (tokens == ByteTokenizer.eos_id).sum() > 1000
+
+
+def test_text_folder_glob_and_bin(tmp_path):
+    tok = ByteTokenizer()
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("hello")
+    (tmp_path / "sub" / "b.md").write_text("world")
+    (tmp_path / "skip.py").write_text("ignored")
+    folder = load_tokens(str(tmp_path), tok)
+    assert folder.tolist() == tok.encode("hello") + [tok.eos_id] + tok.encode("world") + [tok.eos_id]
+    assert load_tokens(str(tmp_path / "*.txt"), tok).tolist() == tok.encode("hello") + [tok.eos_id]
+    for dtype in ("uint16", "uint32"):
+        arr = np.arange(1000, dtype=dtype) * (70 if dtype == "uint32" else 1)
+        arr.tofile(tmp_path / f"t_{dtype}.bin")
+        got = load_tokens(str(tmp_path / f"t_{dtype}.bin"), tok, dtype)
+        assert isinstance(got, np.memmap) and np.array_equal(got, arr)
+
+
+def test_no_data_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"data.path = .*no data found"):
+        load_tokens(str(tmp_path / "missing"), ByteTokenizer())
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(ValueError, match="hold no tokens"):
+        load_tokens(str(tmp_path), ByteTokenizer())
+    (tmp_path / "t.bin").write_bytes(b"\0\0")
+    with pytest.raises(ValueError, match="mixes .bin token files and text files"):
+        load_tokens(str(tmp_path), ByteTokenizer())
+
+
+def test_windows_and_val_split():
+    w = TokenWindows(np.arange(1001, dtype=np.uint16), seq_len=10, val_fraction=0.1)
+    assert (w.n_train, w.n_val) == (90, 10)
+    x, y = w.batch([3])
+    assert x[0].tolist() == list(range(30, 40)) and y[0].tolist() == list(range(31, 41))
+    # held-out windows never appear in training batches
+    s = Sampler(w, batch_size=4, rank=0, world_size=2, seed=0)
+    seen = {int(s.next()[0][i, 0]) // 10 for _ in range(50) for i in range(4)}
+    assert max(seen) < 90
+    vx = [b[0] for b in val_batches(w, 2, 1, 2, n_batches=10)]
+    assert len(vx) == 2 and all(int(b[0, 0]) // 10 >= 90 for b in vx)
+
+
+def test_sampler_deterministic_disjoint_and_resumable():
+    w = TokenWindows(np.arange(2001, dtype=np.uint16), seq_len=10, val_fraction=0.0)
+    ranks = [Sampler(w, 3, r, 2, seed=7) for r in range(2)]
+    epoch = [[tuple(s.next()[0][:, 0].tolist()) for _ in range(ranks[0].per_epoch)] for s in ranks]
+    starts = [v for r in epoch for b in r for v in b]
+    assert len(starts) == len(set(starts))  # the two ranks never see the same window in an epoch
+    a = Sampler(w, 3, 1, 2, seed=7)
+    for _ in range(40):  # into the second epoch
+        a.next()
+    b = Sampler(w, 3, 1, 2, seed=7)
+    b.load_state_dict(a.state_dict())
+    for _ in range(5):
+        assert torch.equal(a.next()[0], b.next()[0])
+    assert a.state_dict()["epoch"] == 1
+
+
+def test_world_size_the_data_cannot_feed():
+    w = TokenWindows(np.arange(101, dtype=np.uint16), seq_len=10, val_fraction=0.0)
+    with pytest.raises(ValueError, match="cannot feed world size 4: 10 train windows"):
+        Sampler(w, 4, 0, 4, seed=0)
+    with pytest.raises(ValueError, match="shorter data.seq_len"):
+        TokenWindows(np.arange(5, dtype=np.uint16), seq_len=10, val_fraction=0.0)

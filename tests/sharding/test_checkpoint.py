@@ -1,0 +1,722 @@
+"""Checkpoints: DCP save/load across world sizes and layouts, exact resume, bad input, atomic saves.
+
+Every distributed result is compared with an unsharded reference: the full tensors before a save
+(gathered from the shards) against the full tensors after a load at another world size and
+layout, bitwise (a load moves bytes; no arithmetic), and resumed runs against uninterrupted ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import random
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import fsdp_optim
+from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed
+from fsdp_optim.sharding import RaggedShard, elements
+from fsdp_optim.sharding._checkpoint import (
+    FlatShardTensor,
+    flat_range_boxes,
+    load_checkpoint,
+    load_full_state_dict,
+    register_optimizer_hooks,
+    register_state_dict_hooks,
+    save_checkpoint,
+)
+from fsdp_optim.sharding._shard_info import shard_info
+
+PAIRS = [(2, 4), (4, 2), (4, 3), (1, 3), (3, 1)]
+
+
+def _warm_imports() -> None:
+    """The first optimizer step imports ~200 modules (dynamo); do it once here, not in every forked rank."""
+    p = nn.Parameter(torch.zeros(2))
+    p.grad = torch.ones(2)
+    torch.optim.AdamW([p]).step()
+
+
+_warm_imports()
+
+
+# ---- pure: flat ranges as boxes --------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(), (7,), (3, 4), (2, 3, 4), (2, 1, 3, 2), (0, 3), (3, 0, 2)])
+def test_flat_range_boxes_tile_every_range(shape):
+    numel = math.prod(shape)
+    index = torch.arange(numel).reshape(shape)
+    for s, e in itertools.combinations_with_replacement(range(numel + 1), 2):
+        boxes = flat_range_boxes(shape, s, e)
+        assert len(boxes) <= max(2 * len(shape) - 1, 1)
+        got = []
+        pos = s
+        for b in boxes:
+            assert b.start == pos and b.numel > 0
+            piece = index[tuple(slice(o, o + z) for o, z in zip(b.offsets, b.sizes))]
+            got += piece.reshape(-1).tolist()
+            pos += b.numel
+        assert got == list(range(s, e)), (shape, s, e, boxes)
+    with pytest.raises(ValueError, match="outside"):
+        flat_range_boxes(shape, 0, numel + 1)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+SHAPES = {
+    "embed.weight": (20, 16),
+    "layers.0.w1.weight": (16, 24),
+    "layers.0.w2.weight": (24, 16),
+    "layers.0.norm.weight": (16,),
+    "layers.1.w1.weight": (16, 24),
+    "layers.1.norm.weight": (16,),
+    "head.weight": (10, 16),
+    "scale": (),
+}
+
+
+def _random_layout(shape, spec, world_size, rng: random.Random) -> RaggedShard:
+    """A random block-aligned layout; often with empty ranks (a ragged plan's)."""
+    starts = spec.block_starts(shape)
+    numel = math.prod(shape)
+    inner = starts[:-1] if numel else [0]
+    cuts = sorted(rng.choice(inner + [numel]) for _ in range(world_size - 1))
+    return RaggedShard(tuple(shape), (0, *cuts, numel))
+
+
+def _module_of(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    *path, leaf = fqn.split(".")
+    mod = root
+    for p in path:
+        if not hasattr(mod, p):
+            mod.add_module(p, nn.Module())
+        mod = getattr(mod, p)
+    return mod, leaf
+
+
+def build_sharded(full: dict[str, torch.Tensor], rule, seed: int) -> nn.Module:
+    """A module whose parameters are this rank's shards of ``full`` under random layouts."""
+    w = dist.get_world_size()
+    rng = random.Random(seed)
+    root = nn.Module()
+    for fqn, t in full.items():
+        spec = rule(fqn, t, None)
+        layout = _random_layout(tuple(t.shape), spec, w, rng)
+        mod, leaf = _module_of(root, fqn)
+        mod.register_parameter(leaf, make_sharded_param(t, spec=spec, layout=layout, fqn=fqn))
+    root.register_buffer("step_buf", torch.zeros(3))
+    return root
+
+
+def gather_pieces(pieces: dict[str, tuple[torch.Tensor, int, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """``{key: (flat local piece, start, global shape)}`` -> full tensors on every rank, in one
+    collective (the pieces of every rank must tile each tensor)."""
+    mine = {k: (t.detach().reshape(-1).clone(), s, tuple(shape)) for k, (t, s, shape) in pieces.items()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    out = {}
+    for k, (t, _, shape) in mine.items():
+        full = torch.empty(math.prod(shape), dtype=t.dtype)
+        covered = 0
+        for other in every:
+            piece, start, _ = other[k]
+            full[start : start + piece.numel()] = piece
+            covered += piece.numel()
+        assert covered == full.numel(), k
+        out[k] = full.view(shape)
+    return out
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    pieces = {}
+    for name, p in model.named_parameters():
+        info = shard_info(p)
+        pieces[name] = (p, info.start, info.shape)
+    return gather_pieces(pieces)
+
+
+def full_optim_state(model: nn.Module, opt) -> dict[str, torch.Tensor | float]:
+    """Every optimizer state tensor as its global flat vector (replicated ones as they are)."""
+    pieces, out = {}, {}
+    for name, p in model.named_parameters():
+        shards = opt.state_shards(p) if hasattr(opt, "state_shards") else None
+        info = shard_info(p)
+        for k, v in opt.state[p].items():
+            if shards is not None and k in shards:
+                pieces[f"{name}.{k}"] = (v, shards[k].start, (shards[k].global_numel,))
+            elif shards is None and torch.is_tensor(v) and v.ndim > 0:
+                pieces[f"{name}.{k}"] = (v, info.start, (info.numel,))
+            else:
+                out[f"{name}.{k}"] = v.clone() if torch.is_tensor(v) else v
+    return {**out, **gather_pieces(pieces)}
+
+
+def random_grads(model: nn.Module, gen: torch.Generator | None = None) -> None:
+    """Each rank's slice of one global random gradient (same full gradient for every W)."""
+    for p in model.parameters():
+        info = shard_info(p)
+        g = torch.randn(info.shape, generator=gen).reshape(-1)
+        p.grad = g[info.start : info.end].clone()
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if torch.is_tensor(a[k]):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def _full_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
+
+
+def _torch_adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def _torch_rule(fqn, t, module):
+    return elements(1)
+
+
+# ---- world-size pairs: torch.optim.AdamW on flat shards ------------------------------------------
+@pytest.mark.parametrize("src,dst", [(4, 3), (1, 3)])  # every pair: test_reshard_every_optimizer
+def test_reshard_torch_adamw_params_and_state(tmp_path, src, dst):
+    full = _full_tensors()
+    ck = str(tmp_path / "ck")
+
+    def save():
+        m = build_sharded(full, _torch_rule, seed=src)
+        opt = _torch_adamw(m.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            random_grads(m, gen)
+            opt.step()
+            sched.step()
+        m.step_buf.fill_(7.0)
+        save_checkpoint(ck, model=m, optimizer=opt, scheduler=sched, extra={"data": 123})
+        return full_params(m), full_optim_state(m, opt), opt.param_groups[0]["lr"]
+
+    def load():
+        m = build_sharded({k: torch.zeros_like(v) for k, v in full.items()}, _torch_rule, seed=100 + dst)
+        opt = _torch_adamw(m.parameters())  # fresh: torch creates state lazily
+        opt.param_groups[0]["lr"] = 99.0
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        extra = load_checkpoint(ck, model=m, optimizer=opt, scheduler=sched)
+        return full_params(m), full_optim_state(m, opt), opt.param_groups[0]["lr"], extra, m.step_buf.tolist(), sched.last_epoch
+
+    before = run_distributed(save, world_size=src)[0]
+    after = run_distributed(load, world_size=dst)
+    for r in range(dst):
+        p, s, lr, extra, buf, epoch = after[r]
+        assert_same(before[0], p)
+        assert_same(before[1], s)
+        assert lr == before[2] == 0.01 * 0.25
+        assert extra == {"data": 123} and buf == [7.0] * 3 and epoch == 2
+
+
+# ---- plain dcp.save / dcp.load on model.state_dict() and optimizer.state_dict() -------------------
+def test_plain_dcp_on_hooked_state_dicts(tmp_path):
+    full = _full_tensors(3)
+    ck = str(tmp_path / "dcp")
+
+    def save():
+        m = build_sharded(full, _torch_rule, seed=5)
+        register_state_dict_hooks(m)
+        opt = _torch_adamw(m.parameters())
+        register_optimizer_hooks(opt)
+        random_grads(m, torch.Generator().manual_seed(2))
+        opt.step()
+        msd = m.state_dict()
+        assert isinstance(msd["layers.0.w1.weight"], FlatShardTensor)
+        assert tuple(msd["layers.0.w1.weight"].shape) == SHAPES["layers.0.w1.weight"]
+        assert isinstance(opt.state_dict()["state"][0]["exp_avg"], FlatShardTensor)
+        w1 = msd["layers.0.w1.weight"]
+        assert torch.equal(w1.full_tensor(), full_params(m)["layers.0.w1.weight"])  # the wrapper gathers too
+        assert torch.equal(w1.clone().to_local(), getattr(m.layers, "0").w1.weight.detach())
+        dcp.save({"model": msd, "optim": opt.state_dict()}, checkpoint_id=ck)
+        return full_params(m), full_optim_state(m, opt)
+
+    def load():
+        m = build_sharded({k: torch.zeros_like(v) for k, v in full.items()}, _torch_rule, seed=11)
+        register_state_dict_hooks(m)
+        opt = _torch_adamw(m.parameters())
+        register_optimizer_hooks(opt)
+        sd = {"model": m.state_dict(), "optim": opt.state_dict()}  # a fresh lazy optimizer gets its state
+        assert float(opt.state[m.embed.weight]["step"]) == 1.0 and not opt.state[m.embed.weight]["exp_avg"].any()
+        dcp.load(sd, checkpoint_id=ck)
+        m.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+        return full_params(m), full_optim_state(m, opt)
+
+    before = run_distributed(save, world_size=3)[0]
+    for r, (p, s) in enumerate(run_distributed(load, world_size=2)):
+        assert_same(before[0], p)
+        assert_same(before[1], s)
+
+
+# ---- exact resume (same W): bitwise equal to the uninterrupted run ------------------------------------
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_exact_resume_torch_adamw_with_rng(tmp_path, world_size):
+    """Gradients drawn from the global RNG: the resumed run must restore it too."""
+    full = _full_tensors(4)
+    ck = str(tmp_path / "ck")
+
+    def train(m, opt, steps):
+        losses = []
+        for _ in range(steps):
+            random_grads(m)  # torch's default generator, restored from the checkpoint
+            opt.step()
+            losses.append(sum(float(p.detach().double().sum()) for p in m.parameters()))
+        return losses
+
+    def uninterrupted():
+        torch.manual_seed(dist.get_rank())
+        m = build_sharded(full, _torch_rule, seed=1)
+        opt = _torch_adamw(m.parameters())
+        first = train(m, opt, 2)
+        save_checkpoint(ck, model=m, optimizer=opt, extra={"step": 2})
+        return first + train(m, opt, 3), full_params(m), full_optim_state(m, opt)
+
+    def resumed():
+        torch.manual_seed(1234)  # a restarted process: RNG differs until the checkpoint restores it
+        m = build_sharded({k: torch.zeros_like(v) for k, v in full.items()}, _torch_rule, seed=1)
+        opt = _torch_adamw(m.parameters())
+        extra = load_checkpoint(ck, model=m, optimizer=opt)
+        assert extra == {"step": 2}
+        return train(m, opt, 3), full_params(m), full_optim_state(m, opt)
+
+    ref = run_distributed(uninterrupted, world_size=world_size)
+    got = run_distributed(resumed, world_size=world_size)
+    for r in range(world_size):
+        assert ref[r][0][2:] == got[r][0]
+        assert_same(ref[r][1], got[r][1])
+        assert_same(ref[r][2], got[r][2])
+
+
+# ---- full state dicts --------------------------------------------------------------------------
+def test_load_full_state_dict_into_sharded_model():
+    full = _full_tensors(5)
+
+    def fn():
+        m = build_sharded({k: torch.zeros_like(v) for k, v in full.items()}, _torch_rule, seed=3)
+        load_full_state_dict(m, {**full, "step_buf": torch.ones(3)})
+        with pytest.raises(ValueError, match="missing keys: step_buf"):
+            load_full_state_dict(m, full)
+        bad = {**full, "step_buf": torch.ones(3), "head.weight": torch.zeros(16, 10)}
+        with pytest.raises(ValueError, match=r"shape mismatch for head.weight.*\(16, 10\)"):
+            load_full_state_dict(m, bad)
+        return full_params(m), m.step_buf.tolist()
+
+    for p, buf in run_distributed(fn, world_size=3):
+        assert_same(full, p)
+        assert buf == [1.0] * 3
+
+
+# ---- bad input: clear errors on every rank, nothing loaded -------------------------------------------
+def _save_reference(ck: str, world_size: int, full) -> None:
+    def save():
+        m = build_sharded(full, _torch_rule, seed=world_size)
+        opt = _torch_adamw(m.parameters())
+        random_grads(m, torch.Generator().manual_seed(0))
+        opt.step()
+        save_checkpoint(ck, model=m, optimizer=opt)
+
+    run_distributed(save, world_size=world_size)
+
+
+def _expect_error_on_every_rank(world_size, make, match, strict=True):
+    """Run ``load_checkpoint`` on every rank; each must raise ``match`` and leave params untouched."""
+
+    def fn():
+        m, opt, ck = make()
+        before = {k: v.detach().clone() for k, v in m.named_parameters()}
+        try:
+            load_checkpoint(ck, model=m, optimizer=opt, strict=strict)
+        except Exception as e:  # noqa: BLE001
+            msg = f"{type(e).__name__}: {e}"
+        else:
+            msg = "no error"
+        untouched = all(torch.equal(before[k], v) for k, v in m.named_parameters())
+        return msg, untouched
+
+    import re
+
+    for r, (msg, untouched) in enumerate(run_distributed(fn, world_size=world_size, timeout=60)):
+        assert re.search(match, msg), (r, msg)
+        assert untouched, r
+
+
+def test_bad_input_errors(tmp_path):
+    full = _full_tensors(6)
+    ck = str(tmp_path / "ck")
+    _save_reference(ck, 2, full)
+    zeros = {k: torch.zeros_like(v) for k, v in full.items()}
+
+    def model(extra_param=False, shape_of_head=None):
+        f = dict(zeros)
+        if extra_param:
+            f["layers.1.w2.weight"] = torch.zeros(24, 16)
+        if shape_of_head:
+            f["head.weight"] = torch.zeros(shape_of_head)
+        return build_sharded(f, _torch_rule, seed=9)
+
+    # missing keys (the model has a parameter the checkpoint lacks), under strict
+    def missing():
+        m = model(extra_param=True)
+        return m, _torch_adamw(m.parameters()), ck
+
+    _expect_error_on_every_rank(3, missing, r"ValueError: .*missing keys: .*layers\.1\.w2\.weight")
+
+    # unexpected keys (the checkpoint has parameters the model lacks)
+    def unexpected():
+        m = model()
+        delattr(m.layers, "1")
+        return m, None, ck
+
+    _expect_error_on_every_rank(3, unexpected, r"ValueError: .*unexpected keys: .*layers\.1\.norm\.weight")
+
+    # shape mismatch
+    def shape():
+        m = model(shape_of_head=(16, 10))
+        return m, None, ck
+
+    _expect_error_on_every_rank(2, shape, r"ValueError: shape mismatch for model\.head\.weight.*\(10, 16\).*\(16, 10\)")
+
+    # another optimizer's checkpoint
+    def other_opt():
+        m = model()
+        return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), ck
+
+    _expect_error_on_every_rank(3, other_opt, r"ValueError: .*optimizer torch\.optim\.adamw\.AdamW.*SGD")
+
+    # a missing shard file, then a truncated one (on a copy)
+    bad = str(tmp_path / "bad")
+    shutil.copytree(ck, bad)
+    os.remove(os.path.join(bad, "__1_0.distcp"))
+
+    def missing_file():
+        m = model()
+        return m, _torch_adamw(m.parameters()), bad
+
+    _expect_error_on_every_rank(3, missing_file, r"FileNotFoundError: .*shard file .*__1_0\.distcp is missing")
+    shutil.rmtree(bad)
+    shutil.copytree(ck, bad)
+    f = os.path.join(bad, "__0_0.distcp")
+    with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+    _expect_error_on_every_rank(3, missing_file, r"ValueError: .*__0_0\.distcp is truncated")
+
+    # not a checkpoint at all
+    def nowhere():
+        m = model()
+        return m, None, str(tmp_path / "nowhere")
+
+    _expect_error_on_every_rank(2, nowhere, r"FileNotFoundError: no checkpoint at .*nowhere")
+
+
+def test_non_strict_keeps_missing(tmp_path):
+    full = _full_tensors(7)
+    ck = str(tmp_path / "ck")
+    _save_reference(ck, 2, full)
+
+    def fn():
+        f = {**{k: torch.zeros_like(v) for k, v in full.items()}, "extra.weight": torch.full((5,), 3.0)}
+        m = build_sharded(f, _torch_rule, seed=2)
+        with pytest.warns(UserWarning, match="extra.weight"):
+            load_checkpoint(ck, model=m, strict=False)
+        return full_params(m)
+
+    for p in run_distributed(fn, world_size=3):
+        assert torch.equal(p["extra.weight"], torch.full((5,), 3.0))
+        assert not torch.equal(p["head.weight"], torch.zeros(10, 16))
+
+
+# ---- atomic save: a crash mid-save leaves the previous checkpoint -------------------------------------
+def test_interrupted_save_leaves_previous_checkpoint(tmp_path):
+    full = _full_tensors(8)
+    ck = str(tmp_path / "ck")
+
+    def first():
+        m = build_sharded(full, _torch_rule, seed=1)
+        save_checkpoint(ck, model=m, extra={"version": 1})
+        return full_params(m)
+
+    ref = run_distributed(first, world_size=2)[0]
+
+    def crashing():
+        m = build_sharded({k: v + 1 for k, v in full.items()}, _torch_rule, seed=1)
+        original = dcp.FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            fut = original(self, plan, planner)
+            fut.wait()
+            if dist.get_rank() == 1:
+                os._exit(1)  # killed after writing its shard file, before the metadata / rename
+            return fut
+
+        dcp.FileSystemWriter.write_data = write_then_die
+        save_checkpoint(ck, model=m, extra={"version": 2})
+
+    with pytest.raises((DistributedTestError, TimeoutError)):
+        run_distributed(crashing, world_size=2, timeout=30)
+    assert os.path.isdir(ck + ".tmp")  # the partial save is there, but not in place
+
+    def reload():
+        m = build_sharded({k: torch.zeros_like(v) for k, v in full.items()}, _torch_rule, seed=4)
+        extra = load_checkpoint(ck, model=m)
+        return extra, full_params(m)
+
+    for extra, p in run_distributed(reload, world_size=3):
+        assert extra == {"version": 1}
+        assert_same(ref, p)
+
+    # a crash between the two renames (old checkpoint moved aside, new one not yet in place)
+    os.rename(ck, ck + ".old")
+    for extra, p in run_distributed(reload, world_size=2):
+        assert extra == {"version": 1}
+        assert_same(ref, p)
+
+    # the next save cleans up and replaces it
+    def second():
+        m = build_sharded({k: v + 1 for k, v in full.items()}, _torch_rule, seed=2)
+        save_checkpoint(ck, model=m, extra={"version": 3})
+
+    run_distributed(second, world_size=2)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert run_distributed(reload, world_size=1)[0][0] == {"version": 3}
+
+
+# =====================================================================================================
+# fully_shard models with every optimizer
+# =====================================================================================================
+import torch.nn.functional as F  # noqa: E402
+
+from fsdp_optim.optimizers import (  # noqa: E402
+    AdamW,
+    AdamW8bit,
+    Muon,
+    Shampoo,
+    adamw8bit_rule,
+    adamw_rule,
+    muon_rule,
+    shampoo_rule,
+)
+from fsdp_optim.sharding import PlanConfig  # noqa: E402
+from tests._models import TinyConfig, TinyTransformer, make_batch  # noqa: E402
+
+# Dims that divide nothing; the embedding (211 x 36 = 7596 elements) gets 8-bit state, the rest fp32.
+CFG = TinyConfig(vocab_size=211, dim=36, num_heads=3, num_layers=2, mlp_dim=52)
+
+OPTIMIZERS = {
+    "torch_adamw": (adamw_rule, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    "adamw": (adamw_rule, lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    "adamw8bit": (adamw8bit_rule(256), lambda ps: AdamW8bit(ps, lr=1e-2, compile=False)),
+    "muon": (muon_rule(), lambda ps: Muon(ps, lr=2e-2, adamw_lr=1e-2)),
+    "shampoo": (shampoo_rule(16), lambda ps: Shampoo(ps, lr=1e-2, max_preconditioner_dim=16)),
+}
+
+# Two plans: per-layer buckets on an even layout vs one bucket on a ragged layout.
+PLANS = {
+    "even_layers": dict(per_layer=True, config=PlanConfig(layout="even", padding_cap=0.0)),
+    "ragged_root": dict(per_layer=False, config=PlanConfig(layout="ragged")),
+}
+
+
+def _warm_optimizers() -> None:
+    """First steps import torchao / dynamo pieces; once in the parent instead of in every rank."""
+    for rule, make in OPTIMIZERS.values():
+        p = nn.Parameter(torch.zeros(4, 4))
+        p.grad = torch.ones(4, 4)
+        make([p]).step()
+
+
+_warm_optimizers()
+
+
+def sharded_model(rule, plan: str, *, seed: int = 0) -> TinyTransformer:
+    torch.manual_seed(seed)
+    model = TinyTransformer(CFG)
+    if PLANS[plan]["per_layer"]:
+        for layer in model.layers:
+            fsdp_optim.fully_shard(layer, blocks=rule)
+    fsdp_optim.fully_shard(model, blocks=rule, plan_config=PLANS[plan]["config"])
+    return model
+
+
+def train(model, opt, steps: range, sched=None) -> list[float]:
+    losses = []
+    for s in steps:
+        x, y = make_batch(batch_size=4, seq_len=8, vocab_size=CFG.vocab_size, seed=1000 + s)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def full_state(model, opt) -> tuple[dict, dict]:
+    """Full parameters (``fsdp_optim.full_state_dict``) and full optimizer state (dequantized too)."""
+    state = full_optim_state(model, opt)
+    if isinstance(opt, AdamW8bit):
+        pieces = {}
+        for name, p in model.named_parameters():
+            info = shard_info(p)
+            for k, v in opt.dequantized_state(p).items():
+                pieces[f"{name}.{k}.dequantized"] = (v, info.start, (info.numel,))
+        state.update(gather_pieces(pieces))
+    return fsdp_optim.full_state_dict(model), state
+
+
+@pytest.mark.parametrize("src,dst", PAIRS)
+def test_reshard_every_optimizer(tmp_path, src, dst):
+    """Save at ``src`` ranks on one plan, load at ``dst`` on the other: full tensors equal, bitwise."""
+    plan_src, plan_dst = ("even_layers", "ragged_root") if src < dst else ("ragged_root", "even_layers")
+
+    def save():
+        out = {}
+        for name, (rule, make) in OPTIMIZERS.items():
+            model = sharded_model(rule, plan_src)
+            opt = make(model.parameters())
+            train(model, opt, range(1))
+            fsdp_optim.save_checkpoint(tmp_path / name, model=model, optimizer=opt, extra={"opt": name})
+            out[name] = full_state(model, opt)
+        return out
+
+    def load():
+        out = {}
+        for name, (rule, make) in OPTIMIZERS.items():
+            model = sharded_model(rule, plan_dst, seed=1)
+            opt = make(model.parameters())
+            assert fsdp_optim.load_checkpoint(tmp_path / name, model=model, optimizer=opt) == {"opt": name}
+            out[name] = full_state(model, opt)
+        return out
+
+    before = run_distributed(save, world_size=src)[0]
+    after = run_distributed(load, world_size=dst)
+    for r in range(dst):
+        for name in OPTIMIZERS:
+            assert_same(before[name][0], after[r][name][0])
+            assert_same(before[name][1], after[r][name][1])
+    assert any(k.endswith("_codes") for k in before["adamw8bit"][1])  # 8-bit state was exercised
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_exact_resume_every_optimizer(tmp_path, world_size):
+    """Train 2 steps, save, rebuild everything fresh, load, train 2 more: bitwise the uninterrupted run."""
+
+    def make_sched(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+    def uninterrupted():
+        out = {}
+        for name, (rule, make) in OPTIMIZERS.items():
+            model = sharded_model(rule, "ragged_root")
+            opt = make(model.parameters())
+            sched = make_sched(opt)
+            losses = train(model, opt, range(2), sched)
+            fsdp_optim.save_checkpoint(tmp_path / name, model=model, optimizer=opt, scheduler=sched, extra={"step": 2})
+            losses += train(model, opt, range(2, 4), sched)
+            out[name] = losses, full_state(model, opt)
+        return out
+
+    def resumed():
+        out = {}
+        for name, (rule, make) in OPTIMIZERS.items():
+            model = sharded_model(rule, "ragged_root", seed=7)  # a different init, overwritten by the load
+            opt = make(model.parameters())
+            sched = make_sched(opt)
+            extra = fsdp_optim.load_checkpoint(tmp_path / name, model=model, optimizer=opt, scheduler=sched)
+            losses = train(model, opt, range(extra["step"], 4), sched)
+            out[name] = losses, full_state(model, opt)
+        return out
+
+    ref = run_distributed(uninterrupted, world_size=world_size)
+    got = run_distributed(resumed, world_size=world_size)
+    for r in range(world_size):
+        for name in OPTIMIZERS:
+            assert ref[r][name][0][2:] == got[r][name][0], name
+            assert_same(ref[r][name][1][0], got[r][name][1][0])
+            assert_same(ref[r][name][1][1], got[r][name][1][1])
+
+
+def test_full_state_round_trip():
+    """Export a sharded model's full state, load it into a plain nn.Module: same forward output.
+    And the reverse: a plain model's state_dict into a fresh sharded model with load_full_state_dict."""
+    x, _ = make_batch(batch_size=2, seq_len=8, vocab_size=CFG.vocab_size, seed=5)
+
+    def fn():
+        model = sharded_model(muon_rule(), "even_layers")
+        opt = Muon(model.parameters(), lr=2e-2)
+        train(model, opt, range(2))
+        full = fsdp_optim.full_state_dict(model)
+        with torch.no_grad():
+            y_sharded = model(x)
+        plain = TinyTransformer(CFG)
+        plain.load_state_dict(full)  # strict: the model's own names, no padding
+        with torch.no_grad():
+            y_plain = plain(x)
+
+        torch.manual_seed(3)
+        pretrained = TinyTransformer(CFG)
+        fresh = sharded_model(muon_rule(), "ragged_root", seed=9)
+        fsdp_optim.load_full_state_dict(fresh, pretrained.state_dict())
+        with torch.no_grad():
+            y_fresh, y_pre = fresh(x), pretrained(x)
+        return y_sharded, y_plain, y_fresh, y_pre
+
+    for y_sharded, y_plain, y_fresh, y_pre in run_distributed(fn, world_size=3):
+        # Same kernels on the same full weights and input (one thread per rank): bitwise.
+        assert torch.equal(y_sharded, y_plain)
+        assert torch.equal(y_fresh, y_pre)
+
+
+def test_state_dicts_are_dcp_ready_under_fully_shard(tmp_path):
+    """fully_shard's root registers the model hooks; with ``register_optimizer_hooks`` plain
+    ``dcp.save`` / ``dcp.load`` on ``model.state_dict()`` and ``optimizer.state_dict()`` reshard too."""
+    x = make_batch(batch_size=1, seq_len=4, vocab_size=CFG.vocab_size)[0]
+
+    def save():
+        out = {}
+        for name, (rule, make) in OPTIMIZERS.items():
+            model = sharded_model(rule, "even_layers")
+            opt = make(model.parameters())
+            register_optimizer_hooks(opt)
+            train(model, opt, range(1))
+            with torch.no_grad():
+                model(x)  # leaves the root's bucket gathered: state_dict() must reshard first
+            sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+            assert isinstance(sd["model"]["embed.weight"], FlatShardTensor)
+            assert isinstance(sd["model"]["output.weight"], FlatShardTensor)  # tied: under both names
+            dcp.save(sd, checkpoint_id=str(tmp_path / name))
+            out[name] = full_state(model, opt)
+        return out
+
+    def load():
+        out = {}
+        for name, (rule, make) in OPTIMIZERS.items():
+            model = sharded_model(rule, "ragged_root", seed=4)
+            opt = make(model.parameters())
+            register_optimizer_hooks(opt)
+            sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+            dcp.load(sd, checkpoint_id=str(tmp_path / name))
+            model.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["optim"])
+            out[name] = full_state(model, opt)
+        return out
+
+    ref = run_distributed(save, world_size=2)[0]
+    for got in run_distributed(load, world_size=3):
+        for name in OPTIMIZERS:
+            assert_same(ref[name][0], got[name][0])
+            assert_same(ref[name][1], got[name][1])

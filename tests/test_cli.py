@@ -1,0 +1,62 @@
+"""``fsdp-optim plan``: JSON figures and the human report, through ``main(argv)``."""
+
+import json
+
+import pytest
+
+from fsdp_optim._cli import main
+
+STATS_KEYS = {
+    "padding_ratio", "plan_seconds", "num_split_blocks", "split_bytes_ratio", "bytes_max_over_mean",
+    "cost_max_over_mean", "num_buckets", "world_size", "num_even_buckets", "num_ragged_buckets", "bytes_lower_bound",
+}
+
+
+def _json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_json(capsys):
+    out = _json(capsys, ["plan", "--model", "llama3-8b", "--world-size", "64", "--optimizer", "muon", "--json"])
+    assert STATS_KEYS <= set(out)
+    assert out["world_size"] == 64 and out["num_buckets"] == 34 and out["model"] == "llama3-8b"
+    assert out["num_even_buckets"] + out["num_ragged_buckets"] == 34
+    assert out["num_split_blocks"] == 0 and out["bytes_max_over_mean"] <= 1.10
+
+
+@pytest.mark.parametrize("layout", ["even", "ragged"])
+def test_plan_layout_and_bucket_layers(capsys, layout):
+    argv = ["plan", "--model", "gpt-oss-120b", "--world-size", "3", "--optimizer", "shampoo", "--json", "--layout", layout]
+    out = _json(capsys, [*argv, "--bucket-layers", "4"])
+    assert out["num_buckets"] == 2 + 9
+    key = "num_even_buckets" if layout == "even" else "num_ragged_buckets"
+    assert out[key] == 11
+    if layout == "ragged":
+        assert out["padding_ratio"] == 0 and out["num_split_blocks"] == 0
+
+
+def test_plan_padding_cap_controls_splits(capsys):
+    argv = ["plan", "--model", "llama3-8b", "--world-size", "64", "--optimizer", "muon", "--layout", "even", "--json"]
+    tight = _json(capsys, [*argv, "--padding-cap", "0.02"])
+    loose = _json(capsys, [*argv, "--padding-cap", "100"])
+    assert tight["num_split_blocks"] > 0 and tight["split_bytes_ratio"] > 0 and tight["padding_ratio"] <= 0.02
+    assert loose["num_split_blocks"] == 0 and loose["padding_ratio"] > 0.02
+
+
+def test_plan_report(capsys):
+    assert main(["plan", "--model", "qwen3-235b-a22b", "--world-size", "8", "--optimizer", "adamw8bit"]) == 0
+    text = capsys.readouterr().out
+    for word in ("embed", "layers.93", "head", "padding", "per-rank bytes", "lower bound", "bytes/collective"):
+        assert word in text
+
+
+def test_plan_errors(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "nope", "--world-size", "8", "--optimizer", "muon"])
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama3-8b", "--world-size", "8", "--optimizer", "sgd"])
+    assert main(["plan", "--model", "llama3-8b", "--world-size", "0", "--optimizer", "muon"]) == 2
+    assert "--world-size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([])
