@@ -9,11 +9,14 @@ Measured per rank, reported as the max over ranks (the slowest rank sets the pac
 - step time: forward+backward and optimizer step (+ zero_grad) separately, median after warm-up;
 - memory: bytes of live CPU tensors, from the PyTorch profiler's allocation trace
   (``profile_memory=True``: every allocation and free of the CPU allocator, summed in order).
-  ``persistent``: bytes still allocated after setup (build, shard, load weights, optimizer, one
-  step to create its state, ``zero_grad(set_to_none=True)``): parameters, optimizer state and
-  runtime buffers. ``peak``: persistent + the highest point of one further profiled step over its
-  start (activations, gathered parameters, unsharded gradients, reduction buffers). The input
-  batch and the full reference weights both runtimes copy from are outside both figures.
+  After the timed steps, each runtime in turn is built again from scratch inside one profiler
+  window that also covers two training steps (the profiler sees no free of a block allocated
+  before its window, so the window must start before the runtime allocates anything).
+  ``persistent``: live bytes after setup (build, shard, load weights, optimizer, one step to create
+  its state, ``zero_grad(set_to_none=True)``, GC): parameters, optimizer state, runtime buffers.
+  ``peak``: the highest live bytes during the second step (activations, gathered parameters,
+  unsharded gradients, reduction buffers included). The input batch and the full weights both
+  runtimes copy from were allocated before the window and are in neither figure.
 
 Usage: ``python benchmarks/bench_fsdp_adamw.py [--world-size 2] [--steps 10] ...``; prints the
 figures and ratios (ours / FSDP2) and writes benchmarks/results/bench_fsdp_adamw.json.
@@ -22,6 +25,7 @@ figures and ratios (ours / FSDP2) and writes benchmarks/results/bench_fsdp_adamw
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -65,9 +69,21 @@ def _cfg(a) -> TinyConfig:
 
 
 class _MemTrace:
-    """Live CPU bytes from the profiler's allocation events (see the module docstring)."""
+    """Live CPU bytes from the profiler's allocation events (see the module docstring).
+    ``mark()`` records a point; after exit ``live_at(i)`` is the live bytes at mark ``i`` and
+    ``peak_between(i, j)`` the highest live bytes between marks ``i`` and ``j``."""
+
+    def mark(self) -> None:
+        # A tiny tagged allocation: its address is found in the trace afterwards.
+        t = torch.empty(self._TAG_NUMEL + len(self._marks))
+        self._marks.append(t.data_ptr())
+        self._keep.append(t)
+
+    _TAG_NUMEL = 7919
 
     def __enter__(self):
+        self._marks: list[int] = []
+        self._keep: list[torch.Tensor] = []
         from torch.profiler import ProfilerActivity, profile
 
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -82,16 +98,30 @@ class _MemTrace:
                 trace = json.load(fh)
         events = trace["traceEvents"] if isinstance(trace, dict) else trace
         mem = sorted(
-            (e["args"].get("Ev Idx", 0), e["args"]["Bytes"])
+            (e["args"].get("Ev Idx", 0), e["args"]["Bytes"], e["args"].get("Addr"))
             for e in events
             if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0
         )
         live = peak = 0
-        for _, b in mem:
+        self._curve, self._mark_pos = [], []
+        marks = list(self._marks)
+        for _, b, addr in mem:
             live += b
             peak = max(peak, live)
+            self._curve.append(live)
+            if marks and addr == marks[0] and b == (self._TAG_NUMEL + len(self._mark_pos)) * 4:
+                self._mark_pos.append(len(self._curve) - 1)
+                marks.pop(0)
+        assert not marks, "a mark was not found in the profiler trace"
         self.end, self.peak = live, peak
+        self._keep = []
         return False
+
+    def live_at(self, i: int) -> int:
+        return self._curve[self._mark_pos[i]]
+
+    def peak_between(self, i: int, j: int) -> int:
+        return max(self._curve[self._mark_pos[i] : self._mark_pos[j] + 1])
 
 
 def _build_ours(cfg, full_sd, rank):
@@ -153,11 +183,9 @@ def _run(a):
     runs = {}
     builders = {"fsdp_optim": lambda: _build_ours(cfg, full_sd, r), "fsdp2": lambda: _build_fsdp2(cfg, full_sd, mesh)}
     for name, build in builders.items():
-        with _MemTrace() as setup:
-            model = build()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-            first_loss = step(model, opt, 0)
-        runs[name] = {"model": model, "opt": opt, "persistent": setup.end, "first_loss": first_loss}
+        model = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        runs[name] = {"model": model, "opt": opt, "first_loss": step(model, opt, 0)}
     times = {n: {"fwd_bwd": [], "optim": []} for n in runs}
     names = list(runs)
     for i in range(a.warmup + a.steps):
@@ -166,15 +194,26 @@ def _run(a):
             step(runs[n]["model"], runs[n]["opt"], i + 1, times[n] if i >= a.warmup else None)
     out = {}
     for n in names:
-        with _MemTrace() as st:
-            step(runs[n]["model"], runs[n]["opt"], 99)
         out[n] = {
             "fwd_bwd_s": statistics.median(times[n]["fwd_bwd"]),
             "optim_s": statistics.median(times[n]["optim"]),
-            "persistent_bytes": runs[n]["persistent"],
-            "peak_bytes": runs[n]["persistent"] + st.peak,
             "first_loss": runs[n]["first_loss"],
         }
+    runs.clear()
+    for n in names:  # memory: one runtime at a time, from scratch, inside one profiler window
+        gc.collect()
+        with _MemTrace() as mt:
+            model = builders[n]()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+            step(model, opt, 0)
+            gc.collect()
+            mt.mark()
+            step(model, opt, 1)
+            mt.mark()
+            del model, opt
+            gc.collect()
+        out[n]["persistent_bytes"] = mt.live_at(0)
+        out[n]["peak_bytes"] = mt.peak_between(0, 1)
     return out
 
 

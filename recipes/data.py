@@ -35,6 +35,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
 
 class HFTokenizer:
     """A local ``tokenizer.json`` via the ``tokenizers`` package (optional dependency)."""
@@ -62,6 +65,9 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int64)
 
 
 def build_tokenizer(name: str) -> ByteTokenizer | HFTokenizer:
@@ -101,16 +107,16 @@ def load_tokens(path: str, tokenizer, token_dtype: str = "uint16") -> np.ndarray
         tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else np.zeros(0, np.uint16)
     else:
         # Documents: files, split further on the corpus's form-feed separators; EOS between documents.
-        ids: list[int] = []
-        eos = getattr(tokenizer, "eos_id", None)
-        for f in files:
-            for doc in f.read_text(encoding="utf-8", errors="replace").split("\f"):
-                doc = doc.strip()
-                if doc:
-                    ids.extend(tokenizer.encode(doc))
-                    if eos is not None:
-                        ids.append(eos)
-        tokens = np.asarray(ids, dtype=np.uint32 if tokenizer.vocab_size > 65535 else np.uint16)
+        dtype = np.uint32 if tokenizer.vocab_size > 65535 else np.uint16
+        eos = [] if getattr(tokenizer, "eos_id", None) is None else [tokenizer.eos_id]
+        chunks = [
+            piece
+            for f in files
+            for doc in f.read_text(encoding="utf-8", errors="replace").split("\f")
+            if doc.strip()
+            for piece in (tokenizer.encode_array(doc.strip()).astype(dtype), np.asarray(eos, dtype))
+        ]
+        tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype)
     if tokens.size == 0:
         raise ValueError(f"{where}: the files hold no tokens; fix data.path")
     return tokens

@@ -94,7 +94,7 @@ def init_sharded(model: torch.nn.Module, backend: str, device: torch.device) -> 
 
 def global_ndim(p: torch.Tensor) -> int:
     """Dims of the full parameter (ours are flat 1-D pieces; FSDP2's DTensors report the global shape)."""
-    from fsdp_optim.sharding._shard_info import shard_info
+    from fsdp_optim import shard_info
 
     info = shard_info(p)
     return len(info.shape) if info is not None else p.ndim
@@ -185,6 +185,17 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, backend: str) -> di
     return saved["extra"]
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a torn last line (a process killed mid-write) is skipped."""
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return records
+
+
 def latest_checkpoint(out: Path) -> Path | None:
     done = sorted((out / "checkpoints").glob("step_*/recipe_done.json"))
     return done[-1].parent if done else None
@@ -203,6 +214,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    t_start = time.perf_counter()
     args = parse_args(argv)
     overrides = list(args.set)
     if args.steps is not None:
@@ -273,7 +285,9 @@ def main(argv: list[str] | None = None) -> dict:
     if master:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    ckpt = latest_checkpoint(out) if args.resume else None
+    ckpt = latest_checkpoint(out)
+    if ckpt is not None and not args.resume:
+        raise ValueError(f"{out} already holds checkpoints (latest {ckpt.name}); pass --resume to continue, or use another --out")
     if ckpt is not None:
         extra = load_checkpoint(ckpt, model, optimizer, scheduler, backend)
         step = int(extra["step"])
@@ -281,8 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
     metrics_path = out / "metrics.jsonl"
     if master:
         # Drop records past the checkpoint (a killed run's tail); a fresh run starts a fresh file.
-        old = metrics_path.read_text().splitlines() if (ckpt is not None and metrics_path.exists()) else []
-        metrics_path.write_text("".join(l + "\n" for l in old if json.loads(l)["step"] <= step))
+        old = read_metrics(metrics_path) if ckpt is not None else []
+        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in old if r["step"] <= step))
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         print(
             f"[pretrain] {cfg.model.kind} model, {n_params / 1e6:.2f}M params; backend {backend}; "
@@ -320,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
     def memory_gb() -> float:
         if use_cuda:
             return torch.cuda.max_memory_allocated(device) / 1e9
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB -> GB (peak RSS)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: peak RSS in KiB
 
     def checkpoint(step: int) -> None:
         path = out / "checkpoints" / f"step_{step:06d}"
@@ -360,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "step": step, "loss": loss_sum.item() / (t.grad_accum * world), "lr": lr,
                 "grad_norm": grad_norm, "tokens_per_s": tps, "tokens": step * tokens_per_step,
                 "mfu": 6 * n_flop_params * tps / (peak * 1e12 * world) if peak else None,
-                "mem_gb": memory_gb(),
+                "mem_gb": memory_gb(), "elapsed_s": now - t_start,
             }
             if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or last:
                 rec["eval_loss"] = evaluate()
@@ -379,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
     bar.close()
 
     # ---- the loss curve ----
-    records = [json.loads(l) for l in metrics_path.read_text().splitlines()] if master else []
+    records = read_metrics(metrics_path) if master else []
     if master and records:
         import matplotlib
 

@@ -25,7 +25,6 @@ State keys, per parameter and the same on every rank: quantized tensors have
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from functools import cache
 from typing import Any, NamedTuple
@@ -96,7 +95,12 @@ class _Kind(NamedTuple):
 def _compiled_step():
     from torchao.optim.adam import single_param_adam
 
-    return torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+    # A wrapper of our own, so that dynamo keeps our graphs (plain flat shards) in a cache apart
+    # from torchao's (which may hold DTensor graphs of the same function in the same process).
+    def adamw8bit_step(*args):
+        return single_param_adam(*args)
+
+    return torch.compile(adamw8bit_step, fullgraph=True, dynamic=False)
 
 
 def _step_fn(compile: bool):
@@ -114,7 +118,10 @@ class AdamW8bit(torch.optim.Optimizer):
     tensor (``AdamW8bit.blocks``); see [Note: 8-bit state on ragged shards]. ``compile=True``
     (torchao's behavior) runs the step through ``torch.compile``; ``False`` runs it eagerly (no
     compiler needed; numerics then equal torchao run with ``TORCHDYNAMO_DISABLE=1``, not compiled
-    torchao: inductor contracts multiply-adds). ``step()`` issues no collectives.
+    torchao: inductor contracts multiply-adds). Compiling builds one graph per distinct local shape
+    (seconds each on CPU, first step only), as torchao does. ``amsgrad=True`` keeps the running max
+    in 8 bits too (torchao's own step fails on an 8-bit max; see ``_step_quantized``). ``step()``
+    issues no collectives.
     """
 
     blocks = staticmethod(adamw8bit_rule(256))
@@ -178,6 +185,11 @@ class AdamW8bit(torch.optim.Optimizer):
                 )
             if not p.is_floating_point():
                 raise ValueError(f"AdamW8bit: parameter {info.fqn or '<unnamed>'} is {p.dtype}; need floating point")
+            if quantized and not p.is_contiguous():
+                raise ValueError(
+                    f"AdamW8bit: parameter {info.fqn or '<unnamed>'} (shape {tuple(p.shape)}) is not contiguous; "
+                    "8-bit blocks are runs of the flat tensor, so pass contiguous parameters"
+                )
             kind = self._kinds[p] = _Kind(quantized, info)
         return kind
 

@@ -63,8 +63,8 @@ def muon_rule(
     row_splits = {k: tuple(v) for k, v in (row_splits or {}).items()}
 
     def rule(fqn: str, param: torch.Tensor, module: nn.Module | None) -> BlockSpec:
-        if param.ndim < 2 or is_embedding_or_head(fqn, module):
-            return elements(1)
+        if param.ndim < 2 or is_embedding_or_head(fqn, module) or fqn.endswith("bias"):
+            return elements(1)  # torch.optim.Muon: only hidden weight matrices; the rest is AdamW's
         if param.ndim == 3:
             return expert()
         if param.ndim > 3:
@@ -85,7 +85,7 @@ def muon_rule(
     return rule
 
 
-def shampoo_rule(max_preconditioner_dim: int = 1024, *, per_expert: bool = False) -> BlockRule:
+def shampoo_rule(max_preconditioner_dim: int = 1024, *, per_expert: bool = True) -> BlockRule:
     """Strips of ``max_preconditioner_dim`` rows (1-D tensors: that many elements).
 
     ``per_expert``: a 3-D ``[E, r, c]`` weight gets one ``expert()`` block per expert matrix (each

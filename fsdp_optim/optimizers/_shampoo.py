@@ -197,7 +197,7 @@ class Shampoo(torch.optim.Optimizer):
     blocks = staticmethod(shampoo_rule(1024))
 
     @classmethod
-    def rule(cls, *, max_preconditioner_dim: int = 1024, per_expert: bool = False) -> BlockRule:
+    def rule(cls, *, max_preconditioner_dim: int = 1024, per_expert: bool = True) -> BlockRule:
         """The block rule for ``fully_shard``: ``rows(max_preconditioner_dim)`` strips; with
         ``per_expert`` 3-D ``[E, r, c]`` weights are E matrices, each blocked on its own."""
         return shampoo_rule(max_preconditioner_dim, per_expert=per_expert)

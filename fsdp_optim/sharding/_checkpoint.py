@@ -14,22 +14,29 @@ boxes of any saved layout overlap this rank's range, straight into the parameter
   parameters as their global N-D tensors (no padding), buffers and unsharded parameters as plain
   (replicated) tensors.
 - ``optim.state.<param name>.<key>``: sharded optimizer state (``state_shards``, see
-  [Note: checkpoint-shaped optimizer state]) as its global flat vector, shaped like the parameter
-  when it has one element per parameter element; replicated state (``step``) as is.
-  ``optim.param_groups``: hyperparameters, with parameter names instead of ids.
+  [Note: checkpoint-shaped optimizer state]; for optimizers without it, as torch's AdamW on
+  flat shards, tensors with one element per local parameter element) as its global flat vector,
+  shaped like the parameter when it has one element per parameter element; other replicated
+  tensors as they are. ``optim.scalars``: step counters and other 0-dim / non-tensor state, one
+  blob. ``optim.param_groups``: hyperparameters, with parameter names instead of ids.
 - ``scheduler``, ``extra`` (rank 0's, returned to every rank) and ``rng.rank<r>`` (per rank;
   restored only at the same world size) as opaque ``torch.save`` bytes.
 - ``fsdp_optim.json``: the manifest (world size, optimizer class, state schema, group names),
   written last by rank 0, so it is read first to check a load before any tensor is touched.
 
-A save writes ``<path>.tmp`` and renames it into place after every rank has written (atomic:
-a crash mid-save leaves the previous checkpoint). Every check of a load runs on every rank and
-the verdict is agreed on with one collective, so a bad checkpoint raises on all ranks, never
-hangs, and nothing is loaded unless every rank can load.
+A rank with an empty piece writes nothing for it. A save writes ``<path>.tmp`` and renames it
+into place after every rank has written (atomic: a crash mid-save leaves the previous checkpoint;
+a crash between the two renames leaves ``<path>.old``, which a load then falls back to). Every
+check of a load (keys, shapes, dtypes of optimizer state, optimizer class, param groups, every
+shard file present and long enough) runs on every rank and the verdict is agreed on with one
+collective, so a bad checkpoint raises on all ranks before anything is read and never hangs;
+a failure inside the read itself (corrupt bytes) raises on all ranks through DCP.
 
 Integration: ``fully_shard``'s root call must run ``register_state_dict_hooks(root)`` so that
-``model.state_dict()`` / ``model.load_state_dict()`` are DCP-ready (as with FSDP2), and the
-optimizers may run ``register_optimizer_hooks(self)`` for ``optimizer.state_dict()``.
+``model.state_dict()`` / ``model.load_state_dict()`` are DCP-ready (as with FSDP2); an optimizer
+runs ``register_optimizer_hooks(optimizer)`` (e.g. at the end of its ``__init__``) to make
+``optimizer.state_dict()`` / ``load_state_dict()`` DCP-ready. ``save_checkpoint`` /
+``load_checkpoint`` need neither.
 """
 
 from __future__ import annotations
@@ -64,7 +71,6 @@ __all__ = [
     "FlatShardTensor",
     "flat_range_boxes",
     "model_state_dict",
-    "optimizer_state_dict",
     "register_state_dict_hooks",
     "register_optimizer_hooks",
     "save_checkpoint",
@@ -191,11 +197,13 @@ class FlatShardTensor(torch.Tensor):
             f"local=[{self._start}, {self._start + self._local.numel()}))"
         )
 
+    def __deepcopy__(self, memo: dict) -> FlatShardTensor:
+        return FlatShardTensor(self._local.clone(), shape=self.shape, start=self._start)
+
     def __reduce_ex__(self, protocol):
-        raise TypeError(
-            "a FlatShardTensor holds one rank's piece and cannot be pickled; use "
-            "fsdp_optim.full_state_dict(model) for a torch.save-able state dict"
-        )
+        # This rank's piece only (``torch.load(..., weights_only=False)``); for one portable file
+        # use ``fsdp_optim.full_state_dict(model)``.
+        return _rebuild_flat_shard, (self._local, tuple(self.shape), self._start)
 
     # ---- accessors ------------------------------------------------------------------------
     @property
@@ -235,8 +243,9 @@ class FlatShardTensor(torch.Tensor):
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         boxes = self._boxes
-        if index.index is not None and index.index < len(boxes) and torch.Size(boxes[index.index].offsets) == index.offset:
-            b = boxes[index.index]
+        hint = index.index
+        if hint is not None and hint < len(boxes) and torch.Size(boxes[hint].offsets) == index.offset:
+            b = boxes[hint]
         else:
             found = [b for b in boxes if torch.Size(b.offsets) == index.offset]
             if not found:
@@ -246,6 +255,10 @@ class FlatShardTensor(torch.Tensor):
             b = found[0]
         a = b.start - self._start
         return self._local[a : a + b.numel].view(b.sizes)
+
+
+def _rebuild_flat_shard(local: torch.Tensor, shape: tuple[int, ...], start: int) -> FlatShardTensor:
+    return FlatShardTensor(local, shape=shape, start=start)
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
@@ -345,8 +358,8 @@ def _state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) -
                     f"{type(optimizer).__name__}.state_shards: state {key!r} of {name} has "
                     f"{v.numel() if torch.is_tensor(v) else 'no'} elements but its StateShard says {ss.end - ss.start}"
                 )
-            numel = info.numel if info is not None else p.numel()
-            shape = (info.shape if info is not None else tuple(p.shape)) if ss.global_numel == numel else (ss.global_numel,)
+            param_shape = info.shape if info is not None else tuple(p.shape)
+            shape = param_shape if ss.global_numel == math.prod(param_shape) else (ss.global_numel,)
             out[key] = (_SHARDED, (shape, ss.start))
         elif shards is None and info is not None and torch.is_tensor(v) and v.ndim > 0:
             if v.numel() != info.local_numel:
@@ -381,7 +394,7 @@ def _optim_state(
                 v = st[key]
                 if kind == _SHARDED:
                     shape, start = where
-                    entry[key] = FlatShardTensor(v.detach().reshape(-1) if v.is_contiguous() else v, shape=shape, start=start)
+                    entry[key] = FlatShardTensor(v.detach(), shape=shape, start=start)
                 elif kind == _REPLICATED:
                     entry[key] = v.detach()
                 else:
@@ -395,16 +408,11 @@ def _optim_state(
 
 
 def _param_groups(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
-
-
-def optimizer_state_dict(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``{"state": {param name: {key: value}}, "param_groups": [...]}``, DCP-ready (no gather)."""
-    names = _param_names(model, optimizer)
-    state, scalars, _ = _optim_state(optimizer, names)
-    for name, small in scalars.items():
-        state.setdefault(name, {}).update(small)
-    return {"state": state, "param_groups": _param_groups(optimizer, names)}
+    """Hyperparameters of each group, with parameter names instead of the parameters."""
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
 
 
 # ---- agreeing on errors ----------------------------------------------------------------------
@@ -434,11 +442,6 @@ def _group_info() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def _to_bytes(obj: Any) -> bytes:
@@ -482,8 +485,9 @@ def save_checkpoint(
 ) -> None:
     """Save model, optimizer, scheduler, RNG states and ``extra`` to directory ``path`` (every rank).
 
-    Each rank writes only its own shards (no gather). Atomic: the checkpoint is written to
-    ``<path>.tmp`` and moved into place after every rank is done, replacing any previous one.
+    Each rank writes only its own shards (no gather). ``extra`` (any ``torch.save``-able object,
+    e.g. the data position) is taken from rank 0. Atomic: the checkpoint is written to
+    ``<path>.tmp`` and moved into place after every rank is done, replacing a previous checkpoint.
     """
     path = os.fspath(path)
     rank, world_size = _group_info()
@@ -515,14 +519,19 @@ def save_checkpoint(
             sd["extra"] = _to_bytes(extra)
         sd[f"rng.rank{rank}"] = _to_bytes(_rng_state())
         if rank == 0:
+            if os.path.exists(path) and not _is_checkpoint(path):
+                raise ValueError(
+                    f"save_checkpoint: {path} exists and is not a checkpoint (no {MANIFEST} or .metadata); "
+                    "a save replaces the directory, so pass a new path or remove it"
+                )
             if os.path.exists(tmp):
                 shutil.rmtree(tmp)  # a crashed earlier save
             os.makedirs(tmp)
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         err = e
-    _agree(err)
-    _barrier()  # the temp dir exists before anyone writes
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))  # collective; .metadata is written on return
+    _agree(err)  # a collective: the temp dir exists before anyone writes
+    # A collective; .metadata is written when it returns.
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
     err = None
     if rank == 0:
         try:
@@ -538,6 +547,12 @@ def save_checkpoint(
         except Exception as e:  # noqa: BLE001
             err = e
     _agree(err)
+
+
+def _is_checkpoint(path: str) -> bool:
+    return os.path.isdir(path) and (
+        not os.listdir(path) or any(os.path.exists(os.path.join(path, f)) for f in (MANIFEST, ".metadata"))
+    )
 
 
 def _write_manifest(directory: str, manifest: dict[str, Any]) -> None:
@@ -615,16 +630,21 @@ class _LoadPlan:
     def __init__(self) -> None:
         self.sd: dict[str, Any] = {}
         self.fresh: dict[int, tuple[torch.Tensor, str, dict[str, Any]]] = {}  # lazy optimizers' new state
-        self.scalars: list[tuple[dict[str, Any], str, str]] = []  # (optimizer.state[p] or fresh, key, name)
+        # (optimizer.state[p] or fresh state, key, name, device of a fresh step counter)
+        self.scalars: list[tuple[dict[str, Any], str, str, torch.device | None]] = []
 
 
 def _check_tensor(key: str, md: Any, obj: Any, *, exact_dtype: bool) -> None:
     if not isinstance(md, TensorStorageMetadata):
         if torch.is_tensor(obj):
-            raise ValueError(f"checkpoint entry {key} is not a tensor, but the target is one of shape {tuple(obj.shape)}")
+            raise ValueError(
+                f"checkpoint entry {key} is not a tensor, but the target is one of shape {tuple(obj.shape)}"
+            )
         return
     if not torch.is_tensor(obj):
-        raise ValueError(f"checkpoint entry {key} is a tensor of shape {tuple(md.size)}, but the target is {type(obj).__name__}")
+        raise ValueError(
+            f"checkpoint entry {key} is a tensor of shape {tuple(md.size)}, but the target is {type(obj).__name__}"
+        )
     if tuple(md.size) != tuple(obj.size()):
         raise ValueError(
             f"shape mismatch for {key}: the checkpoint has {tuple(md.size)}, the target {tuple(obj.size())}"
@@ -709,17 +729,21 @@ def _plan_load(
                             + (f"unexpected keys: {_fmt_keys(unexp)}" if unexp else "")
                         )
                     for k in sorted(miss):
-                        warnings.warn(f"load_checkpoint(strict=False): optimizer state {name}.{k} is not in the checkpoint; kept")
+                        warnings.warn(
+                            f"load_checkpoint(strict=False): optimizer state {name}.{k} is not in the checkpoint; kept"
+                        )
                 entry = {}
                 for key, (kind, where) in kinds.items():
                     if key not in saved_keys:
                         continue
-                    if saved_keys[key] != kind:
+                    if (saved_keys[key] == _SCALAR) != (kind == _SCALAR):  # sharded vs full: same global tensor
                         raise ValueError(
                             f"optimizer state {name}.{key} is {saved_keys[key]} in the checkpoint but {kind} here"
                         )
                     if kind == _SCALAR:
-                        plan.scalars.append((target, key, name))
+                        # torch keeps step counters on the parameter's device when fused / capturable
+                        on_device = id(p) in plan.fresh and (g.get("fused") or g.get("capturable"))
+                        plan.scalars.append((target, key, name, p.device if on_device else None))
                         continue
                     v = target[key]
                     if kind == _SHARDED and where is not None:
@@ -795,7 +819,7 @@ def load_checkpoint(
         err = e
     _agree(err)
     assert plan is not None
-    dcp.load(plan.sd, storage_reader=dcp.FileSystemReader(path))
+    dcp.load(plan.sd, storage_reader=dcp.FileSystemReader(path), no_dist=not dist.is_initialized())
 
     if optimizer is not None:
         opt_sd = plan.sd["optim"]
@@ -805,9 +829,11 @@ def load_checkpoint(
                 if k != "params":
                     g[k] = v
         scalars = _from_bytes(opt_sd["scalars"], "optim.scalars")
-        for target, key, name in plan.scalars:
+        for target, key, name, device in plan.scalars:
             v, old = scalars[name][key], target.get(key)
-            target[key] = v.to(old.device) if torch.is_tensor(v) and torch.is_tensor(old) else v
+            if torch.is_tensor(v) and (torch.is_tensor(old) or device is not None):
+                v = v.to(old.device if torch.is_tensor(old) else device)
+            target[key] = v
         for p, _, state in plan.fresh.values():
             optimizer.state[p] = state
     if scheduler is not None:
@@ -845,7 +871,9 @@ def load_full_state_dict(model: nn.Module, full: Mapping[str, torch.Tensor], *, 
             info = shard_info(p) if p is not None else None
             shape = info.shape if info is not None else tuple(own[key].shape)
             if tuple(src.shape) != tuple(shape):
-                raise ValueError(f"shape mismatch for {key}: the full state dict has {tuple(src.shape)}, the model {tuple(shape)}")
+                raise ValueError(
+                    f"shape mismatch for {key}: the full state dict has {tuple(src.shape)}, the model {tuple(shape)}"
+                )
             pairs.append((key, src, info))
     except Exception as e:  # noqa: BLE001
         err = e

@@ -17,7 +17,7 @@ flat 1-D piece of the global tensor, a view into the bucket's segment, with a ``
 Balance is global, so the planner must see every bucket of a model at once. Every call shards
 what it is given right away (so an optimizer may be built after any call), and a call on a module
 that contains modules sharded by earlier calls *absorbs* them: their parameters are gathered back
-to full tensors (one all-gather per absorbed bucket, on meta-device models none), and everything
+to full tensors (one all-gather per absorbed bucket, at setup only), and everything
 under the new call is planned again, at once, with ``plan_model``. The outermost call is
 therefore the root: in the usage above ``layers.0`` is provisionally a root until
 ``fully_shard(model)`` absorbs every layer. Calls on two disjoint modules make two independent
@@ -35,7 +35,7 @@ root's. The plan config and the mesh come from the root.
   comes next (reverse post-forward order).
 - Unsharded gradients land in one flat buffer in ``reduce_dtype``: when it equals ``param_dtype``
   the unsharded parameters' ``.grad`` are views into it before the bucket's backward (autograd
-  accumulates in place: no copy-in), otherwise they are copied (cast) into it.
+  accumulates in place: no copy-in), otherwise, and for the root's bucket, they are copied into it.
 - Post-backward (an identity autograd Function on the module's inputs, whose backward runs once the
   module's backward is done, as FSDP2 does; or the end of backward): reduce-scatter the flat buffer
   (one collective, AVG over ranks, so a per-rank mean loss gives the gradient of the mean over the
@@ -65,8 +65,8 @@ from __future__ import annotations
 
 import enum
 import functools
-import math
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -600,7 +600,7 @@ class _Runtime:
         """Drop this (absorbed) runtime's storage now rather than at the next cyclic GC."""
         for b in self.buckets:
             b.reshard()
-            b.buffer = b.gathered = b.flat_grad = b.flat_views = b.grad_seg = b.grad_views = None
+            b.buffer = b.gathered = b.flat_grad = b.flat_views = b.grad_seg = None
             b.sharded, b.unsharded, b.entries = [], [], []
         self.buckets = []
 
@@ -614,7 +614,6 @@ class _Runtime:
         for b in self.buckets:
             b.rebind()
             b.used = False
-            b.release_unused_grad_segment()
         self.state = _TrainingState.FORWARD
 
     def root_post_forward(self) -> None:
@@ -746,8 +745,8 @@ class _Bucket:
         self.flat_grad: torch.Tensor | None = None  # unsharded gradients, flat, in reduce_dtype
         self.flat_views: list[torch.Tensor] | None = None
         self.attached = [False] * len(entries)
-        self.grad_views: list[torch.Tensor] | None = None
-        self.grad_seg: torch.Tensor | None = None
+        self.grad_seg: torch.Tensor | None = None  # the segment a pending reduction writes
+        self._grad_seg_ref: weakref.ref | None = None  # see [Note: gradient segment lifetime]
         self.used = False
         self.pre_backward_done = False
         self.post_backward_done = False
@@ -851,8 +850,10 @@ class _Bucket:
         """Zero copy: make each unsharded parameter's ``.grad`` a view into the flat reduction buffer,
         so autograd accumulates into it in place and the bucket reduces without a copy-in (and
         without the unsharded gradients and the flat buffer both alive). Only where the compute
-        and reduction dtypes agree; otherwise ``post_backward`` copies (casting) instead."""
-        if self.num_trainable == 0 or self.param_dtype != self.reduce_dtype:
+        and reduction dtypes agree; otherwise ``post_backward`` copies (casting) instead. Not for the
+        root's bucket: its gradients arrive across the whole backward (head first, embedding last),
+        so a flat buffer held from the start would outweigh the copy at the end."""
+        if self.num_trainable == 0 or self.param_dtype != self.reduce_dtype or self.is_root:
             return
         self._ensure_flat_grad()
         for i, up in enumerate(self.unsharded):
@@ -892,43 +893,47 @@ class _Bucket:
         self.runtime.issue_reduce(self)
 
     def _prepare_grad_segment(self) -> bool:
-        """Make the gradient segment ready; returns whether the reduction adds to it (an existing
-        ``.grad``: ``zero_grad(set_to_none=False)`` or no ``zero_grad`` at all) or overwrites it."""
-        if self.grad_seg is None:
-            self.grad_seg = self.buffer.alloc_grad_segment()
-            self.grad_views = self.buffer.local_views(self.grad_seg)
+        """Choose the gradient segment the reduction writes; returns whether it adds to it.
+
+        [Note: gradient segment lifetime]
+        The runtime keeps only a weak reference to the gradient segment once the sharded ``.grad``
+        views are set, so ``zero_grad(set_to_none=True)`` frees it, as it frees gradients in plain
+        PyTorch. If the parameters' ``.grad`` are still our views (``set_to_none=False``, or no
+        ``zero_grad``), the reduction adds into that segment; if all are ``None`` a new segment is
+        allocated and overwritten (a segment someone else still references is never reused)."""
+        seg = self._grad_seg_ref() if self._grad_seg_ref is not None else None
         grads = [self.sharded[i].grad for i in self.trainable_local]
         if all(g is None for g in grads):
+            self.grad_seg = torch.empty(self.buffer.segment_numel, dtype=self.buffer.dtype, device=self.buffer.device)
             return False
+        views = self.buffer.local_views(seg) if seg is not None else None
+        if views is None or not any(g is not None and _same_view(g, views[i]) for i, g in zip(self.trainable_local, grads)):
+            seg = torch.zeros(self.buffer.segment_numel, dtype=self.buffer.dtype, device=self.buffer.device)
+            views = self.buffer.local_views(seg)
         with torch.no_grad():
             for i, g in zip(self.trainable_local, grads):
-                view = self.grad_views[i]
+                view = views[i]
                 if view.numel() == 0 or (g is not None and _same_view(g, view)):
                     continue
                 if g is None:
                     view.zero_()
                 else:
                     view.copy_(g.reshape(-1))
+        self.grad_seg = seg
         return True
-
-    def release_unused_grad_segment(self) -> None:
-        """After ``zero_grad(set_to_none=True)`` no parameter refers to the gradient segment: free it
-        (as set_to_none frees gradients) until the next reduction allocates it again."""
-        if self.grad_seg is None or self.reduce_handle is not None:
-            return
-        if all(self.sharded[i].grad is None for i in self.trainable_local):
-            self.grad_seg, self.grad_views = None, None
-            self.buffer.free_grad_segment()
 
     def wait_reduces(self) -> None:
         if self.reduce_handle is None:
             return
         self.reduce_handle.wait()
         self.reduce_handle = None
+        seg, self.grad_seg = self.grad_seg, None
+        views = self.buffer.local_views(seg)
         for i in self.trainable_local:
             sp = self.sharded[i]
-            if sp.grad is None or not _same_view(sp.grad, self.grad_views[i]):
-                sp.grad = self.grad_views[i]
+            if sp.grad is None or not _same_view(sp.grad, views[i]):
+                sp.grad = views[i]
+        self._grad_seg_ref = weakref.ref(seg)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -176,6 +176,32 @@ def test_one_block_step_equals_preconditioned_gradient_in_float64(shape, tol):
     assert (got - want).abs().max() <= tol * want.abs().max()
 
 
+@pytest.mark.parametrize("shape,override,eps", [((3,), 0, 1e-4), ((5, 5), 2, 1e-12), ((5, 5), 8, 1e-12)])
+def test_one_factor_and_exponent_override_in_float64(shape, override, eps):
+    """1-D blocks use ``L^{-1/2} g`` (``L = g g^T``: ``g (|g|^2 + eps)^{-1/2}``); ``exponent_override=p``
+    gives ``L^{-1/p} G R^{-1/p} = U diag(s (s^2 + eps)^{-2/p}) V^T``. Grafted, float64, step 1;
+    tolerance 1e-5 of the update. The 1-D factor at step 1 is rank 1: its fp32 null eigenvalues are
+    rounding noise (~1e-7 of |g|^2) raised to -1/2, so epsilon must dominate that noise (1e-4 here;
+    with 1e-12 the direction is 10% off, in any fp32-factor Shampoo)."""
+    torch.manual_seed(6)
+    g, p = torch.randn(shape), torch.nn.Parameter(torch.randn(shape))
+    p0 = p.detach().clone()
+    opt = Shampoo([p], lr=0.1, betas=(0.0, 0.95), epsilon=eps, max_preconditioner_dim=8, precondition_frequency=1,
+                  start_preconditioning_step=1, exponent_override=override)  # fmt: skip
+    p.grad = g.clone()
+    opt.step()
+    g64 = g.double()
+    if g.ndim == 1:
+        pre = g64 * (g64.square().sum() + eps) ** -0.5
+    else:
+        u, sv, vt = torch.linalg.svd(g64)
+        pre = (u * (sv * (sv * sv + eps) ** (-2.0 / override))) @ vt
+    adam = g64 / (g64.abs() + 1e-8)
+    want = -0.1 * pre * adam.norm() / pre.norm()
+    got = (p.detach() - p0).double()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_multi_step_blocks_equal_float64_reference():
     """Three steps on a [6, 5] parameter with k = 4 (blocks 4x4, 4x1, 2x4, 2x1): EMA factors with
     bias correction, filtered gradient, grafting, weight decay and Nesterov momentum, recomputed in

@@ -83,3 +83,36 @@ def test_world_size_the_data_cannot_feed():
         Sampler(w, 4, 0, 4, seed=0)
     with pytest.raises(ValueError, match="shorter data.seq_len"):
         TokenWindows(np.arange(5, dtype=np.uint16), seq_len=10, val_fraction=0.0)
+
+
+def test_local_tokenizer_json(tmp_path):
+    pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install 'fsdp_optim[hf]')")
+    from data import build_tokenizer
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "hello": 1, "world": 2, "</s>": 3}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.save(str(tmp_path / "tokenizer.json"))
+    tok = build_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert tok.vocab_size == 4 and tok.eos_id == 3
+    (tmp_path / "d.txt").write_text("hello world\fworld zzz")
+    assert load_tokens(str(tmp_path / "d.txt"), tok).tolist() == [1, 2, 3, 2, 0, 3]
+    with pytest.raises(ValueError, match="is not a file"):
+        build_tokenizer(str(tmp_path / "missing.json"))
+
+
+def test_make_corpus_reproduces_the_committed_prefix(tmp_path):
+    import platform
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    committed = default_corpus()
+    if f"Python {platform.python_version()} " not in (committed.parent / "CORPUS_LICENSE.txt").read_text():
+        pytest.skip("the committed corpus was built on another Python version (its docstrings differ)")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "make_corpus.py"
+    subprocess.run([sys.executable, str(script), "--max-mb", "0.05", "--out", str(tmp_path / "c.txt")],
+                   check=True, capture_output=True, timeout=120)
+    small = (tmp_path / "c.txt").read_bytes()[:-1]  # the script ends the file with a newline
+    assert len(small) == 50_000 and committed.read_bytes().startswith(small)

@@ -77,12 +77,30 @@ def test_transformers_config(tmp_path):
     check_outputs(tmp_path, 3)
 
 
-def test_grad_accum_and_clip(tmp_path):
-    # 2 micro-batches of 2 sequences: the logged loss is their mean; clipping to a tiny norm leaves
-    # the reported pre-clip norm untouched but shrinks the update.
-    train(tmp_path, "--set", "train.grad_accum=2", "--set", "train.grad_clip=1e-3", steps=2)
-    records = check_outputs(tmp_path, 2)
-    assert records[0]["grad_norm"] > 1e-3 and records[0]["tokens"] == 2 * 2 * 32 * 2
+def test_grad_accum_equals_big_batch(tmp_path):
+    # 2 micro-batches of 2 sequences per rank (no sync on the first) see the same 8 windows per step as
+    # one batch of 4 per rank, so the losses match up to float summation order.
+    accum = train(tmp_path / "a", "--optimizer", "adamw", "--set", "train.grad_accum=2", steps=3)["records"]
+    big = train(tmp_path / "b", "--optimizer", "adamw", "--set", "train.batch_size=4", steps=3)["records"]
+    assert [r["tokens"] for r in accum] == [r["tokens"] for r in big] == [k * 2 * 2 * 32 * 2 for k in (1, 2, 3)]
+    for a, b in zip(accum, big):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert accum[-1]["loss"] < accum[0]["loss"]
+
+
+def test_torch_fsdp2_backend(tmp_path):
+    # The comparison path: PyTorch FSDP2 + torch.optim.AdamW + DCP, same script (meta init included).
+    res = train(tmp_path, "--optimizer", "adamw", "--set", "train.backend=torch", "--set", "model.meta_init=true", steps=3)
+    assert res["backend"] == "torch"
+    check_outputs(tmp_path, 3)
+    res = train(tmp_path, "--optimizer", "adamw", "--set", "train.backend=torch", "--resume", steps=4)
+    assert res["resumed_from"].endswith("step_000003") and [r["step"] for r in res["records"]] == [1, 2, 3, 4]
+
+
+def test_bf16_compute(tmp_path):
+    # bf16 gathered parameters and compute, fp32 master weights and reduction (fsdp_optim.MixedPrecisionPolicy)
+    res = train(tmp_path, "--set", "train.dtype=bf16", steps=2)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in res["records"])
 
 
 def test_clear_errors(tmp_path):
@@ -93,6 +111,9 @@ def test_clear_errors(tmp_path):
         train(tmp_path / "b", "--set", f'data.path="{tmp_path / "small.txt"}"', "--set", "train.batch_size=4")
     with pytest.raises(DistributedTestError, match="no data found"):
         train(tmp_path / "c", "--set", f'data.path="{tmp_path / "nothing_here"}"')
+    train(tmp_path / "e", steps=1)
+    with pytest.raises(DistributedTestError, match=r"already holds checkpoints \(latest step_000001\); pass --resume"):
+        train(tmp_path / "e", steps=1)
     # On the command line: one clear line, exit code 2, before any process group is needed.
     r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "d"), "--set", "model.dimm=8"],
                        capture_output=True, text=True, timeout=60)

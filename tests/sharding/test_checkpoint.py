@@ -76,6 +76,7 @@ SHAPES = {
     "layers.1.norm.weight": (16,),
     "head.weight": (10, 16),
     "scale": (),
+    "empty.weight": (0, 4),
 }
 
 
@@ -210,7 +211,8 @@ def test_reshard_torch_adamw_params_and_state(tmp_path, src, dst):
         opt.param_groups[0]["lr"] = 99.0
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         extra = load_checkpoint(ck, model=m, optimizer=opt, scheduler=sched)
-        return full_params(m), full_optim_state(m, opt), opt.param_groups[0]["lr"], extra, m.step_buf.tolist(), sched.last_epoch
+        lr, buf = opt.param_groups[0]["lr"], m.step_buf.tolist()
+        return full_params(m), full_optim_state(m, opt), lr, extra, buf, sched.last_epoch
 
     before = run_distributed(save, world_size=src)[0]
     after = run_distributed(load, world_size=dst)
@@ -349,9 +351,12 @@ def _expect_error_on_every_rank(world_size, make, match, strict=True):
 
     import re
 
+    msgs = []
     for r, (msg, untouched) in enumerate(run_distributed(fn, world_size=world_size, timeout=60)):
         assert re.search(match, msg), (r, msg)
         assert untouched, r
+        msgs.append(msg)
+    return msgs
 
 
 def test_bad_input_errors(tmp_path):
@@ -374,6 +379,14 @@ def test_bad_input_errors(tmp_path):
         return m, _torch_adamw(m.parameters()), ck
 
     _expect_error_on_every_rank(3, missing, r"ValueError: .*missing keys: .*layers\.1\.w2\.weight")
+
+    # an error on one rank only (its model differs) reaches every rank, no hang
+    def one_rank():
+        m = model(extra_param=dist.get_rank() == 1)
+        return m, None, ck
+
+    msgs = _expect_error_on_every_rank(3, one_rank, r"ValueError: (rank 1: )?.*missing keys: .*layers\.1\.w2\.weight")
+    assert [m.startswith("ValueError: rank 1: ") for m in msgs] == [True, False, True]
 
     # unexpected keys (the checkpoint has parameters the model lacks)
     def unexpected():
@@ -413,6 +426,32 @@ def test_bad_input_errors(tmp_path):
     with open(f, "r+b") as fh:
         fh.truncate(os.path.getsize(f) // 2)
     _expect_error_on_every_rank(3, missing_file, r"ValueError: .*__0_0\.distcp is truncated")
+
+    # a truncated DCP metadata file; a missing manifest
+    shutil.rmtree(bad)
+    shutil.copytree(ck, bad)
+    with open(os.path.join(bad, ".metadata"), "r+b") as fh:
+        fh.truncate(10)
+    _expect_error_on_every_rank(2, missing_file, r"ValueError: cannot read the DCP metadata file .*bad/\.metadata")
+    shutil.rmtree(bad)
+    shutil.copytree(ck, bad)
+    os.remove(os.path.join(bad, "fsdp_optim.json"))
+    _expect_error_on_every_rank(2, missing_file, r"FileNotFoundError: .*bad/fsdp_optim\.json is missing")
+
+    # a save never replaces a directory that is not a checkpoint
+    os.makedirs(tmp_path / "data")
+    (tmp_path / "data" / "keep.txt").write_text("x")
+
+    def save_over_data():
+        m = model()
+        try:
+            save_checkpoint(tmp_path / "data", model=m)
+        except ValueError as e:
+            return str(e)
+
+    for msg in run_distributed(save_over_data, world_size=2):
+        assert "data exists and is not a checkpoint" in msg
+    assert os.listdir(tmp_path / "data") == ["keep.txt"]
 
     # not a checkpoint at all
     def nowhere():
@@ -523,6 +562,10 @@ OPTIMIZERS = {
     "shampoo": (shampoo_rule(16), lambda ps: Shampoo(ps, lr=1e-2, max_preconditioner_dim=16)),
 }
 
+FSDP_OPTIMIZERS = {k: v for k, v in OPTIMIZERS.items() if k != "torch_adamw"}
+# torch's lazy state, 8-bit codes and Shampoo factors (both with their own load_state_dict)
+HOOKED_OPTIMIZERS = {k: OPTIMIZERS[k] for k in ("torch_adamw", "adamw8bit", "shampoo")}
+
 # Two plans: per-layer buckets on an even layout vs one bucket on a ragged layout.
 PLANS = {
     "even_layers": dict(per_layer=True, config=PlanConfig(layout="even", padding_cap=0.0)),
@@ -578,31 +621,53 @@ def full_state(model, opt) -> tuple[dict, dict]:
     return fsdp_optim.full_state_dict(model), state
 
 
-@pytest.mark.parametrize("src,dst", PAIRS)
-def test_reshard_every_optimizer(tmp_path, src, dst):
-    """Save at ``src`` ranks on one plan, load at ``dst`` on the other: full tensors equal, bitwise."""
-    plan_src, plan_dst = ("even_layers", "ragged_root") if src < dst else ("ragged_root", "even_layers")
+def _other(plan: str) -> str:
+    return "ragged_root" if plan == "even_layers" else "even_layers"
 
-    def save():
-        out = {}
-        for name, (rule, make) in OPTIMIZERS.items():
-            model = sharded_model(rule, plan_src)
-            opt = make(model.parameters())
-            train(model, opt, range(1))
-            fsdp_optim.save_checkpoint(tmp_path / name, model=model, optimizer=opt, extra={"opt": name})
-            out[name] = full_state(model, opt)
-        return out
+
+@pytest.fixture(scope="module")
+def saved_at(tmp_path_factory):
+    """``saved_at(W) -> (dir, plan, full state per optimizer)``: one save per source world size
+    (W=4 serves two pairs), each optimizer trained one step on ``plan`` and checkpointed."""
+    cache = {}
+
+    def get(world_size: int):
+        if world_size not in cache:
+            root = tmp_path_factory.mktemp(f"saved_w{world_size}")
+            plan = "even_layers" if world_size <= 2 else "ragged_root"
+
+            def save():
+                out = {}
+                for name, (rule, make) in OPTIMIZERS.items():
+                    model = sharded_model(rule, plan)
+                    opt = make(model.parameters())
+                    train(model, opt, range(1))
+                    fsdp_optim.save_checkpoint(root / name, model=model, optimizer=opt, extra={"opt": name})
+                    out[name] = full_state(model, opt)
+                return out
+
+            cache[world_size] = root, plan, run_distributed(save, world_size=world_size)[0]
+        return cache[world_size]
+
+    return get
+
+
+@pytest.mark.parametrize("src,dst", PAIRS)
+def test_reshard_every_optimizer(saved_at, src, dst):
+    """Saved at ``src`` ranks on one plan, loaded at ``dst`` on the other (bucket grouping, layout,
+    padding cap): full parameters and optimizer state (8-bit: codes, scales and dequantized
+    moments) equal, bitwise."""
+    root, plan_src, before = saved_at(src)
 
     def load():
         out = {}
         for name, (rule, make) in OPTIMIZERS.items():
-            model = sharded_model(rule, plan_dst, seed=1)
+            model = sharded_model(rule, _other(plan_src), seed=1)
             opt = make(model.parameters())
-            assert fsdp_optim.load_checkpoint(tmp_path / name, model=model, optimizer=opt) == {"opt": name}
+            assert fsdp_optim.load_checkpoint(root / name, model=model, optimizer=opt) == {"opt": name}
             out[name] = full_state(model, opt)
         return out
 
-    before = run_distributed(save, world_size=src)[0]
     after = run_distributed(load, world_size=dst)
     for r in range(dst):
         for name in OPTIMIZERS:
@@ -620,7 +685,7 @@ def test_exact_resume_every_optimizer(tmp_path, world_size):
 
     def uninterrupted():
         out = {}
-        for name, (rule, make) in OPTIMIZERS.items():
+        for name, (rule, make) in FSDP_OPTIMIZERS.items():
             model = sharded_model(rule, "ragged_root")
             opt = make(model.parameters())
             sched = make_sched(opt)
@@ -632,7 +697,7 @@ def test_exact_resume_every_optimizer(tmp_path, world_size):
 
     def resumed():
         out = {}
-        for name, (rule, make) in OPTIMIZERS.items():
+        for name, (rule, make) in FSDP_OPTIMIZERS.items():
             model = sharded_model(rule, "ragged_root", seed=7)  # a different init, overwritten by the load
             opt = make(model.parameters())
             sched = make_sched(opt)
@@ -644,7 +709,7 @@ def test_exact_resume_every_optimizer(tmp_path, world_size):
     ref = run_distributed(uninterrupted, world_size=world_size)
     got = run_distributed(resumed, world_size=world_size)
     for r in range(world_size):
-        for name in OPTIMIZERS:
+        for name in FSDP_OPTIMIZERS:
             assert ref[r][name][0][2:] == got[r][name][0], name
             assert_same(ref[r][name][1][0], got[r][name][1][0])
             assert_same(ref[r][name][1][1], got[r][name][1][1])
@@ -671,14 +736,16 @@ def test_full_state_round_trip():
         pretrained = TinyTransformer(CFG)
         fresh = sharded_model(muon_rule(), "ragged_root", seed=9)
         fsdp_optim.load_full_state_dict(fresh, pretrained.state_dict())
+        also = sharded_model(muon_rule(), "even_layers", seed=10)
+        also.load_state_dict(pretrained.state_dict())  # the root's hooks take full tensors too
         with torch.no_grad():
-            y_fresh, y_pre = fresh(x), pretrained(x)
-        return y_sharded, y_plain, y_fresh, y_pre
+            y_fresh, y_also, y_pre = fresh(x), also(x), pretrained(x)
+        return y_sharded, y_plain, y_fresh, y_also, y_pre
 
-    for y_sharded, y_plain, y_fresh, y_pre in run_distributed(fn, world_size=3):
+    for y_sharded, y_plain, y_fresh, y_also, y_pre in run_distributed(fn, world_size=3):
         # Same kernels on the same full weights and input (one thread per rank): bitwise.
         assert torch.equal(y_sharded, y_plain)
-        assert torch.equal(y_fresh, y_pre)
+        assert torch.equal(y_fresh, y_pre) and torch.equal(y_also, y_pre)
 
 
 def test_state_dicts_are_dcp_ready_under_fully_shard(tmp_path):
@@ -688,7 +755,7 @@ def test_state_dicts_are_dcp_ready_under_fully_shard(tmp_path):
 
     def save():
         out = {}
-        for name, (rule, make) in OPTIMIZERS.items():
+        for name, (rule, make) in HOOKED_OPTIMIZERS.items():
             model = sharded_model(rule, "even_layers")
             opt = make(model.parameters())
             register_optimizer_hooks(opt)
@@ -704,7 +771,7 @@ def test_state_dicts_are_dcp_ready_under_fully_shard(tmp_path):
 
     def load():
         out = {}
-        for name, (rule, make) in OPTIMIZERS.items():
+        for name, (rule, make) in HOOKED_OPTIMIZERS.items():
             model = sharded_model(rule, "ragged_root", seed=4)
             opt = make(model.parameters())
             register_optimizer_hooks(opt)
@@ -717,6 +784,116 @@ def test_state_dicts_are_dcp_ready_under_fully_shard(tmp_path):
 
     ref = run_distributed(save, world_size=2)[0]
     for got in run_distributed(load, world_size=3):
-        for name in OPTIMIZERS:
+        for name in HOOKED_OPTIMIZERS:
             assert_same(ref[name][0], got[name][0])
             assert_same(ref[name][1], got[name][1])
+
+
+def test_interoperates_with_fsdp2_checkpoints(tmp_path):
+    """The model part of a checkpoint is laid out as PyTorch FSDP2's (global N-D tensors, the
+    model's names): FSDP2 loads ours and we load FSDP2's, across world sizes."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+
+    def fsdp2_model(seed):
+        torch.manual_seed(seed)
+        model = TinyTransformer(CFG)
+        for layer in model.layers:
+            fsdp2_fully_shard(layer)
+        return fsdp2_fully_shard(model)
+
+    def save_ours():
+        model = sharded_model(adamw_rule, "even_layers")
+        train(model, AdamW(model.parameters(), lr=1e-2), range(1))
+        fsdp_optim.save_checkpoint(ours, model=model)
+        return fsdp_optim.full_state_dict(model)
+
+    def fsdp2_round_trip():
+        model = fsdp2_model(seed=5)
+        sd = {"model": model.state_dict()}
+        dcp.load(sd, checkpoint_id=ours)
+        got = {k: v.full_tensor() for k, v in sd["model"].items()}
+        model2 = fsdp2_model(seed=6)
+        dcp.save({"model": model2.state_dict()}, checkpoint_id=theirs)
+        return got, {k: v.full_tensor() for k, v in model2.state_dict().items()}
+
+    def load_theirs():
+        model = sharded_model(adamw_rule, "ragged_root", seed=1)
+        sd = {"model": model.state_dict()}
+        dcp.load(sd, checkpoint_id=theirs)
+        model.load_state_dict(sd["model"])
+        return fsdp_optim.full_state_dict(model)
+
+    ref = run_distributed(save_ours, world_size=3)[0]
+    got, fsdp2_full = run_distributed(fsdp2_round_trip, world_size=2)[0]
+    assert_same(ref, got)
+    for mine in run_distributed(load_theirs, world_size=3):
+        assert_same(fsdp2_full, mine)
+
+
+# ---- the wrapper itself, and use without a process group ---------------------------------------------
+def test_flat_shard_tensor_basics():
+    import copy
+    import io
+
+    local = torch.arange(5.0)
+    x = FlatShardTensor(local, shape=(3, 4), start=3)
+    assert x.shape == (3, 4) and x.local_range == (3, 8) and x.to_local().data_ptr() == local.data_ptr()
+    y = copy.deepcopy(x)
+    assert torch.equal(y.to_local(), local) and y.to_local().data_ptr() != local.data_ptr()
+    buf = io.BytesIO()
+    torch.save({"w": x}, buf)
+    buf.seek(0)
+    z = torch.load(buf, weights_only=False)["w"]
+    assert isinstance(z, FlatShardTensor) and z.local_range == (3, 8) and torch.equal(z.to_local(), local)
+    assert x.to(torch.float64).to_local().dtype == torch.float64
+    with pytest.raises(NotImplementedError, match="use .to_local"):
+        x + 1
+    with pytest.raises(ValueError, match="contiguous"):
+        FlatShardTensor(torch.zeros(4, 2).t(), shape=(8,), start=0)
+    with pytest.raises(ValueError, match="outside"):
+        FlatShardTensor(local, shape=(2, 3), start=3)
+
+
+def test_single_process_plain_module(tmp_path):
+    """No process group, no sharding: a plain DCP checkpoint with the same API."""
+    torch.manual_seed(0)
+    model = TinyTransformer(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, range(1))
+    save_checkpoint(tmp_path / "ck", model=model, optimizer=opt, extra=[1, 2])
+    torch.manual_seed(1)
+    fresh = TinyTransformer(CFG)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    assert load_checkpoint(tmp_path / "ck", model=fresh, optimizer=fresh_opt) == [1, 2]
+    assert_same(model.state_dict(), fresh.state_dict())
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        if p.requires_grad:
+            assert_same(opt.state[p], fresh_opt.state[q])
+        else:
+            assert p not in opt.state and q not in fresh_opt.state
+    assert fresh_opt.param_groups[0]["lr"] == 1e-2
+
+
+def test_sharded_checkpoint_into_plain_module(tmp_path):
+    """A W=3 checkpoint of a fully_shard model loads into a plain nn.Module + torch.optim.AdamW
+    in one process (no process group): every tensor equals the gathered sharded one."""
+    rule, make = OPTIMIZERS["torch_adamw"]
+
+    def save():
+        model = sharded_model(rule, "ragged_root")
+        opt = make(model.parameters())
+        train(model, opt, range(2))
+        fsdp_optim.save_checkpoint(tmp_path / "ck", model=model, optimizer=opt)
+        return full_state(model, opt)
+
+    params, state = run_distributed(save, world_size=3)[0]
+    plain = TinyTransformer(CFG)
+    opt = make(plain.parameters())
+    load_checkpoint(tmp_path / "ck", model=plain, optimizer=opt)
+    assert_same(params, plain.state_dict())
+    for name, p in plain.named_parameters():
+        for k, v in opt.state.get(p, {}).items():
+            assert torch.equal(v.reshape(-1) if v.ndim else v, state[f"{name}.{k}"]), (name, k)
+    assert len(opt.state) == sum(p.requires_grad for p in plain.parameters())

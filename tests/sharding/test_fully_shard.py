@@ -202,14 +202,21 @@ def test_sharded_params_are_flat_views_with_shard_info(world_size):
             assert info.shape == tuple(full[name].shape)
             assert torch.equal(p.detach(), full[name].reshape(-1)[info.start : info.end])
             st = getattr(model.layers[0], _STATE) if name.startswith("layers.0.") else None
-            if st is not None:
+            if st is not None and st.bucket.buffer.segment_numel > 0:  # views into the segment / grad segment
                 seg = st.bucket.buffer.segment
-                gseg = st.bucket.buffer.grad_segment
                 assert p.untyped_storage().data_ptr() == seg.untyped_storage().data_ptr()
                 if p.requires_grad:
-                    assert p.grad.untyped_storage().data_ptr() == gseg.untyped_storage().data_ptr()
+                    gptr = st.bucket.sharded[0].grad.untyped_storage().data_ptr()
+                    assert p.grad.untyped_storage().data_ptr() == gptr != seg.untyped_storage().data_ptr()
             if info.spec.is_matrix and not info.split and info.local_numel:
                 assert info.is_whole  # a whole Muon matrix on one rank
+        # zero_grad(set_to_none=True) frees the gradient segments, as plain PyTorch frees gradients.
+        import weakref
+
+        segs = [weakref.ref(p.grad._base) for p in names.values() if p.grad is not None and p.grad._base is not None]
+        assert segs
+        torch.optim.AdamW(model.parameters()).zero_grad(set_to_none=True)
+        assert all(ref() is None for ref in segs)
         # Every matrix lives whole on exactly one rank.
         return sorted(
             (n, fsdp_optim.shard_info(p).local_numel) for n, p in names.items() if fsdp_optim.shard_info(p).spec.is_matrix
@@ -272,6 +279,7 @@ def test_collective_counts_per_step(world_size):
         bwd_gathers = [n for n in names if n != "<root>"] if reshard else []
         want_fwd = _expected_ops(plan, gather_buckets=names, reduce_buckets=[])
         want_bwd = _expected_ops(plan, gather_buckets=bwd_gathers, reduce_buckets=names)
+        losses = []
         for x, y in _batches(3):  # the first step learns the order; later ones prefetch
             calls.clear()
             with CommDebugMode() as fwd:
@@ -287,13 +295,15 @@ def test_collective_counts_per_step(world_size):
                 opt.step()
                 opt.zero_grad()
             assert opt_mode.get_total_counts() == 0
-        return any(not b.layout.value == "even" and len(set(b.segment_sizes)) > 1 for b in plan.buckets)
+            losses.append(loss.item())
+        return any(len(set(b.segment_sizes)) > 1 for b in plan.buckets), losses
 
     def fn():
         return [run_config(*c) for c in COUNT_CONFIGS]
 
-    for uneven in run_distributed(fn, world_size=world_size):
-        assert uneven == [False, True, True]  # the ragged plans exercise the uneven collectives
+    for rank_out in run_distributed(fn, world_size=world_size):
+        assert [u for u, _ in rank_out] == [False, True, True]  # ragged plans use the uneven collectives
+        assert rank_out[1][1] == rank_out[2][1]  # reshard_after_forward changes no bit of the result
 
 
 def test_prefetch_is_issued_before_the_current_bucket_computes():
@@ -350,7 +360,11 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
         if st is None or st.bucket is None:
             continue
         b = st.bucket
-        flat = b.buffer.all_gather(src=b.buffer.grad_segment)
+        seg = torch.zeros_like(b.buffer.segment)
+        for sp, view in zip(b.sharded, b.buffer.local_views(seg)):
+            if sp.grad is not None:
+                view.copy_(sp.grad)
+        flat = b.buffer.all_gather(src=seg)
         for e, view in zip(b.entries, b.buffer.full_views(flat)):
             if e.requires_grad:
                 out[e.fqn] = view.clone()
