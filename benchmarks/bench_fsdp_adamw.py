@@ -124,6 +124,14 @@ class _MemTrace:
         return max(self._curve[self._mark_pos[i] : self._mark_pos[j] + 1])
 
 
+def _settle() -> None:
+    """Let gloo's worker threads drop finished collectives (they hold their tensors until then;
+    without this a rank may count one bucket-sized buffer more, in either runtime), then GC."""
+    dist.barrier()
+    time.sleep(0.2)
+    gc.collect()
+
+
 def _build_ours(cfg, full_sd, rank):
     model = TinyTransformer(cfg)
     for layer in model.layers:
@@ -206,7 +214,7 @@ def _run(a):
             model = builders[n]()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
             step(model, opt, 0)
-            gc.collect()
+            _settle()
             mt.mark()
             step(model, opt, 1)
             mt.mark()

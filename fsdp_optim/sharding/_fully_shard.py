@@ -656,6 +656,7 @@ class _Runtime:
             b.reshard()
             b.post_backward_done = False
             b.pre_backward_done = False
+            b.num_pending_calls = 0
         self.callback_queued = False
         self.state = _TrainingState.IDLE
 
@@ -750,6 +751,7 @@ class _Bucket:
         self.used = False
         self.pre_backward_done = False
         self.post_backward_done = False
+        self.num_pending_calls = 0
         self._set_params(self.sharded)
 
     # ---- parameters -------------------------------------------------------------------------
@@ -962,8 +964,9 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         b = ctx.bucket
-        if not b.post_backward_done:
-            b.runtime.queue_final_callback()
+        b.runtime.queue_final_callback()
+        b.num_pending_calls -= 1
+        if b.num_pending_calls <= 0 and not b.post_backward_done:  # the module's last use is done
             b.post_backward()
         return (None, *grads)
 
@@ -972,6 +975,7 @@ def _register_post_backward(bucket: _Bucket, args: tuple, kwargs: dict) -> tuple
     leaves, spec = tree_flatten((args, kwargs))
     idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
     if idx:
+        bucket.num_pending_calls += 1  # a module called k times reduces after its k-th backward
         outs = _PostBackward.apply(bucket, *(leaves[i] for i in idx))
         for i, o in zip(idx, outs):
             leaves[i] = o

@@ -2,7 +2,10 @@
 
 Every distributed result is compared with an unsharded reference: the full tensors before a save
 (gathered from the shards) against the full tensors after a load at another world size and
-layout, bitwise (a load moves bytes; no arithmetic), and resumed runs against uninterrupted ones.
+layout; resumed runs against uninterrupted ones; a plain ``nn.Module`` loaded from an exported full
+state dict against the sharded model's forward; checkpoints written and read by PyTorch FSDP2.
+All comparisons are bitwise: a load only moves bytes, and a resumed run repeats the same kernels
+on the same data in the same order (one thread per rank).
 """
 
 from __future__ import annotations

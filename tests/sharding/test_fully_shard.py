@@ -410,6 +410,38 @@ def test_gradient_accumulation_without_sync_equals_one_big_batch(world_size):
             torch.testing.assert_close(grads[n], ref[n], rtol=1e-5, atol=1e-7)  # summation order only
 
 
+@pytest.mark.parametrize("world_size", [2])
+def test_module_called_twice_per_forward_reduces_once_with_both_gradients(world_size):
+    """A shared layer (the same module at layers.0 and layers.1) is one bucket, called twice per
+    forward: its gradients from both calls are reduced once, after its last backward."""
+
+    def shared_model():
+        model = _new_model(TinyConfig(frozen=False))
+        model.layers[1] = model.layers[0]
+        return model
+
+    x, y = _batches(1)[0]
+    ref = shared_model()
+    _loss(ref, x, y).backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+    def fn():
+        w, r = dist.get_world_size(), dist.get_rank()
+        model = shared_model()
+        fsdp_optim.fully_shard(model.layers[0])
+        fsdp_optim.fully_shard(model)
+        with CommDebugMode() as mode:
+            _loss(model, _local(x, w, r), _local(y, w, r)).backward()
+        reduces = sum(v for k, v in mode.get_comm_counts().items() if "reduce_scatter" in str(k))
+        return _full_grads(model), reduces, len(fsdp_optim.sharded_plan(model).buckets)
+
+    for grads, reduces, num_buckets in run_distributed(fn, world_size=world_size):
+        assert num_buckets == 2 and reduces == 2
+        assert set(grads) == set(ref_grads)
+        for n, g in ref_grads.items():
+            torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_clip_grad_norm_matches_single_process(world_size):
     x, y = _batches(1)[0]
