@@ -16,7 +16,10 @@ Measured per rank, reported as the max over ranks (the slowest rank sets the pac
   its state, ``zero_grad(set_to_none=True)``, GC): parameters, optimizer state, runtime buffers.
   ``peak``: the highest live bytes during the second step (activations, gathered parameters,
   unsharded gradients, reduction buffers included). The input batch and the full weights both
-  runtimes copy from were allocated before the window and are in neither figure.
+  runtimes copy from were allocated before the window and are in neither figure. Seen on gloo:
+  in either runtime a rank sometimes counts one root-bucket-sized buffer (24 MiB at the default
+  size) more, which no other rank or run shows; so the figures are printed per rank, and both the
+  max and the min over ranks are compared.
 
 Usage: ``python benchmarks/bench_fsdp_adamw.py [--world-size 2] [--steps 10] ...``; prints the
 figures and ratios (ours / FSDP2) and writes benchmarks/results/bench_fsdp_adamw.json.
@@ -245,6 +248,8 @@ def main(argv=None) -> None:
         summary[n]["step_s"] = summary[n]["fwd_bwd_s"] + summary[n]["optim_s"]
     ours, peer = summary["fsdp_optim"], summary["fsdp2"]
     ratios = {k: ours[k] / peer[k] for k in ("fwd_bwd_s", "optim_s", "step_s", "persistent_bytes", "peak_bytes")}
+    mem_min = {n: {k: min(res[n][k] for res in results) for k in ("persistent_bytes", "peak_bytes")} for n in names}
+    ratios_min = {k: mem_min["fsdp_optim"][k] / mem_min["fsdp2"][k] for k in ("persistent_bytes", "peak_bytes")}
     n_params = sum(v.numel() for v in TinyTransformer(_cfg(a)).state_dict().values())
     print(f"model: {n_params / 1e6:.2f}M params, W={a.world_size}, {a.batch}x{a.seq} tokens per rank, "
           f"{a.steps} timed steps after {a.warmup} warm-up, alternating; max over ranks")
@@ -254,12 +259,18 @@ def main(argv=None) -> None:
         print(f"{n:12s}{s['fwd_bwd_s'] * 1e3:12.1f}{s['optim_s'] * 1e3:10.1f}{s['step_s'] * 1e3:10.1f}"
               f"{s['persistent_bytes'] / 2**20:12.2f}{s['peak_bytes'] / 2**20:10.2f}{s['first_loss']:10.4f}")
     print("ratio ours/FSDP2: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    print("memory per rank (MiB, persistent/peak): " + "; ".join(
+        f"rank {r}: " + ", ".join(f"{n} {res[n]['persistent_bytes'] / 2**20:.2f}/{res[n]['peak_bytes'] / 2**20:.2f}" for n in names)
+        for r, res in enumerate(results)))
+    print("memory ratio ours/FSDP2, min over ranks: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios_min.items()))
     record = {
         "config": {k: v for k, v in vars(a).items() if k != "out"},
         "num_params": n_params,
         "per_rank": results,
         "summary_max_over_ranks": summary,
         "ratio_ours_over_fsdp2": ratios,
+        "memory_min_over_ranks": mem_min,
+        "memory_ratio_min_over_ranks": ratios_min,
         "memory_measure": "live CPU tensor bytes from torch.profiler allocation events (profile_memory=True)",
         "torch": torch.__version__,
     }

@@ -188,8 +188,14 @@ def test_single_process_without_process_group_is_bitwise():
 @pytest.mark.parametrize("world_size", [3])
 def test_sharded_params_are_flat_views_with_shard_info(world_size):
     def fn():
+        from torch.distributed.device_mesh import init_device_mesh
+
         r = dist.get_rank()
-        model = _shard(_new_model(), muon_rule(), layout="ragged")
+        mesh = init_device_mesh("cpu", (world_size,))  # a 1-D DeviceMesh works as the world group does
+        model = _new_model()
+        for layer in model.layers:
+            fsdp_optim.fully_shard(layer, mesh=mesh, blocks=muon_rule())
+        fsdp_optim.fully_shard(model, mesh=mesh, blocks=muon_rule(), plan_config=PlanConfig(layout="ragged"))
         full = fsdp_optim.full_state_dict(model)
         x, y = _batches(1)[0]
         _loss(model, _local(x, world_size, r), _local(y, world_size, r)).backward()
@@ -430,10 +436,14 @@ def test_module_called_twice_per_forward_reduces_once_with_both_gradients(world_
         model = shared_model()
         fsdp_optim.fully_shard(model.layers[0])
         fsdp_optim.fully_shard(model)
-        with CommDebugMode() as mode:
-            _loss(model, _local(x, w, r), _local(y, w, r)).backward()
-        reduces = sum(v for k, v in mode.get_comm_counts().items() if "reduce_scatter" in str(k))
-        return _full_grads(model), reduces, len(fsdp_optim.sharded_plan(model).buckets)
+        reduces = []  # CommDebugMode's module tracker fails on a module listed twice: count calls
+        for m in model.modules():
+            st = getattr(m, _STATE, None)
+            if st is not None and st.bucket is not None:
+                buf = st.bucket.buffer
+                buf.reduce_scatter = lambda *a, _f=buf.reduce_scatter, **k: reduces.append(1) or _f(*a, **k)
+        _loss(model, _local(x, w, r), _local(y, w, r)).backward()
+        return _full_grads(model), len(reduces), len(fsdp_optim.sharded_plan(model).buckets)
 
     for grads, reduces, num_buckets in run_distributed(fn, world_size=world_size):
         assert num_buckets == 2 and reduces == 2
