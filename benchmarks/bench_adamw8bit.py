@@ -138,6 +138,10 @@ def main(args: argparse.Namespace) -> dict:
         from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
         rank, world = dist.get_rank(), dist.get_world_size()
+        # One compile cache per rank. With a shared one, FSDP2 + torchao crashes here ("'Tensor' object
+        # has no attribute 'codes'"): ranks compile the same DTensor step with 8-bit state on one rank
+        # and fp32 on the other (pos_embeddings), and one rank loads the other's cached graph.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(args.cache_dir, f"rank{rank}")
         torch.manual_seed(0)
         replica = Model(**cfg)
         names = [n for n, _ in replica.named_parameters()]
@@ -333,6 +337,7 @@ if __name__ == "__main__":
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--cache-dir", default="/tmp/fsdp_optim_bench_adamw8bit_inductor")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_adamw8bit.json"))
     args = ap.parse_args()
     res = main(args)

@@ -14,7 +14,9 @@ world size, for three ways to run Muon under sharded data parallelism:
     ``steps(W) * alpha + owners * alpha + (total - min_seg) / B`` (an even ring's figure, plus a
     message per owner);
     ``ring-max`` (pessimistic): a ring whose every step moves the largest segment,
-    ``(W-1) * (alpha + max_seg / B)``. The JSON holds ours under both. Matrices the plan had to split
+    ``(W-1) * (alpha + max_seg / B)``; ``grouped-serial``: ``grouped`` whose broadcasts each fill
+    their own pipeline, ``owners * steps(W) * alpha`` (the pessimistic latency of the same form).
+    The JSON also holds ours under ``ring-max``. Matrices the plan had to split
     (``num_split_blocks``) add two all-to-alls per bucket (pieces to the matrix's owner, the
     update back) at the optimizer dtype. No other optimizer communication.
 (b) **FSDP2 + torch.optim.Muon** (gather-based, DTensor): FSDP2's per-parameter ``Shard(0)``
@@ -87,7 +89,7 @@ class LinkConfig:
     latency: str = "ring"
     """``ring``: (W-1) alpha per collective; ``log2``: ceil(log2 W) alpha."""
     ragged_model: str = "grouped"
-    """Uneven collectives: ``grouped`` or ``ring-max`` (see the module docstring)."""
+    """Uneven collectives: ``grouped``, ``grouped-serial`` or ``ring-max`` (see the module docstring)."""
 
     @property
     def bytes_per_s(self) -> float:
@@ -113,7 +115,9 @@ class Cost:
     collectives: int = 0
 
     def __add__(self, o: Cost) -> Cost:
-        return Cost(bytes=self.bytes + o.bytes, seconds=self.seconds + o.seconds, collectives=self.collectives + o.collectives)
+        return Cost(
+            bytes=self.bytes + o.bytes, seconds=self.seconds + o.seconds, collectives=self.collectives + o.collectives
+        )
 
     def scale(self, k: int) -> Cost:
         return Cost(bytes=self.bytes * k, seconds=self.seconds * k, collectives=self.collectives * k)
@@ -134,7 +138,8 @@ def ring_even(link: LinkConfig, w: int, seg_bytes: float) -> Cost:
     """``ring`` with every rank's segment ``seg_bytes``: ``(W-1) alpha + (W-1) * seg / B``."""
     if w <= 1 or seg_bytes == 0:
         return Cost()
-    return Cost(bytes=(w - 1) * seg_bytes, seconds=link.steps(w) * link.alpha_s + (w - 1) * seg_bytes / link.bytes_per_s, collectives=1)
+    sec = link.steps(w) * link.alpha_s + (w - 1) * seg_bytes / link.bytes_per_s
+    return Cost(bytes=(w - 1) * seg_bytes, seconds=sec, collectives=1)
 
 
 def grouped(link: LinkConfig, w: int, seg_bytes: np.ndarray) -> Cost:
@@ -146,7 +151,10 @@ def grouped(link: LinkConfig, w: int, seg_bytes: np.ndarray) -> Cost:
         return Cost()
     owners = int((seg_bytes > 0).sum())
     moved = float(seg_bytes.sum()) - float(seg_bytes.min())
-    lat = (link.steps(w) + owners) * link.alpha_s
+    if link.ragged_model == "grouped-serial":  # each broadcast fills its own pipeline
+        lat = owners * link.steps(w) * link.alpha_s
+    else:
+        lat = (link.steps(w) + owners) * link.alpha_s
     return Cost(bytes=moved, seconds=lat + moved / link.bytes_per_s, collectives=1)
 
 
@@ -155,7 +163,8 @@ def all_to_all(link: LinkConfig, w: int, send: np.ndarray, recv: np.ndarray) -> 
     if w <= 1:
         return Cost()
     busiest = float(np.maximum(send, recv).max())
-    return Cost(bytes=float(send.max()), seconds=link.steps(w) * link.alpha_s + busiest / link.bytes_per_s, collectives=1)
+    sec = link.steps(w) * link.alpha_s + busiest / link.bytes_per_s
+    return Cost(bytes=float(send.max()), seconds=sec, collectives=1)
 
 
 def all_reduce(link: LinkConfig, r: int, shard_bytes: float) -> Cost:
@@ -255,7 +264,7 @@ def model_step(
     pb, gb, ob = link.param_bytes, link.grad_bytes, link.optim_bytes
     ours, fsdp2, gs = SchemeCost(), SchemeCost(), SchemeCost()
     ours_alt = SchemeCost()  # ours with the other ragged-collective model
-    alt_model = "ring-max" if link.ragged_model == "grouped" else "grouped"
+    alt_model = "ring-max" if link.ragged_model != "ring-max" else "grouped"
     num_mats = 0
     ar_bytes, ar_msgs = np.zeros(n), np.zeros(n)  # ours, HSDP: per-rank replica all-reduce totals
     for b in plan.buckets:
@@ -293,7 +302,7 @@ def model_step(
             gs.optim += all_to_all(link, n, send * ob, recv * ob) + all_to_all(link, n, recv * ob, send * ob)
     if replicas > 1:
         busiest = float(np.max(ar_msgs * link.alpha_s + ar_bytes / link.bytes_per_s))
-        ar = Cost(bytes=float(ar_bytes.max()), seconds=busiest, collectives=int((ar_msgs > 0).any()) * len(plan.buckets))
+        ar = Cost(bytes=float(ar_bytes.max()), seconds=busiest, collectives=len(plan.buckets))
         ours.fsdp += ar
         ours_alt.fsdp += ar
     out = {
@@ -349,11 +358,13 @@ def to_markdown(data: dict) -> str:
         "(b) FSDP2 (dim-0 padded Shard(0)) + torch.optim.Muon: + one all-gather per Muon matrix per step "
         "(a lower bound: DTensor issued 16 per matrix in bench_muon); (c) flat unpadded buckets + "
         "gather-to-root / scatter-back all-to-alls per bucket (veScale, DistMuon). GB = 1e9 bytes sent "
-        "by the busiest rank; ms = summed collective time. `opt` = the optimizer step's share.",
+        "by the busiest rank of each collective, summed; ms = summed collective time; `opt` = the optimizer "
+        "step's share. Last column: our plan's buckets, split matrices and per-rank bytes max/mean (above "
+        "1.10 whole matrices no longer balance: the memory cost this model does not price; HSDP's regime).",
         "",
         "| preset | W | " + ("shard N x R | " if hsdp else "")
         + "ours GB | ours ms | ours opt ms | (b) GB | (b) ms | (b) opt ms | (c) GB | (c) ms | (c) opt ms "
-        "| (b)/ours time | (c)/ours time | ours even/ragged, split |",
+        "| (b)/ours time | (c)/ours time | ours even/ragged, split, bytes max/mean |",
         "|---|---|" + ("---|" if hsdp else "") + "---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
@@ -365,7 +376,8 @@ def to_markdown(data: dict) -> str:
             f"{_gb(b['bytes'])} | {_ms(b['seconds'])} | {_ms(b['optim']['seconds'])} | "
             f"{_gb(c['bytes'])} | {_ms(c['seconds'])} | {_ms(c['optim']['seconds'])} | "
             f"{r['time_ratio_fsdp2_muon_over_ours']:.2f} | {r['time_ratio_gather_scatter_over_ours']:.2f} | "
-            f"{r['num_even_buckets']}/{r['num_ragged_buckets']}, {r['num_split_blocks']} |"
+            f"{r['num_even_buckets']}/{r['num_ragged_buckets']}, {r['num_split_blocks']}, "
+            f"{r['bytes_max_over_mean']:.2f} |"
         )
     return "\n".join(out) + "\n"
 
@@ -415,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grad-bytes", type=int, default=LinkConfig.grad_bytes)
     ap.add_argument("--optim-bytes", type=int, default=LinkConfig.optim_bytes)
     ap.add_argument("--latency", default=LinkConfig.latency, choices=("ring", "log2"))
-    ap.add_argument("--ragged-model", default=LinkConfig.ragged_model, choices=("grouped", "ring-max"))
+    ap.add_argument("--ragged-model", default=LinkConfig.ragged_model, choices=("grouped", "grouped-serial", "ring-max"))
     ap.add_argument("--out-name", default="comm_model", help="results/<name>.{json,md,png}")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     args = ap.parse_args(argv)

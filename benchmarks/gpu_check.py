@@ -128,6 +128,12 @@ def check_adamw8bit(cfg: CheckConfig) -> dict:
     return result
 
 
+def _write(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke sizes even if a GPU is present")
@@ -150,23 +156,22 @@ def main(argv: list[str] | None = None) -> int:
             f"torch.optim.Muon {r['torch.optim.Muon']['tflops']:.2f} TFLOP/s, max|diff| {r['max_abs_diff']:.3g}",
             flush=True,
         )
+    data = {
+        "command": "bash benchmarks/gpu_check.sh" + (" --tiny" if args.tiny else ""),
+        "config": asdict(cfg),
+        "env": env,
+        "newton_schulz": ns,
+        "adamw8bit": None,
+    }
+    _write(args.out, data)  # a partial result survives if the 8-bit part runs past the time limit
     adam = check_adamw8bit(cfg)
     print(
         f"AdamW8bit {adam['numel']:,} elements: ours {adam['ours']['gb_per_s']:.1f} GB/s, "
         f"torchao {adam['torchao']['gb_per_s']:.1f} GB/s, max|diff| {adam['max_abs_diff_after_steps']:.3g}",
         flush=True,
     )
-    data = {
-        "command": "bash benchmarks/gpu_check.sh" + (" --tiny" if args.tiny else ""),
-        "config": asdict(cfg),
-        "env": env,
-        "newton_schulz": ns,
-        "adamw8bit": adam,
-        "seconds": time.perf_counter() - t0,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=1)
+    data.update(adamw8bit=adam, seconds=time.perf_counter() - t0)
+    _write(args.out, data)
     print(f"wrote {args.out} in {data['seconds']:.0f} s")
     return 0
 

@@ -120,9 +120,11 @@ def render_bench_adamw8bit(d: dict) -> list[str]:
     out += _table(["side", "step ms (whole model)", f"step ms (like for like, {len(ll.get('tensors', []))} tensors)",
                    "state MiB per rank", "max dist to unsharded torchao after 5 steps (rel)"], rows)
     left = d.get("torchao_fp32_under_fsdp2_but_8bit_unsharded", [])
-    ours_fp32 = [n for n, x in d.get("tensors", {}).items() if x.get("torchao_unsharded_8bit") and not x.get("ours_8bit")]
-    out += ["", f"Unsharded torchao state: {_mib(d.get('state_bytes_unsharded_torchao', 0))} MiB. Tensors torchao quantizes "
-            f"unsharded but leaves fp32 under FSDP2: {', '.join(left) or 'none'}; that we leave fp32: {', '.join(ours_fp32) or 'none'}."]
+    tensors = d.get("tensors", {})
+    ours_fp32 = [n for n, x in tensors.items() if x.get("torchao_unsharded_8bit") and not x.get("ours_8bit")]
+    out += ["", f"Unsharded torchao state: {_mib(d.get('state_bytes_unsharded_torchao', 0))} MiB. Tensors torchao "
+            f"quantizes unsharded but leaves fp32 under FSDP2: {', '.join(left) or 'none'}; that we leave fp32: "
+            f"{', '.join(ours_fp32) or 'none'}."]
     return out
 
 
@@ -158,13 +160,111 @@ def render_gpu_check(d: dict) -> list[str]:
     out += [""]
     rows = [[f"{r['shape'][0]}x{r['shape'][1]}", f"{r['ours']['tflops']:.1f}", f"{r['torch.optim.Muon']['tflops']:.1f}",
              f"{r['ours_over_torch_time']:.2f}", f"{r['max_abs_diff']:.2g}"] for r in d["newton_schulz"]]
-    out += _table(["Newton-Schulz (5 steps, bf16)", "ours TFLOP/s", "torch.optim.Muon TFLOP/s", "time ours / torch", "max abs diff"], rows)
-    a = d["adamw8bit"]
+    header = ["Newton-Schulz (5 steps, bf16)", "ours TFLOP/s", "torch.optim.Muon TFLOP/s", "time ours / torch", "max abs diff"]
+    out += _table(header, rows)
+    a = d.get("adamw8bit")
+    if not a:
+        return out + ["", "8-bit AdamW part: not finished (the run stopped after Newton-Schulz)."]
     out += [""] + _table(
         ["8-bit AdamW step", "ours GB/s", "torchao GB/s", "time ours / torchao", "max abs diff"],
         [[f"{a['numel']:,} elements (16 B/element counted)", f"{a['ours']['gb_per_s']:.1f}",
           f"{a['torchao']['gb_per_s']:.1f}", f"{a['ours_over_torchao_time']:.2f}", f"{a['max_abs_diff_after_steps']:.2g}"]])
     return out
+
+
+# ---- the targets of issue 7, checked against whatever results exist ---------------------------
+def _load(results: Path, name: str) -> dict | None:
+    path = results / f"{name}.json"
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except ValueError:
+        return None
+
+
+def _mark(ok: bool | str | None) -> str:
+    return ok if isinstance(ok, str) else {True: "met", False: "**not met**", None: "not run"}[ok]
+
+
+def targets(results: Path) -> list[str]:
+    """One row per target: status and the figure behind it (read from the JSON, never typed in)."""
+    rows = []
+
+    def add(target: str, fn: Callable[[], tuple[bool | str | None, str]]) -> None:
+        try:
+            ok, figure = fn()
+        except (KeyError, TypeError, ValueError, StopIteration) as e:
+            ok, figure = None, f"results present but unreadable ({type(e).__name__}: {e})"
+        rows.append([target, _mark(ok), figure])
+
+    def muon():
+        d = _load(results, "bench_muon")
+        if d is None:
+            return None, "bench_muon.json missing"
+        m = d["muon"]
+        base = m["fsdp2+torch.Muon"]
+        ours = m["ours ragged"]
+        ratio = ours["step_s_median"] / base["step_s_median"]
+        ok = ratio <= 0.5 and ours["collectives_per_step"] == 0
+        return ok, (f"ours (ragged) {ratio:.2f}x FSDP2 + torch.optim.Muon's step, {ours['collectives_per_step']} "
+                    f"collectives vs {base['collectives_per_step']} (W={d['config'].get('world_size')})")
+
+    def adamw():
+        d = _load(results, "bench_fsdp_adamw")
+        if d is None:
+            return None, "bench_fsdp_adamw.json missing"
+        r = d["ratio_ours_over_fsdp2"]
+        return r["step_s"] <= 1.0, (f"step (fwd+bwd+opt) {r['step_s']:.2f}x FSDP2's; fwd+bwd {r['fwd_bwd_s']:.2f}x, "
+                                    f"optimizer {r['optim_s']:.2f}x; peak memory {r.get('peak_bytes', float('nan')):.2f}x")
+
+    def adamw8bit():
+        d = _load(results, "bench_adamw8bit")
+        if d is None:
+            return None, "bench_adamw8bit.json missing"
+        by = d["state_bytes_per_rank"]
+        ours, theirs = max(by["ours"]), max(by["fsdp2+torchao"])
+        ours_fp32 = [n for n, t in d["tensors"].items() if t["torchao_unsharded_8bit"] and not t["ours_8bit"]]
+        ok = ours <= theirs and not ours_fp32
+        return ok, (f"largest rank's state {ours / theirs:.3f}x torchao's on FSDP2; left fp32 by us where torchao "
+                    f"quantizes unsharded: {', '.join(ours_fp32) or 'none'} (torchao under FSDP2: "
+                    f"{', '.join(d.get('torchao_fp32_under_fsdp2_but_8bit_unsharded', [])) or 'none'})")
+
+    def planner():
+        d = _load(results, "planner_scale")
+        if d is None:
+            return None, "planner_scale.json missing"
+        fails = []
+        for r in d["rows"]:
+            tag = f"{r['model']}/{r['optimizer']}/W={r['world_size']}/{r['layout']}"
+            if r["plan_seconds"] > 1.0:
+                fails.append(f"{tag} took {r['plan_seconds']:.2f} s")
+            if r["layout"] != "auto":
+                continue
+            if r["optimizer"] in ("adamw", "adamw8bit") and r["world_size"] in (8, 64, 1024, 16384):
+                if r["padding_ratio"] > 0.02 or r["bytes_max_over_mean"] > 1.02:
+                    fails.append(tag)
+            if r["optimizer"] in ("muon", "shampoo") and r["world_size"] in (8, 64):
+                if r["padding_ratio"] > 0.02 or r["num_split_blocks"] or r["bytes_max_over_mean"] > 1.10:
+                    fails.append(tag)
+        worst = max(r["plan_seconds"] for r in d["rows"])
+        return not fails, (f"{len(d['rows'])} plans, slowest {worst:.2f} s; "
+                           + ("every padding / split / balance threshold of issue 2 holds" if not fails
+                              else "fails: " + "; ".join(fails[:8])))
+
+    def balanced():
+        d = _load(results, "planner_scale")
+        if d is None:
+            return None, "planner_scale.json missing"
+        lw = d["largest_balanced_w"]
+        models = list(dict.fromkeys(k.split("/")[0] for k in lw))
+        figures = "; ".join(f"{m} {lw.get(f'{m}/muon')} / {lw.get(f'{m}/shampoo')}" for m in models)
+        return "reported", figures + " (Muon / Shampoo)"
+
+    add("Muon optimizer step at W=2 <= 0.5x FSDP2 + torch.optim.Muon, zero optimizer collectives", muon)
+    add("AdamW training step (fwd+bwd+opt) no slower than FSDP2 + torch.optim.AdamW", adamw)
+    add("AdamW8bit state bytes <= torchao's on FSDP2, nothing fp32 that torchao quantizes unsharded", adamw8bit)
+    add("Planner figures of issue 2 (plan <= 1 s; padding, splits, balance per optimizer and W)", planner)
+    add("Largest W at which whole Muon matrices / Shampoo blocks balance within 10%", balanced)
+    return _table(["target (issue 7)", "status", "figure from the results"], rows)
 
 
 SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
@@ -183,9 +283,11 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
 
 
 def build(results: Path) -> str:
+    where = results.relative_to(HERE.parent) if results.is_relative_to(HERE.parent) else results
     out = ["# Benchmark tables", "",
-           f"Generated by `python benchmarks/report.py` from `{results.relative_to(HERE.parent) if results.is_relative_to(HERE.parent) else results}/*.json`; "
-           "each table names the command that made it. How to rerun and what each measures: `benchmarks/README.md`.", ""]
+           f"Generated by `python benchmarks/report.py` from `{where}/*.json`; "
+           "each table names the command that made it. How to rerun and what each measures: `benchmarks/README.md`.", "",
+           "## Targets", "", *targets(results), ""]
     for name, title, command, render in SECTIONS:
         out += [f"## {title}", ""]
         path = results / f"{name}.json"

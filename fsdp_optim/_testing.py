@@ -45,6 +45,9 @@ def _child(fn: Callable[[], Any], rank: int, world_size: int, store_path: str, c
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         try:
             payload = fn()
+            # No rank may exit while a peer is still connecting or communicating: gloo reports a
+            # peer that closed its sockets early as "Connection closed by peer" on the others.
+            dist.barrier()
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent

@@ -1,0 +1,124 @@
+"""Smoke tests of the benchmark tooling (no timings): the communication model on one small preset
+obeys its identities, the report survives missing and unreadable results, gpu_check's pieces run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))  # report.py imports comm_model by name
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+cm = _load("comm_model")
+
+
+def test_collective_formulas():
+    link = cm.LinkConfig(bandwidth_gbps=8.0, alpha_us=1.0)  # 1e9 bytes/s, 1e-6 s
+    c = cm.ring_even(link, 4, 1e9)
+    assert c.bytes == 3e9 and c.seconds == pytest.approx(3e-6 + 3.0)
+    # the array form agrees on an even split and charges the largest segment on an uneven one
+    assert cm.ring(link, 4, np.full(4, 1e9)).seconds == pytest.approx(c.seconds)
+    assert cm.ring(link, 4, np.array([0.0, 2e9, 1e9, 1e9])).seconds == pytest.approx(3e-6 + 6.0)
+    # grouped broadcasts: an even ring's bandwidth term plus one message per non-empty owner
+    g = cm.grouped(link, 4, np.array([0.0, 2e9, 1e9, 1e9]))
+    assert g.bytes == 4e9 and g.seconds == pytest.approx((3 + 3) * 1e-6 + 4.0)
+    assert cm.all_reduce(link, 2, 1e9).seconds == pytest.approx(2e-6 + 1.0)
+    assert cm.ring_even(link, 1, 1e9) == cm.Cost()
+    assert cm.LinkConfig(latency="log2").steps(1024) == 10
+
+
+def test_model_step_identities():
+    link = cm.LinkConfig()
+    w = 8
+    r = cm.model_step("llama3-8b", w, link=link)
+    ours, b, c = r["ours"], r["fsdp2_muon"], r["gather_scatter"]
+    assert r["num_split_blocks"] == 0 and ours["optim"]["collectives"] == 0 and ours["optim"]["seconds"] == 0
+    # three collectives per bucket (AG fwd, AG bwd, RS) for every scheme
+    assert ours["fsdp"]["collectives"] == b["fsdp"]["collectives"] == c["fsdp"]["collectives"] == 3 * r["num_buckets"]
+    # (b): one all-gather per Muon matrix (7 per Llama layer); (c): two all-to-alls per layer bucket
+    assert r["num_muon_matrices"] == 7 * 32 and b["optim"]["collectives"] == 7 * 32
+    assert c["optim"]["collectives"] == 2 * 32
+    # every scheme's FSDP traffic is at least the parameters once per direction at its dtype
+    per_param = 2 * link.param_bytes + link.grad_bytes
+    lower = (w - 1) / w * per_param * r["param_numel"]
+    for s in (ours, b, c):
+        assert s["fsdp"]["bytes"] >= lower * (1 - 1e-9)
+        assert s["bytes"] == pytest.approx(s["fsdp"]["bytes"] + s["optim"]["bytes"])
+        assert s["seconds"] == pytest.approx(s["fsdp"]["seconds"] + s["optim"]["seconds"])
+    # (c)'s unpadded flat buckets: exactly (W-1) * ceil(N_b / W) elements per direction and bucket
+    assert c["fsdp"]["bytes"] <= (lower + (w - 1) * per_param * r["num_buckets"]) * (1 + 1e-12)
+    assert r["time_ratio_fsdp2_muon_over_ours"] == pytest.approx(b["seconds"] / ours["seconds"])
+    assert r["ours_other_ragged_model"]["ragged_model"] == "ring-max"
+    assert r["ours_other_ragged_model"]["seconds"] >= ours["seconds"]
+
+
+def test_split_exchange_and_hsdp():
+    link = cm.LinkConfig()
+    # a forced even layout with no padding allowance splits matrices: two all-to-alls per such bucket
+    from fsdp_optim._cli import optimizer_rule
+    from fsdp_optim.sharding import PlanConfig, plan_model
+    from fsdp_optim.sharding._presets import preset_buckets
+
+    plan = plan_model(preset_buckets("llama3-8b", rule=optimizer_rule("muon")), world_size=64,
+                      config=PlanConfig(layout="even"))
+    split = [bk for bk in plan.buckets if bk.num_split_blocks]
+    assert split
+    send, recv = cm._split_exchange(split[0])
+    assert send.sum() == recv.sum() > 0
+    r = cm.model_step("llama3-8b", 64, link=link, layout="even")
+    assert r["num_split_blocks"] == plan.stats().num_split_blocks > 0
+    assert r["ours"]["optim"]["collectives"] == 2 * len(split) and r["ours"]["optim"]["seconds"] > 0
+    # HSDP over the whole world is plain FSDP; replicas add an all-reduce of the gradient shards
+    full = cm.model_step("llama3-8b", 16, link=link)
+    same = cm.model_step("llama3-8b", 16, link=link, shard_size=16)
+    assert same["ours"]["bytes"] == full["ours"]["bytes"] and same["replicas"] == 1
+    h = cm.model_step("llama3-8b", 16, link=link, shard_size=8)
+    assert h["replicas"] == 2
+    ar = h["ours"]["bytes"] - cm.model_step("llama3-8b", 8, link=link)["ours"]["bytes"]
+    grad_shard = link.grad_bytes * h["param_numel"] / 8
+    assert ar == pytest.approx(2 * (2 - 1) / 2 * grad_shard, rel=0.15)  # ~ its own 1/N of the gradients
+    with pytest.raises(ValueError, match="shard-size"):
+        cm.model_step("llama3-8b", 12, link=link, shard_size=8)
+
+
+def test_markdown_and_main(tmp_path, capsys):
+    assert cm.main(["--models", "gpt-oss-120b", "--world-sizes", "8", "--no-write"]) == 0
+    out = capsys.readouterr().out
+    assert "| gpt-oss-120b | 8 |" in out and "400 Gb/s" in out
+
+
+def test_report_handles_missing_and_broken(tmp_path):
+    report = _load("report")
+    link = cm.LinkConfig()
+    data = {"command": "python benchmarks/comm_model.py --models llama3-8b", "assumptions": vars(link),
+            "rows": [cm.model_step("llama3-8b", 8, link=link)]}
+    (tmp_path / "comm_model.json").write_text(json.dumps(data))
+    (tmp_path / "bench_muon.json").write_text(json.dumps({"unexpected": 1}))
+    md = report.build(tmp_path)
+    assert "Not run (no `planner_scale.json`)" in md and "Not run (no `gpu_check.json`)" in md
+    assert "`bench_muon.json` is present but could not be read" in md
+    assert "Command: `python benchmarks/comm_model.py --models llama3-8b`" in md and "| llama3-8b | 8 |" in md
+
+
+def test_gpu_check_pieces():
+    gc = _load("gpu_check")
+    assert gc.ns_flops(4, 8, steps=1) == 4 * 16 * 8 + 2 * 64
+    cfg = gc.CheckConfig(device="cpu", ns_shapes=[(16, 48)], warmup=0, reps=1)
+    [row] = gc.check_newton_schulz(cfg)
+    assert row["max_abs_diff"] == 0 and row["ours"]["tflops"] > 0 and math.isfinite(row["ours_over_torch_time"])
