@@ -46,6 +46,26 @@ root's. The plan config and the mesh come from the root.
 - ``set_requires_gradient_sync(False)``: unsharded gradients are summed locally into the bucket's
   flat reduction buffer (no collective); the next synced backward reduces the sum once.
 
+[Note: HSDP]
+``mesh`` may be a 2-D ``DeviceMesh`` ``(replicate, shard)`` (``init_device_mesh(device, (R, S),
+mesh_dim_names=("replicate", "shard"))``; dims found by those names, else dim 0 replicates and dim 1
+shards). Invariant: *every replica holds the same layout and the same values*. The planner runs
+over the shard axis only (plan world size S; ``ShardInfo.group`` / ``.rank`` are the shard group and
+the shard rank), identically on every replica (the plan fingerprint is agreed across replicas at
+setup), so shard rank s of every replica stores the same segment. All-gathers and the
+reduce-scatter stay inside the shard group; after the reduce-scatter (AVG over S) each rank
+all-reduces its reduced segment, 1/S of the bucket, with the ranks holding the same segment in
+the other replicas (AVG over R, one collective per bucket; skipped where the segment is empty, on
+every replica alike): the result is the mean over all R * S ranks, bit-identical on every replica,
+so the optimizers, which see only ``ShardInfo`` (the shard group), run unchanged, without
+communication, and keep the replicas equal. With gradient accumulation without sync neither
+collective runs until the synced backward. The all-reduce of bucket i is issued once its
+reduce-scatter is done, when bucket i+1's reduce-scatter is issued, and waited for one bucket
+later. ``clip_grad_norm_`` reduces over ``ShardInfo.group`` only (replicas hold equal gradients);
+checkpoints write one copy because every replica offers DCP the same chunks under the same keys
+and DCP keeps one of each (``dedup_save_plans``); a load reads this rank's range whatever the
+mesh.
+
 Collective order is the same on every rank because it follows the autograd graph, which is the
 same on every rank (same model, same code); a data-dependent graph (e.g. a rank skipping an expert)
 is not supported.
@@ -110,7 +130,9 @@ def fully_shard(
     """Shard ``module``'s parameters over ``mesh`` with block-aligned ragged layouts.
 
     ``mesh``: a 1-D ``DeviceMesh`` or a ``ProcessGroup`` (default: the world; without an initialized
-    process group, one rank). ``blocks``: an optimizer's block rule ``rule(fqn, param, module) ->
+    process group, one rank), or a 2-D ``DeviceMesh`` for HSDP: shard over one dimension, replicate
+    over the other (dims named ``"replicate"`` and ``"shard"`` are found by name; otherwise dim 0
+    replicates and dim 1 shards, as in FSDP2; see [Note: HSDP]). ``blocks``: an optimizer's block rule ``rule(fqn, param, module) ->
     BlockSpec`` (default: element granularity, plain FSDP). ``reshard_after_forward``: free the
     gathered parameters after forward and gather again in backward. ``mp_policy``: compute and
     reduction dtypes. ``plan_config``: planner knobs (root only). Returns ``module``, whose class
@@ -126,7 +148,7 @@ def fully_shard(
         raise ValueError(
             f"blocks must be a block rule rule(fqn, param, module) -> BlockSpec (e.g. muon_rule()), got {blocks!r}"
         )
-    group, rank, world_size, device = _resolve_mesh(mesh)
+    group, rank, world_size, device, replicate_group, num_replicas = _resolve_mesh(mesh)
     existing = getattr(module, _STATE, None)
     if existing is not None:
         raise ValueError(
@@ -146,6 +168,8 @@ def fully_shard(
         rank=rank,
         world_size=world_size,
         device=device,
+        replicate_group=replicate_group,
+        num_replicas=num_replicas,
         blocks=blocks,
         reshard_after_forward=bool(reshard_after_forward),
         mp_policy=mp_policy,
@@ -205,6 +229,8 @@ class _ModuleState:
     rank: int
     world_size: int
     device: torch.device
+    replicate_group: dist.ProcessGroup | None = None
+    num_replicas: int = 1
     blocks: BlockRule | None
     reshard_after_forward: bool
     mp_policy: MixedPrecisionPolicy | None
@@ -317,29 +343,41 @@ def _is_managed_inside(module: nn.Module, p: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Mesh
 # ---------------------------------------------------------------------------------------------
-def _resolve_mesh(mesh: Any) -> tuple[dist.ProcessGroup | None, int, int, torch.device]:
+def _resolve_mesh(
+    mesh: Any,
+) -> tuple[dist.ProcessGroup | None, int, int, torch.device, dist.ProcessGroup | None, int]:
+    """``(shard group, shard rank, shard size, device, replicate group, number of replicas)``."""
     from torch.distributed.device_mesh import DeviceMesh
 
     initialized = dist.is_available() and dist.is_initialized()
     if mesh is None:
         if not initialized:
-            return None, 0, 1, torch.device("cpu")
+            return None, 0, 1, torch.device("cpu"), None, 1
         group = dist.group.WORLD
-        return group, dist.get_rank(group), dist.get_world_size(group), _device_of_backend(group)
+        return group, dist.get_rank(group), dist.get_world_size(group), _device_of_backend(group), None, 1
     if isinstance(mesh, DeviceMesh):
-        if mesh.ndim != 1:
+        if mesh.ndim not in (1, 2):
             raise ValueError(
-                f"fully_shard needs a 1-D DeviceMesh, got {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; "
-                "pass the shard dimension, e.g. mesh['shard'] (HSDP is not supported yet)"
+                f"fully_shard needs a 1-D (shard) or 2-D (replicate, shard) DeviceMesh, got a {mesh.ndim}-D mesh of "
+                f"shape {tuple(mesh.shape)} (dims {mesh.mesh_dim_names}); pass mesh['shard'] for FSDP or "
+                "mesh['replicate', 'shard'] for HSDP"
             )
-        group = mesh.get_group()
         device = torch.device(mesh.device_type)
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
-        return group, mesh.get_local_rank(), mesh.size(), device
+        if mesh.ndim == 1:
+            return mesh.get_group(), mesh.get_local_rank(), mesh.size(), device, None, 1
+        names = tuple(mesh.mesh_dim_names or ())
+        rep, shard = (names.index("replicate"), names.index("shard")) if {"replicate", "shard"} <= set(names) else (0, 1)
+        return (
+            mesh.get_group(shard), mesh.get_local_rank(shard), mesh.size(shard), device,
+            mesh.get_group(rep), mesh.size(rep),
+        )  # fmt: skip
     if isinstance(mesh, dist.ProcessGroup):
-        return mesh, dist.get_rank(mesh), dist.get_world_size(mesh), _device_of_backend(mesh)
-    raise ValueError(f"mesh must be a 1-D DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}")
+        return mesh, dist.get_rank(mesh), dist.get_world_size(mesh), _device_of_backend(mesh), None, 1
+    raise ValueError(
+        f"mesh must be a 1-D or 2-D (replicate, shard) DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}"
+    )
 
 
 def _device_of_backend(group: dist.ProcessGroup) -> torch.device:
@@ -428,11 +466,17 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
     for st in states:
         if st is root:
             continue
-        if st.world_size != root.world_size or not _same_group(st.group, root.group):
+        if (
+            st.world_size != root.world_size
+            or not _same_group(st.group, root.group)
+            or st.num_replicas != root.num_replicas
+            or (root.num_replicas > 1 and not _same_group(st.replicate_group, root.replicate_group))
+        ):
             raise ValueError(
-                f"fully_shard: {type(st.module).__name__} was sharded over a mesh of world size {st.world_size} but "
-                f"its root {type(root.module).__name__} over world size {root.world_size}; pass the same mesh to "
-                "every fully_shard call of a model"
+                f"fully_shard: {type(st.module).__name__} was sharded over a mesh of world size {st.world_size} "
+                f"({st.num_replicas} replicas) but its root {type(root.module).__name__} over world size "
+                f"{root.world_size} ({root.num_replicas} replicas); pass the same mesh to every fully_shard call "
+                "of a model"
             )
         if st.plan_config is not None and st.plan_config != root.plan_config:
             warnings.warn(
@@ -485,25 +529,50 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
 
 
 def _agree(err: BaseException | None, root: _ModuleState, fingerprint: Any) -> None:
-    """All ranks exchange their verdict (and a plan fingerprint) so an error raises everywhere."""
-    if root.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+    """All ranks exchange their verdict (and a plan fingerprint) so an error raises everywhere.
+
+    HSDP: first within the shard group, then the shard group's verdict across the replicate group,
+    so every rank of the 2-D mesh learns of any rank's failure, and every replica must see the
+    same model (hence plan the same layout)."""
+    if not (dist.is_available() and dist.is_initialized()) or root.world_size * root.num_replicas == 1:
         if err is not None:
             raise err
         return
-    mine = (None if err is None else f"{type(err).__name__}: {err}", fingerprint)
-    out: list = [None] * root.world_size
-    dist.all_gather_object(out, mine, group=root.group)
+    problem: str | None = None
+    if root.world_size > 1:
+        mine = (None if err is None else f"{type(err).__name__}: {err}", fingerprint)
+        out: list = [None] * root.world_size
+        dist.all_gather_object(out, mine, group=root.group)
+        failed = [(r, msg) for r, (msg, _) in enumerate(out) if msg is not None]
+        bad = [r for r, (_, fp) in enumerate(out) if fp != fingerprint]
+        if failed:
+            r, msg = failed[0]
+            problem = f"fully_shard failed on rank {r} of {root.world_size}: {msg}"
+        elif bad:
+            problem = (
+                f"fully_shard: ranks {bad} see a different model than rank {root.rank} (parameter names, shapes or "
+                "block specs differ); build the same model and pass the same block rule on every rank"
+            )
+    elif err is not None:
+        problem = f"fully_shard failed on shard rank 0 of 1: {type(err).__name__}: {err}"
+    if root.num_replicas > 1:
+        out = [None] * root.num_replicas
+        dist.all_gather_object(out, (problem, fingerprint), group=root.replicate_group)
+        me = dist.get_rank(root.replicate_group)
+        if problem is None:
+            failed = [(r, p) for r, (p, _) in enumerate(out) if p is not None]
+            bad = [r for r, (_, fp) in enumerate(out) if fp != fingerprint]
+            if failed:
+                problem = f"replica {failed[0][0]} of {root.num_replicas}: {failed[0][1]}"
+            elif bad:
+                problem = (
+                    f"fully_shard: replicas {bad} see a different model than replica {me} (parameter names, "
+                    "shapes or block specs differ); every replica must build the same model and block rule"
+                )
     if err is not None:
         raise err
-    for r, (msg, _) in enumerate(out):
-        if msg is not None:
-            raise ValueError(f"fully_shard failed on rank {r} of {root.world_size}: {msg}")
-    if any(fp != fingerprint for _, fp in out):
-        bad = [r for r, (_, fp) in enumerate(out) if fp != fingerprint]
-        raise ValueError(
-            f"fully_shard: ranks {bad} see a different model than rank {root.rank} (parameter names, shapes or "
-            "block specs differ); build the same model and pass the same block rule on every rank"
-        )
+    if problem is not None:
+        raise ValueError(problem)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -661,8 +730,17 @@ class _Runtime:
         self.state = _TrainingState.IDLE
 
     def issue_reduce(self, b: _Bucket) -> None:
+        if b.replicate_group is None:
+            self.pending_reduces.append(b)
+            while len(self.pending_reduces) > 1:  # one reduction in flight, as FSDP2
+                self.pending_reduces.pop(0).wait_reduces()
+            return
+        # HSDP: the previous bucket's reduce-scatter is done by now (its all-reduce across replicas
+        # goes out while this bucket's reduce-scatter runs); the one before it completes.
+        for prev in self.pending_reduces:
+            prev.start_replica_reduce()
         self.pending_reduces.append(b)
-        while len(self.pending_reduces) > 1:  # one reduction in flight, as FSDP2
+        while len(self.pending_reduces) > 2:
             self.pending_reduces.pop(0).wait_reduces()
 
     def finish_reduces(self) -> None:
@@ -710,6 +788,10 @@ class _Bucket:
         self.requires_sync = True
         self.buffer = DistributedBuffer(plan, group=root.group, device=root.device, dtype=master)
         self.rank = self.buffer.rank
+        # HSDP: the replicas of this rank's segment (see [Note: HSDP]).
+        self.num_replicas = root.num_replicas
+        self.replicate_group = root.replicate_group if root.num_replicas > 1 else None
+        self._native_avg = self.replicate_group is not None and "nccl" in str(dist.get_backend(self.replicate_group))
         # Sharded parameters: flat views into the segment.
         self.sharded: list[nn.Parameter] = []
         with torch.no_grad():
@@ -747,6 +829,8 @@ class _Bucket:
         self.flat_views: list[torch.Tensor] | None = None
         self.attached = [False] * len(entries)
         self.grad_seg: torch.Tensor | None = None  # the segment a pending reduction writes
+        self.replica_work: dist.Work | None = None  # HSDP: the pending all-reduce across replicas
+        self._replica_out: tuple[torch.Tensor, bool] | None = None  # (reduced shard, add it to grad_seg)
         self._grad_seg_ref: weakref.ref | None = None  # see [Note: gradient segment lifetime]
         self.used = False
         self.pre_backward_done = False
@@ -889,9 +973,15 @@ class _Bucket:
             return  # keep summing into flat_grad (gradient accumulation without sync)
         self.flat_grad = self.flat_views = None
         accumulate = self._prepare_grad_segment()
+        out = self.grad_seg
+        if self.replicate_group is not None and (accumulate or self.reduce_dtype != self.buffer.dtype):
+            # The replicas all-reduce only this backward's reduced shard, in reduce_dtype; it is added
+            # to (or cast into) the gradient segment afterwards.
+            out = torch.empty(self.buffer.segment_numel, dtype=self.reduce_dtype, device=self.buffer.device)
         self.reduce_handle = self.buffer.reduce_scatter(
-            flat, out=self.grad_seg, op=dist.ReduceOp.AVG, accumulate=accumulate, async_op=True
+            flat, out=out, op=dist.ReduceOp.AVG, accumulate=accumulate and out is self.grad_seg, async_op=True
         )
+        self._replica_out = (out, accumulate) if self.replicate_group is not None else None
         self.runtime.issue_reduce(self)
 
     def _prepare_grad_segment(self) -> bool:
@@ -924,10 +1014,35 @@ class _Bucket:
         self.grad_seg = seg
         return True
 
+    def start_replica_reduce(self) -> None:
+        """HSDP: once the reduce-scatter is done, issue the all-reduce of the reduced shard across the
+        replicas (async; no-op without replicas, or when already issued or done)."""
+        if self.reduce_handle is None or self._replica_out is None or self.replica_work is not None:
+            return
+        self.reduce_handle.wait()
+        out = self._replica_out[0]
+        if out.numel() == 0:  # every replica of this shard rank holds the same (empty) segment
+            self.replica_work = _DONE
+            return
+        op = dist.ReduceOp.AVG if self._native_avg else dist.ReduceOp.SUM
+        self.replica_work = dist.all_reduce(out, op=op, group=self.replicate_group, async_op=True)
+
     def wait_reduces(self) -> None:
         if self.reduce_handle is None:
             return
         self.reduce_handle.wait()
+        if self._replica_out is not None:
+            self.start_replica_reduce()
+            self.replica_work.wait()
+            out, accumulate = self._replica_out
+            if not self._native_avg and out.numel():
+                out.div_(self.num_replicas)
+            if out is not self.grad_seg:
+                if accumulate:
+                    self.grad_seg.add_(out)
+                else:
+                    self.grad_seg.copy_(out)
+            self.replica_work = self._replica_out = None
         self.reduce_handle = None
         seg, self.grad_seg = self.grad_seg, None
         views = self.buffer.local_views(seg)
@@ -936,6 +1051,16 @@ class _Bucket:
             if sp.grad is None or not _same_view(sp.grad, views[i]):
                 sp.grad = views[i]
         self._grad_seg_ref = weakref.ref(seg)
+
+
+class _Done:
+    """A completed ``dist.Work`` stand-in (a collective every peer skips too)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_DONE = _Done()
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
