@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from ._base import StateShard, param_info
+from ._base import StateShard, make_dcp_ready, param_info
 from ._rules import adamw_rule
 
 __all__ = ["AdamW", "adamw_update"]
@@ -139,6 +139,7 @@ class AdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 self._init_state(p, group)
         self._state_ready = True
+        make_dcp_ready(self)
 
     # ---- state ------------------------------------------------------------------------
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:

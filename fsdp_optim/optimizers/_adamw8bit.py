@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ..sharding._blocks import elements
 from ..sharding._shard_info import ShardInfo
-from ._base import StateShard, param_info, require_spec
+from ._base import StateShard, make_dcp_ready, param_info, require_spec
 from ._rules import adamw8bit_rule
 
 __all__ = ["AdamW8bit", "QUANTIZE_MIN_NUMEL", "quantize_blockwise", "dequantize_blockwise"]
@@ -162,6 +162,7 @@ class AdamW8bit(torch.optim.Optimizer):
             for p in group["params"]:
                 self._init_state(p, group)
         self._state_ready = True
+        make_dcp_ready(self)
 
     # ---- state ------------------------------------------------------------------------
     def _kind(self, p: Tensor) -> _Kind:

@@ -10,7 +10,7 @@ from ..sharding._blocks import BlockRule, BlockSpec
 from ..sharding._ragged import RaggedShard
 from ..sharding._shard_info import ShardInfo, shard_info
 
-__all__ = ["param_info", "require_spec", "StateShard", "ShardedState"]
+__all__ = ["param_info", "require_spec", "make_dcp_ready", "StateShard", "ShardedState"]
 
 
 class StateShard(NamedTuple):
@@ -64,6 +64,16 @@ def require_spec(info: ShardInfo, ok: bool, *, optimizer: str, need: str, blocks
         f"{info.world_size}) is sharded with {info.spec} blocks, but {optimizer} needs {need}; "
         f"shard the model with fully_shard(..., blocks={blocks})"
     )
+
+
+def make_dcp_ready(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.state_dict()`` / ``load_state_dict()`` DCP-ready when any parameter is
+    sharded (sharded state as ``FlatShardTensor`` of its global form, as FSDP2 does with DTensor),
+    so ``torch.distributed.checkpoint`` save/load on them directly reshards across world sizes."""
+    from ..sharding._checkpoint import register_optimizer_hooks
+
+    if any(shard_info(p) is not None for g in optimizer.param_groups for p in g["params"]):
+        register_optimizer_hooks(optimizer)
 
 
 def spec_of(p: torch.Tensor, rule: BlockRule) -> BlockSpec:

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from ..sharding._blocks import BlockRule
 from ..sharding._shard_info import ShardInfo, shard_info
 from ._adamw import adamw_update
-from ._base import StateShard, param_info, require_spec
+from ._base import StateShard, make_dcp_ready, param_info, require_spec
 from ._rules import is_embedding_or_head, muon_rule
 
 __all__ = ["Muon", "newton_schulz", "adjust_lr"]
@@ -270,6 +270,7 @@ class Muon(torch.optim.Optimizer):
             warnings.warn("Muon: blocks= is ignored: every parameter is sharded and its recorded spec is used",
                           stacklevel=2)  # fmt: skip
         self._exchanges = self._plan_exchanges()
+        make_dcp_ready(self)
 
     # ---- groups and state ---------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from ..sharding._blocks import BlockKind, BlockRule, BlockSpec
 from ..sharding._shard_info import ShardInfo, shard_info
-from ._base import StateShard, param_info, require_spec
+from ._base import StateShard, make_dcp_ready, param_info, require_spec
 from ._rules import shampoo_rule
 
 __all__ = ["Shampoo", "shampoo_blocks", "matrix_inverse_root"]
@@ -256,6 +256,7 @@ class Shampoo(torch.optim.Optimizer):
         if blocks is not None and self._plans and all(shard_info(t) is not None for t in self._plans):
             warnings.warn("Shampoo: blocks= is ignored: every parameter is sharded and its recorded spec is used",
                           stacklevel=2)  # fmt: skip
+        make_dcp_ready(self)
 
     # ---- groups and state ---------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
