@@ -41,7 +41,14 @@ def _add_plan(sub) -> None:
         "matrix blocks, per-rank bytes and optimizer cost balance, planner time.",
     )
     p.add_argument("--model", required=True, choices=preset_names(), help="model preset")
-    p.add_argument("--world-size", type=int, required=True, help="number of ranks in the shard group")
+    p.add_argument("--world-size", type=int, required=True, help="total number of ranks")
+    p.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        help="HSDP: ranks per shard group (must divide --world-size); the plan is made over these ranks and "
+        "replicated world-size / shard-size times (default: the world size, pure FSDP)",
+    )
     p.add_argument("--optimizer", required=True, choices=OPTIMIZERS, help="whose block rule to plan with")
     p.add_argument("--layout", default="auto", choices=("even", "ragged", "auto"), help="bucket layout (default auto)")
     p.add_argument("--bucket-layers", type=int, default=1, help="transformer layers per bucket (default 1)")
@@ -59,6 +66,13 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    shard_size = args.world_size if args.shard_size is None else args.shard_size
+    if shard_size < 1 or args.world_size % shard_size:
+        raise ValueError(
+            f"--shard-size must be a positive divisor of --world-size {args.world_size} (a (replicate, shard) mesh "
+            f"of world-size / shard-size replicas), got {shard_size}"
+        )
+    num_replicas = args.world_size // shard_size
     if args.bucket_layers < 1:
         raise ValueError(f"--bucket-layers must be >= 1, got {args.bucket_layers}")
     kw = {"layout": args.layout}
@@ -70,7 +84,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     buckets = preset_buckets(
         args.model, rule=optimizer_rule(args.optimizer), bucket_layers=args.bucket_layers, itemsize=args.itemsize
     )
-    plan = plan_model(buckets, world_size=args.world_size, config=config)
+    # HSDP: every replica holds the same layout, so the per-rank figures are those of the shard group.
+    plan = plan_model(buckets, world_size=shard_size, config=config)
     if args.json:
         out = {
             "model": args.model,
@@ -80,10 +95,18 @@ def _run_plan(args: argparse.Namespace) -> int:
             "padding_cap": config.padding_cap,
             "align": config.align,
             **plan.stats().as_dict(),
+            "world_size": args.world_size,
+            "shard_size": shard_size,
+            "num_replicas": num_replicas,
         }
         print(json.dumps(out))
     else:
         print(f"model {args.model}, optimizer {args.optimizer}")
+        if num_replicas > 1:
+            print(
+                f"HSDP: world size {args.world_size} = {num_replicas} replicas x shard size {shard_size}; "
+                f"planned over the {shard_size} ranks of a shard group (the same layout on every replica)"
+            )
         print(plan.report())
     return 0
 
