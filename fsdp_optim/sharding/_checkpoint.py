@@ -24,7 +24,10 @@ boxes of any saved layout overlap this rank's range, straight into the parameter
 - ``fsdp_optim.json``: the manifest (world size, optimizer class, state schema, group names),
   written last by rank 0, so it is read first to check a load before any tensor is touched.
 
-A rank with an empty piece writes nothing for it. A save writes ``<path>.tmp`` and renames it
+A rank with an empty piece writes nothing for it. HSDP (a 2-D mesh, see [Note: HSDP] in
+``_fully_shard``): every replica holds the same ranges, so the replicas offer DCP identical write
+items (same key, same chunk offsets) and DCP's ``dedup_save_plans`` keeps one of each, spreading
+the writes over the replicas: one copy on disk (tested in tests/sharding/test_hsdp.py). A save writes ``<path>.tmp`` and renames it
 into place after every rank has written (atomic: a crash mid-save leaves the previous checkpoint;
 a crash between the two renames leaves ``<path>.old``, which a load then falls back to). Every
 check of a load (keys, shapes, dtypes of optimizer state, optimizer class, param groups, every

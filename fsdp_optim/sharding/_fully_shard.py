@@ -132,11 +132,12 @@ def fully_shard(
     ``mesh``: a 1-D ``DeviceMesh`` or a ``ProcessGroup`` (default: the world; without an initialized
     process group, one rank), or a 2-D ``DeviceMesh`` for HSDP: shard over one dimension, replicate
     over the other (dims named ``"replicate"`` and ``"shard"`` are found by name; otherwise dim 0
-    replicates and dim 1 shards, as in FSDP2; see [Note: HSDP]). ``blocks``: an optimizer's block rule ``rule(fqn, param, module) ->
-    BlockSpec`` (default: element granularity, plain FSDP). ``reshard_after_forward``: free the
-    gathered parameters after forward and gather again in backward. ``mp_policy``: compute and
-    reduction dtypes. ``plan_config``: planner knobs (root only). Returns ``module``, whose class
-    now also derives from :class:`ShardedModule`. See the module docstring for the root rule.
+    replicates and dim 1 shards, as in FSDP2; see [Note: HSDP]). ``blocks``: an optimizer's block
+    rule ``rule(fqn, param, module) -> BlockSpec`` (default: element granularity, plain FSDP).
+    ``reshard_after_forward``: free the gathered parameters after forward and gather again in
+    backward. ``mp_policy``: compute and reduction dtypes. ``plan_config``: planner knobs (root
+    only). Returns ``module``, whose class now also derives from :class:`ShardedModule`. See the
+    module docstring for the root rule.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
@@ -368,7 +369,8 @@ def _resolve_mesh(
         if mesh.ndim == 1:
             return mesh.get_group(), mesh.get_local_rank(), mesh.size(), device, None, 1
         names = tuple(mesh.mesh_dim_names or ())
-        rep, shard = (names.index("replicate"), names.index("shard")) if {"replicate", "shard"} <= set(names) else (0, 1)
+        by_name = {"replicate", "shard"} <= set(names)
+        rep, shard = (names.index("replicate"), names.index("shard")) if by_name else (0, 1)
         return (
             mesh.get_group(shard), mesh.get_local_rank(shard), mesh.size(shard), device,
             mesh.get_group(rep), mesh.size(rep),
@@ -466,6 +468,7 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
     for st in states:
         if st is root:
             continue
+        same_shape = (st.world_size, st.num_replicas) == (root.world_size, root.num_replicas)
         if (
             st.world_size != root.world_size
             or not _same_group(st.group, root.group)
@@ -475,8 +478,9 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
             raise ValueError(
                 f"fully_shard: {type(st.module).__name__} was sharded over a mesh of world size {st.world_size} "
                 f"({st.num_replicas} replicas) but its root {type(root.module).__name__} over world size "
-                f"{root.world_size} ({root.num_replicas} replicas); pass the same mesh to every fully_shard call "
-                "of a model"
+                f"{root.world_size} ({root.num_replicas} replicas)"
+                + (" over other process groups" if same_shape else "")
+                + "; pass the same mesh (the same DeviceMesh object) to every fully_shard call of a model"
             )
         if st.plan_config is not None and st.plan_config != root.plan_config:
             warnings.warn(

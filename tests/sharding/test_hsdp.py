@@ -8,13 +8,17 @@ same TinyTransformer trained in one process on the global batch is the reference
   elements within 1e-5). Measured: loss rel. diff <= 4.8e-7, max abs diff <= 1.7e-4.
 - ``fsdp_optim.optimizers.Muon``: its Newton–Schulz runs in bf16 (as ``torch.optim.Muon``), so the
   last-bit differences of a different summation order flip bf16 roundings and grow over steps
-  (measured with per-rank slices: max abs diff 0.03 after 5 steps at lr 0.02, on any mesh of W = 3 or
-  4, pure FSDP as well). So every rank sees the whole global batch (as in test_muon's fully_shard
-  test): the mean over W equal per-rank gradients is then exactly the single-process gradient when
-  the mean's divisions are exact, which they are on the 2x2 mesh (two halvings): asserted bitwise. On
+  (measured with per-rank slices: max abs diff 0.011-0.032 after 5 steps at lr 0.02 on 2x2, 1x3 and
+  3x1; 1x3 is plain FSDP over 3 ranks, so this is Muon's, not HSDP's). So every rank sees the whole
+  global batch (as in test_muon's fully_shard test): the mean over W equal per-rank gradients is
+  then exactly the single-process gradient when the mean's divisions are exact, which they are on
+  the 2x2 mesh (two halvings): asserted bitwise. On
   W = 3 (1x3, 3x1) ``(g + g + g) / 3`` may round, so there: 3x1 (all-reduce across replicas) equals 1x3
   (reduce-scatter in the shard group) bitwise, and both stay within the bf16 Muon tolerance of the
   reference (loss rtol 1e-4, measured 9.1e-6; parameters max abs diff <= 2 lr = 0.04, measured 0.011).
+  On the 2x2 mesh Muon also runs with per-MLP buckets on an even layout without padding, which splits
+  each ``w1`` across the shard group (Muon's one exchange per bucket, in ``ShardInfo.group``): bitwise
+  too.
 """
 
 from __future__ import annotations
@@ -60,10 +64,10 @@ def _mesh(shape):
     return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 
 
-def _shard(model, rule, mesh, *, layout="auto"):
+def _shard(model, rule, mesh, *, layout="auto", mlp_buckets=False, **config):
     for layer in model.layers:
-        fsdp_optim.fully_shard(layer, mesh=mesh, blocks=rule)
-    fsdp_optim.fully_shard(model, mesh=mesh, blocks=rule, plan_config=PlanConfig(layout=layout))
+        fsdp_optim.fully_shard(layer.mlp if mlp_buckets else layer, mesh=mesh, blocks=rule)
+    fsdp_optim.fully_shard(model, mesh=mesh, blocks=rule, plan_config=PlanConfig(layout=layout, **config))
     return model
 
 
@@ -107,13 +111,19 @@ def test_hsdp_training_parity(shape):
     def fn():
         mesh = _mesh(shape)
         out = {}
-        for name, rule, layout, make, whole_batch in (
+        configs = [
             ("adamw", adamw_rule, "auto", lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.1), False),
             ("muon", muon_rule(), "ragged", _muon, True),
-        ):
-            model = _shard(_new_model(), rule, mesh, layout=layout)
+        ]
+        if shape == (2, 2):  # MLP buckets on an even layout without padding split w1 over the shard group
+            configs.append(("muon_split", muon_rule(), "even", _muon, True))
+        for name, rule, layout, make, whole_batch in configs:
+            cfg = {"padding_cap": 0.0, "mlp_buckets": True} if name == "muon_split" else {}
+            model = _shard(_new_model(), rule, mesh, layout=layout, **cfg)
             plan = fsdp_optim.sharded_plan(model)
             assert plan.world_size == shape[1]  # planned over the shard axis only
+            if name == "muon_split":
+                assert any(pl.split for b in plan.buckets for pl in b.placements)
             for p in model.parameters():
                 info = fsdp_optim.shard_info(p)
                 assert info.group is mesh.get_group("shard") and info.rank == mesh.get_local_rank("shard")
@@ -122,7 +132,7 @@ def test_hsdp_training_parity(shape):
         return out
 
     out = run_distributed(fn, world_size=world_size, timeout=240)
-    for name in ("adamw", "muon"):
+    for name in out[0]:
         for o in out[1:]:  # every rank (every replica) ends with the same model and the same layout
             assert o[name][0] == out[0][name][0] and o[name][2] == out[0][name][2]
             for k, v in out[0][name][1].items():
@@ -134,6 +144,9 @@ def test_hsdp_training_parity(shape):
     if world_size == 4:
         assert losses == muon_losses
         _assert_close_params(state, muon_state, world_size=1)  # bitwise
+        losses, state, _ = out[0]["muon_split"]
+        assert losses == muon_losses
+        _assert_close_params(state, muon_state, world_size=1)  # bitwise, split matrices too
     else:
         assert losses == pytest.approx(muon_losses, rel=1e-4)
         for k, v in muon_state.items():
@@ -393,3 +406,71 @@ def test_hsdp_checkpoint_one_copy_loads_on_fsdp_and_one_rank(tmp_path):
             _assert_same(o[name], before[0][name])
             _assert_same(o[f"{name} 3x1"], before[0][name])
         _assert_same(after1[0][name], before[0][name])
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
+def test_hsdp_mixed_precision_2x1(reduce_dtype):
+    """bf16 compute, fp32 master; the reduce-scatter and the all-reduce across replicas run in
+    ``reduce_dtype`` and land in the fp32 gradient segment. Reference: the bf16 model's gradients on the
+    global batch (tolerance of test_fully_shard's mixed-precision test: bf16 sums over sub-batches)."""
+    x, y = _batches(1)[0]
+    ref = _new_model().to(torch.bfloat16)
+    _loss(ref, x, y).backward()
+    ref_grads = {n: p.grad.float() for n, p in ref.named_parameters() if p.grad is not None}
+
+    def fn():
+        w, r = dist.get_world_size(), dist.get_rank()
+        mp = fsdp_optim.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        model, mesh = _new_model(), _mesh((2, 1))
+        for layer in model.layers:
+            fsdp_optim.fully_shard(layer, mesh=mesh, blocks=adamw_rule, mp_policy=mp)
+        fsdp_optim.fully_shard(model, mesh=mesh, blocks=adamw_rule, mp_policy=mp)
+        _loss(model, _local(x, w, r), _local(y, w, r)).backward()
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+        return _full_grads(model)
+
+    out = run_distributed(fn, world_size=2)
+    for n, g in ref_grads.items():
+        assert torch.equal(out[0][n], out[1][n]), n  # the replicas agree bitwise
+        torch.testing.assert_close(out[0][n], g, rtol=2e-2, atol=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+def test_hsdp_bad_input_raises_on_every_rank():
+    """A 3-D mesh, an inner call on another mesh than its root's, and replicas that build different
+    models: a ValueError naming the mesh shape / replicas and the fix, on every rank, no hang."""
+
+    def fn():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        r = dist.get_rank()
+        msgs = []
+        mesh3 = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("a", "replicate", "shard"))
+        try:
+            fsdp_optim.fully_shard(_new_model(), mesh=mesh3)
+        except ValueError as e:
+            msgs.append(str(e))
+        mesh = _mesh((2, 1))
+        model = _new_model()
+        fsdp_optim.fully_shard(model.layers[0], mesh=mesh)
+        try:
+            fsdp_optim.fully_shard(model)  # the root over the world group, the layer over the 2-D mesh
+        except ValueError as e:
+            msgs.append(str(e))
+        # Replica 1 builds a different model (another block rule): the replicas would plan different
+        # layouts; every rank raises.
+        rule = muon_rule() if r == 1 else adamw_rule
+        try:
+            fsdp_optim.fully_shard(_new_model(), mesh=mesh, blocks=rule)
+        except ValueError as e:
+            msgs.append(str(e))
+        dist.barrier()
+        return msgs
+
+    for msgs in run_distributed(fn, world_size=2, timeout=60):
+        assert len(msgs) == 3, msgs
+        assert "3-D mesh of shape (1, 1, 2)" in msgs[0] and "mesh['replicate', 'shard']" in msgs[0]
+        assert "2 replicas" in msgs[1] and "same mesh" in msgs[1]
+        assert "see a different model" in msgs[2] and "replica" in msgs[2]
