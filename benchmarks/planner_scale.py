@@ -7,6 +7,8 @@ matrices / Shampoo blocks (ragged, whole blocks) still balance within 10%.
 
     python benchmarks/planner_scale.py            # full grid (a few minutes on 2 cores)
     python benchmarks/planner_scale.py --quick    # W in {8, 1024}, for a smoke run
+    python benchmarks/planner_scale.py --shard-size 64   # HSDP: plan over 64 ranks, replicate W/64
+                                                         # (writes planner_scale_hsdp64.*)
 """
 
 from __future__ import annotations
@@ -29,21 +31,28 @@ SWEEP = tuple(2**k for k in range(3, 15))  # 8 .. 16384 for the "largest balance
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def run(world_sizes, sweep) -> dict:
+def run(world_sizes, sweep, shard_size: int | None = None) -> dict:
+    """Plan every preset x optimizer x W x layout. With ``shard_size`` (HSDP) each W is planned over
+    ``min(W, shard_size)`` ranks and replicated over the rest: the per-rank layout of a replica is
+    the plan over the shard group (replication changes no rank's bytes)."""
     rows = []
     for model in preset_names():
         for opt in OPTIMIZERS:
             buckets = preset_buckets(model, rule=optimizer_rule(opt))
             for w in world_sizes:
+                pw = w if shard_size is None else min(w, shard_size)
                 for layout in LAYOUTS:
-                    plan = plan_model(buckets, world_size=w, config=PlanConfig(layout=layout))
+                    plan = plan_model(buckets, world_size=pw, config=PlanConfig(layout=layout))
                     secs = plan.seconds
                     for _ in range(2):  # shared machine: a wall-clock spike is re-timed (best of 3)
                         if secs <= 0.5:
                             break
-                        secs = min(secs, plan_model(buckets, world_size=w, config=PlanConfig(layout=layout)).seconds)
-                    st = plan.stats()._replace(plan_seconds=secs)
-                    rows.append({"model": model, "optimizer": opt, "layout": layout, **st.as_dict()})
+                        secs = min(secs, plan_model(buckets, world_size=pw, config=PlanConfig(layout=layout)).seconds)
+                    st = plan.stats()._replace(plan_seconds=secs, world_size=w)
+                    rows.append(
+                        {"model": model, "optimizer": opt, "layout": layout, **st.as_dict(),
+                         "shard_size": pw, "num_replicas": w // pw}
+                    )  # fmt: skip
                     print(
                         f"{model:16s} {opt:9s} W={w:<6d} {layout:6s} pad={100 * st.padding_ratio:7.3f}% "
                         f"split={100 * st.split_bytes_ratio:6.2f}% bytes={st.bytes_max_over_mean:8.3f} "
@@ -51,7 +60,7 @@ def run(world_sizes, sweep) -> dict:
                         flush=True,
                     )
     largest = {}
-    for model in preset_names():
+    for model in [] if shard_size is not None else preset_names():
         for opt in ("muon", "shampoo"):
             buckets = preset_buckets(model, rule=optimizer_rule(opt))
             best = None
@@ -77,25 +86,32 @@ def _md(data: dict, command: str) -> str:
         "cut across ranks / bytes of all matrix blocks. fp32 (4-byte) parameters, one bucket per layer. "
         "`plan s`: wall time of `plan_model` (best of up to 3 when over 0.5 s: the machine is shared). "
         "Shampoo plans with `shampoo_rule(1024, per_expert=True)` (one block per routed expert).",
-        "",
-        "## Largest power-of-two W up to which whole blocks balance within 10% (ragged layout)",
-        "",
-        "| preset | Muon matrices | Shampoo blocks |",
-        "|---|---|---|",
     ]
-    for model in preset_names():
-        lw = data["largest_balanced_w"]
-        out.append(f"| {model} | {lw.get(f'{model}/muon')} | {lw.get(f'{model}/shampoo')} |")
+    if data.get("shard_size"):
+        out += ["", f"HSDP: every W is planned over a shard group of min(W, {data['shard_size']}) ranks and replicated "
+                "across W / shard size groups (the `S x R` column); a replica's per-rank layout is the shard group's."]
+    if data["largest_balanced_w"]:
+        out += [
+            "",
+            "## Largest power-of-two W up to which whole blocks balance within 10% (ragged layout)",
+            "",
+            "| preset | Muon matrices | Shampoo blocks |",
+            "|---|---|---|",
+        ]
+        for model in preset_names():
+            lw = data["largest_balanced_w"]
+            out.append(f"| {model} | {lw.get(f'{model}/muon')} | {lw.get(f'{model}/shampoo')} |")
     out += [
         "",
         "## All runs",
         "",
-        "| preset | optimizer | W | layout | padding % | split % | bytes max/mean | lb | cost max/mean | even/ragged buckets | plan s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| preset | optimizer | W | S x R | layout | padding % | split % | bytes max/mean | lb | cost max/mean | even/ragged buckets | plan s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        sxr = f"{r.get('shard_size', r['world_size'])} x {r.get('num_replicas', 1)}"
         out.append(
-            f"| {r['model']} | {r['optimizer']} | {r['world_size']} | {r['layout']} | {100 * r['padding_ratio']:.3f} | "
+            f"| {r['model']} | {r['optimizer']} | {r['world_size']} | {sxr} | {r['layout']} | {100 * r['padding_ratio']:.3f} | "
             f"{100 * r['split_bytes_ratio']:.2f} | {r['bytes_max_over_mean']:.3f} | {r['bytes_lower_bound']:.3f} | "
             f"{r['cost_max_over_mean']:.3f} | {r['num_even_buckets']}/{r['num_ragged_buckets']} | {r['plan_seconds']:.3f} |"
         )
@@ -126,17 +142,24 @@ def _plot(data: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="W in {8, 1024} only")
+    ap.add_argument("--shard-size", type=int, default=None, help="HSDP: plan over this many ranks, replicate the rest")
     args = ap.parse_args(argv)
+    world_sizes = (8, 1024) if args.quick else WORLD_SIZES
+    if args.shard_size is not None and any(w % min(w, args.shard_size) for w in world_sizes):
+        ap.error(f"--shard-size {args.shard_size} must divide every world size {world_sizes} it is smaller than")
     command = "python benchmarks/planner_scale.py" + (" --quick" if args.quick else "")
+    command += f" --shard-size {args.shard_size}" if args.shard_size else ""
+    name = "planner_scale" + (f"_hsdp{args.shard_size}" if args.shard_size else "")
     t0 = time.perf_counter()
-    data = run((8, 1024) if args.quick else WORLD_SIZES, (8, 64, 1024) if args.quick else SWEEP)
+    data = run(world_sizes, (8, 64, 1024) if args.quick else SWEEP, args.shard_size)
     data["command"] = command
+    data["shard_size"] = args.shard_size
     data["seconds"] = time.perf_counter() - t0
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "planner_scale.json").write_text(json.dumps(data, indent=1))
-    (RESULTS / "planner_scale.md").write_text(_md(data, command))
-    _plot(data, RESULTS / "planner_scale.png")
-    print(f"wrote {RESULTS}/planner_scale.{{json,md,png}} in {data['seconds']:.0f} s")
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1))
+    (RESULTS / f"{name}.md").write_text(_md(data, command))
+    _plot(data, RESULTS / f"{name}.png")
+    print(f"wrote {RESULTS}/{name}.{{json,md,png}} in {data['seconds']:.0f} s")
     return 0
 
 
