@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from ._base import StateShard, make_dcp_ready, param_info
+from ._base import StateShard, check_adam_hparams, make_dcp_ready, param_info
 from ._rules import adamw_rule
 
 __all__ = ["AdamW", "adamw_update"]
@@ -107,20 +107,9 @@ class AdamW(torch.optim.Optimizer):
         fused: bool | None = None,
         capturable: bool = False,
     ) -> None:
-        if isinstance(lr, Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"lr: a tensor lr must have 1 element, got shape {tuple(lr.shape)}")
-            if foreach and not capturable:
-                raise ValueError("lr: a tensor lr needs foreach=False or capturable=True (as torch.optim.AdamW)")
-        if not 0.0 <= float(lr):
-            raise ValueError(f"lr must be >= 0, got {float(lr)}")
-        if not 0.0 <= eps:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        for i, b in enumerate(betas):
-            if not 0.0 <= float(b) < 1.0:
-                raise ValueError(f"betas[{i}] must be in [0, 1), got {float(b)}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        check_adam_hparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        if isinstance(lr, Tensor) and foreach and not capturable:
+            raise ValueError("lr: a tensor lr needs foreach=False or capturable=True (as torch.optim.AdamW)")
         if fused and foreach:
             raise ValueError("fused=True and foreach=True cannot be set together; pick one")
         defaults = dict(

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ..sharding._blocks import elements
 from ..sharding._shard_info import ShardInfo
-from ._base import StateShard, make_dcp_ready, param_info, require_spec
+from ._base import StateShard, check_adam_hparams, make_dcp_ready, param_info, require_spec
 from ._rules import adamw8bit_rule
 
 __all__ = ["AdamW8bit", "QUANTIZE_MIN_NUMEL", "quantize_blockwise", "dequantize_blockwise"]
@@ -138,17 +138,7 @@ class AdamW8bit(torch.optim.Optimizer):
         block_size: int = 256,
         compile: bool = True,
     ) -> None:
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError(f"lr: a tensor lr must have 1 element, got shape {tuple(lr.shape)}")
-        if not 0.0 <= float(lr):
-            raise ValueError(f"lr must be >= 0, got {float(lr)}")
-        if not 0.0 <= eps:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        for i, b in enumerate(betas):
-            if not 0.0 <= float(b) < 1.0:
-                raise ValueError(f"betas[{i}] must be in [0, 1), got {float(b)}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        check_adam_hparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size

@@ -10,7 +10,7 @@ from ..sharding._blocks import BlockRule, BlockSpec
 from ..sharding._ragged import RaggedShard
 from ..sharding._shard_info import ShardInfo, shard_info
 
-__all__ = ["param_info", "require_spec", "make_dcp_ready", "StateShard", "ShardedState"]
+__all__ = ["param_info", "require_spec", "check_adam_hparams", "make_dcp_ready", "StateShard", "ShardedState"]
 
 
 class StateShard(NamedTuple):
@@ -64,6 +64,21 @@ def require_spec(info: ShardInfo, ok: bool, *, optimizer: str, need: str, blocks
         f"{info.world_size}) is sharded with {info.spec} blocks, but {optimizer} needs {need}; "
         f"shard the model with fully_shard(..., blocks={blocks})"
     )
+
+
+def check_adam_hparams(*, lr: float | torch.Tensor, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """``ValueError`` for out-of-range Adam hyperparameters (the checks torch.optim.AdamW makes)."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"lr: a tensor lr must have 1 element, got shape {tuple(lr.shape)}")
+    if not 0.0 <= float(lr):
+        raise ValueError(f"lr must be >= 0, got {float(lr)}")
+    if not 0.0 <= eps:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    for i, b in enumerate(betas):
+        if not 0.0 <= float(b) < 1.0:
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {float(b)}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
 
 def make_dcp_ready(optimizer: torch.optim.Optimizer) -> None:
