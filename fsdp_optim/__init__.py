@@ -3,6 +3,7 @@
 from . import sharding
 from .sharding._checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
 from .sharding._clip import clip_grad_norm_
+from .sharding._float8 import Float8AllGather
 from .sharding._fully_shard import ShardedModule, fully_shard, sharded_plan
 from .sharding._init import init_weights
 from .sharding._mixed_precision import MixedPrecisionPolicy
@@ -10,6 +11,7 @@ from .sharding._shard_info import ShardInfo, shard_info
 from .sharding._state_dict import full_state_dict
 
 __all__ = [
+    "Float8AllGather",
     "MixedPrecisionPolicy",
     "ShardInfo",
     "ShardedModule",

@@ -96,6 +96,9 @@ class TrainConfig:
     dtype: str = "auto"
     """Compute dtype: auto (bf16 on CUDA with bf16 support, else fp32), bf16 or fp32."""
     seed: int = 0
+    fp8_all_gather: str = "off"
+    """Block-wise FP8 parameter all-gather (backend fsdp_optim): off, 128x128 or 1x128 (tiles with one
+    fp32 scale each; ``--fp8-allgather [TILE]``). Master weights and gradients are unchanged."""
     backend: str = "auto"
     """fsdp_optim (our fully_shard, optimizers, checkpoints), torch (PyTorch FSDP2 + torch/torchao
     optimizers + DCP: adamw and adamw8bit only), or auto (fsdp_optim when installed pieces allow)."""

@@ -45,6 +45,7 @@ CPU_PEAK_TFLOPS = 0.1
 # + DCP. Everything backend-specific is in these few functions.
 # ---------------------------------------------------------------------------------------------
 OPTIMIZERS = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "muon": "Muon", "shampoo": "Shampoo"}
+FP8_TILES = ("128x128", "1x128")  # train.fp8_all_gather / --fp8-allgather tiles (fsdp_optim.Float8AllGather)
 
 
 def pick_backend(cfg: Config) -> str:
@@ -59,8 +60,11 @@ def pick_backend(cfg: Config) -> str:
     return "fsdp_optim" if ready and hasattr(ours, OPTIMIZERS[cfg.optim.name]) else "torch"
 
 
-def shard_model(model: torch.nn.Module, backend: str, opt_name: str, param_dtype: torch.dtype) -> None:
-    """Shard each decoder layer, then the root (embeddings, final norm, head), FSDP2-style."""
+def shard_model(
+    model: torch.nn.Module, backend: str, opt_name: str, param_dtype: torch.dtype, fp8_all_gather: str = "off"
+) -> None:
+    """Shard each decoder layer, then the root (embeddings, final norm, head), FSDP2-style.
+    ``fp8_all_gather``: ``off`` or a tile (``128x128``, ``1x128``) for the block-wise FP8 all-gather."""
     if backend == "fsdp_optim":
         import fsdp_optim
         from fsdp_optim import optimizers
@@ -69,9 +73,10 @@ def shard_model(model: torch.nn.Module, backend: str, opt_name: str, param_dtype
         mp = None
         if param_dtype != torch.float32:
             mp = fsdp_optim.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        fp8 = None if fp8_all_gather == "off" else fsdp_optim.Float8AllGather(tile=fp8_all_gather)
         for layer in model.layers:
-            fsdp_optim.fully_shard(layer, blocks=blocks, mp_policy=mp)
-        fsdp_optim.fully_shard(model, blocks=blocks, mp_policy=mp)
+            fsdp_optim.fully_shard(layer, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8)
+        fsdp_optim.fully_shard(model, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8)
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -210,6 +215,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="optim.name")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument(
+        "--fp8-allgather", nargs="?", const="128x128", choices=FP8_TILES, metavar="TILE",
+        help="all-gather parameters in block-wise FP8, one scale per TILE (128x128 or 1x128; default 128x128): "
+        "train.fp8_all_gather",
+    )
     return p.parse_args(argv)
 
 
@@ -221,9 +231,15 @@ def main(argv: list[str] | None = None) -> dict:
         overrides.append(f"train.steps={args.steps}")
     if args.optimizer is not None:
         overrides.append(f"optim.name={json.dumps(args.optimizer)}")
+    if args.fp8_allgather is not None:
+        overrides.append(f"train.fp8_all_gather={json.dumps(args.fp8_allgather)}")
     cfg = load_config(args.config, overrides)
     if cfg.optim.name not in OPTIMIZERS:
         raise ValueError(f"optim.name must be one of {sorted(OPTIMIZERS)}, got {cfg.optim.name!r}")
+    if cfg.train.fp8_all_gather not in ("off", *FP8_TILES):
+        raise ValueError(
+            f"train.fp8_all_gather must be off, {' or '.join(FP8_TILES)}, got {cfg.train.fp8_all_gather!r}"
+        )
     out = Path(args.out)
 
     # ---- process group and device ----
@@ -241,6 +257,11 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         raise ValueError(f"train.dtype must be auto, bf16 or fp32, got {cfg.train.dtype!r}")
     backend = pick_backend(cfg)
+    if cfg.train.fp8_all_gather != "off" and backend != "fsdp_optim":
+        raise ValueError(
+            f"train.fp8_all_gather={cfg.train.fp8_all_gather} (--fp8-allgather) needs the fsdp_optim backend, "
+            f"but the backend is {backend}; set train.backend=fsdp_optim or drop --fp8-allgather"
+        )
     master = rank == 0
 
     # ---- data: every rank tokenizes the same stream and takes its own windows ----
@@ -263,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
             "lower data.seq_len or raise model.max_seq_len"
         )
     n_params, n_flop_params = num_params(model), num_params(model, exclude_embedding=True)
-    shard_model(model, backend, cfg.optim.name, dtype)
+    shard_model(model, backend, cfg.optim.name, dtype, cfg.train.fp8_all_gather)
     if cfg.model.meta_init:  # initialize at full shape, one bucket at a time, keeping this rank's piece
         torch.manual_seed(cfg.train.seed)
         init_sharded(model, backend, device)

@@ -70,6 +70,21 @@ Collective order is the same on every rank because it follows the autograd graph
 same on every rank (same model, same code); a data-dependent graph (e.g. a rank skipping an expert)
 is not supported.
 
+[Note: FP8 all-gather]
+``fully_shard(..., fp8_all_gather=Float8AllGather(tile="128x128" | "1x128"))`` (opt-in; default off,
+nothing changes without it). Eligible parameters (2-D, >= ``min_numel`` elements, decided on the
+global shape) are planned with ``TensorSpec.align_rows`` = the tile height, so no quantization tile
+crosses a rank boundary; in the forward pre-hook each rank quantizes its fp32 master pieces locally
+(``float8_e4m3fn`` codes, one fp32 scale per tile), packs them with the bucket's other pieces (in
+``param_dtype``) into one byte region, and the bucket moves in ONE collective (the byte regions,
+gathered by a ``uint8`` ``DistributedBuffer``); on wait every rank dequantizes into the
+``param_dtype`` gathered buffer. Invariant: the gathered parameters equal quantizing each full
+tensor unsharded with the same tiles and dequantizing, bitwise, for every world size and plan
+(see ``_float8.py``). Master weights, gradients, the reduce-scatter and checkpoints are unchanged.
+Matrices that a forced even layout splits are cut on tile rows too (the split unit is coarsened
+alike); a parameter whose shard would still cut a tile is sent in ``param_dtype`` (a pure check
+of its placement, the same on every rank).
+
 [Note: meta-device initialization]
 ``fully_shard`` accepts a model built under ``torch.device("meta")``: segments are allocated on the
 mesh's device (zeros). Then call ``init_weights(model)`` (``fsdp_optim.init_weights``): for each
@@ -98,7 +113,8 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._blocks import BlockRule, BlockSpec, default_rule
-from ._buffer import CollectiveHandle, DistributedBuffer
+from ._buffer import CollectiveHandle, DistributedBuffer, _zero_ranges
+from ._float8 import Float8AllGather, Float8Gather, tile_aligned
 from ._mixed_precision import MixedPrecisionPolicy
 from ._plan import BucketPlan, Plan, PlanConfig, TensorSpec
 from ._planner import plan_model
@@ -126,6 +142,7 @@ def fully_shard(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     plan_config: PlanConfig | None = None,
+    fp8_all_gather: Float8AllGather | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` with block-aligned ragged layouts.
 
@@ -136,7 +153,9 @@ def fully_shard(
     rule ``rule(fqn, param, module) -> BlockSpec`` (default: element granularity, plain FSDP).
     ``reshard_after_forward``: free the gathered parameters after forward and gather again in
     backward. ``mp_policy``: compute and reduction dtypes. ``plan_config``: planner knobs (root
-    only). Returns ``module``, whose class now also derives from :class:`ShardedModule`. See the
+    only). ``fp8_all_gather``: gather eligible (2-D) parameters as block-wise scaled
+    ``float8_e4m3fn`` codes and dequantize them to the compute dtype (opt-in; see
+    [Note: FP8 all-gather] below and ``Float8AllGather``); an inner ``None`` takes the root's. Returns ``module``, whose class now also derives from :class:`ShardedModule`. See the
     module docstring for the root rule.
     """
     if not isinstance(module, nn.Module):
@@ -145,6 +164,11 @@ def fully_shard(
         raise ValueError(f"mp_policy must be a MixedPrecisionPolicy or None, got {type(mp_policy).__name__}")
     if plan_config is not None and not isinstance(plan_config, PlanConfig):
         raise ValueError(f"plan_config must be a PlanConfig or None, got {type(plan_config).__name__}")
+    if fp8_all_gather is not None and not isinstance(fp8_all_gather, Float8AllGather):
+        raise ValueError(
+            f"fp8_all_gather must be a Float8AllGather or None (e.g. Float8AllGather(tile='128x128')), got "
+            f"{type(fp8_all_gather).__name__}"
+        )
     if blocks is not None and not callable(blocks):
         raise ValueError(
             f"blocks must be a block rule rule(fqn, param, module) -> BlockSpec (e.g. muon_rule()), got {blocks!r}"
@@ -175,6 +199,7 @@ def fully_shard(
         reshard_after_forward=bool(reshard_after_forward),
         mp_policy=mp_policy,
         plan_config=plan_config,
+        fp8_all_gather=fp8_all_gather,
     )
     try:
         _Runtime.build(state)  # validates on every rank and agrees before any collective
@@ -236,6 +261,7 @@ class _ModuleState:
     reshard_after_forward: bool
     mp_policy: MixedPrecisionPolicy | None
     plan_config: PlanConfig | None
+    fp8_all_gather: Float8AllGather | None = None
     runtime: _Runtime | None = None
     bucket: _Bucket | None = None
     handles: list = field(default_factory=list)
@@ -411,6 +437,7 @@ class _Entry:
     dtype: torch.dtype = torch.float32
     requires_grad: bool = True
     spec: BlockSpec | None = None
+    align_rows: int | None = None  # FP8 all-gather: rank boundaries on multiples of the tile height
     full: torch.Tensor | None = None  # the values to shard (None: uninitialized, e.g. meta)
 
 
@@ -519,6 +546,8 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
                 f"fully_shard: {err} (world size {root.world_size}); fix the block rule for this parameter"
             ) from None
         e.spec = spec
+        fp8 = e.state.fp8_all_gather or root.fp8_all_gather
+        e.align_rows = fp8.tile_shape[0] if fp8 is not None and fp8.eligible(e.shape) else None
     by_bucket: dict[int, list[_Entry]] = {}
     for e in entries:
         by_bucket.setdefault(id(e.state), []).append(e)
@@ -613,7 +642,9 @@ class _Runtime:
                 (
                     _bucket_name(root, st),
                     [
-                        TensorSpec(name=e.fqn, shape=e.shape, spec=e.spec, itemsize=e.dtype.itemsize)
+                        TensorSpec(
+                            name=e.fqn, shape=e.shape, spec=e.spec, itemsize=e.dtype.itemsize, align_rows=e.align_rows
+                        )
                         for e in entries
                         if e.state is st
                     ],
@@ -621,7 +652,7 @@ class _Runtime:
                 for st in bucket_states
             ]
             plan = plan_model(specs, world_size=root.world_size, config=root.plan_config or PlanConfig())
-            fingerprint = [(n, [(t.name, t.shape, str(t.spec)) for t in ts]) for n, ts in specs]
+            fingerprint = [(n, [(t.name, t.shape, str(t.spec), t.align_rows) for t in ts]) for n, ts in specs]
         except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
             err = e
         _agree(err, root, fingerprint)
@@ -673,7 +704,7 @@ class _Runtime:
         """Drop this (absorbed) runtime's storage now rather than at the next cyclic GC."""
         for b in self.buckets:
             b.reshard()
-            b.buffer = b.gathered = b.flat_grad = b.flat_views = b.grad_seg = None
+            b.buffer = b.gathered = b.flat_grad = b.flat_views = b.grad_seg = b.fp8_gather = None
             b.sharded, b.unsharded, b.entries = [], [], []
         self.buckets = []
 
@@ -823,6 +854,16 @@ class _Bucket:
             self.unsharded.append(nn.Parameter(view, requires_grad=e.requires_grad))
         self._gathered_nbytes = self.gathered.untyped_storage().nbytes()
         self._free_gathered()
+        # FP8 all-gather (opt-in): which parameters travel as codes + scales (see [Note: FP8 all-gather]).
+        fp8 = state.fp8_all_gather or root.fp8_all_gather
+        self.fp8_gather: Float8Gather | None = None
+        if fp8 is not None:
+            flags = [fp8.eligible(pl.shape) and tile_aligned(pl, fp8.tile_shape[0]) for pl in plan.placements]
+            if any(flags):
+                self.fp8_gather = Float8Gather(
+                    plan=plan, fp8=flags, config=fp8, param_dtype=self.param_dtype, group=root.group,
+                    device=root.device, even=self.buffer.is_even,
+                )
         self.num_trainable = sum(1 for e in entries if e.requires_grad)
         self.trainable_local = [i for i, e in enumerate(entries) if e.requires_grad]
         # Per-iteration state.
@@ -869,6 +910,10 @@ class _Bucket:
         if self.gathered.untyped_storage().nbytes() == 0:
             self.gathered.untyped_storage().resize_(self._gathered_nbytes)
         seg = self.buffer.segment
+        if self.fp8_gather is not None:
+            self.gather_handle = _Float8Handle(self.fp8_gather, self.fp8_gather.buffer.all_gather(
+                src=self.fp8_gather.pack(seg), async_op=True), self.gathered, self.buffer._full_padding)
+            return
         src = seg if seg.dtype == self.param_dtype else seg.to(self.param_dtype)
         self.gather_handle = self.buffer.all_gather(src=src, out=self.gathered, async_op=True)
 
@@ -1055,6 +1100,26 @@ class _Bucket:
             if sp.grad is None or not _same_view(sp.grad, views[i]):
                 sp.grad = views[i]
         self._grad_seg_ref = weakref.ref(seg)
+
+
+class _Float8Handle:
+    """A pending FP8 all-gather: ``wait()`` waits for the byte collective, then dequantizes every
+    rank's region into the compute-dtype gathered buffer (padding zeroed) and returns it."""
+
+    def __init__(self, fp8: Float8Gather, inner: CollectiveHandle, out: torch.Tensor, padding) -> None:
+        self._fp8, self._inner, self._out, self._padding = fp8, inner, out, padding
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            recv = self._inner.wait()
+            self._fp8.unpack(recv, self._out)
+            _zero_ranges(self._out, self._padding)
+            self._done, self._inner = True, None
+        return self._out
+
+    def is_completed(self) -> bool:
+        return self._done or self._inner.is_completed()
 
 
 class _Done:

@@ -35,6 +35,17 @@ class TensorSpec:
     shape: tuple[int, ...]
     spec: BlockSpec
     itemsize: int = 4
+    align_rows: int | None = None
+    """If set, rank boundaries inside this tensor must also fall on multiples of this many rows of
+    dim 0 (block-wise FP8 all-gather: the tile height, 128 or 1), on top of ``spec``'s block
+    boundaries. ``spec`` stays what the optimizer sees; see [Note: FP8 all-gather invariant] in
+    ``_float8.py``. ``None``: no extra constraint."""
+
+    def __post_init__(self) -> None:
+        if self.align_rows is not None and (not isinstance(self.align_rows, int) or self.align_rows < 1):
+            raise ValueError(
+                f"TensorSpec.align_rows must be None or an int >= 1, got {self.align_rows!r} for {self.name}"
+            )
 
     @property
     def numel(self) -> int:

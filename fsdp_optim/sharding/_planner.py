@@ -199,6 +199,14 @@ class _Geom:
         else:
             self.unit = 0
             self.starts = spec.block_starts(shape)
+        if ts.align_rows is not None and self.numel:
+            # Also a multiple of ``align_rows`` rows: the common coarsening of the two specs.
+            row = math.prod(shape[1:]) if len(shape) >= 1 else 1
+            quantum = ts.align_rows * row
+            if self.starts is not None:
+                self.starts = [s for s in self.starts if s % quantum == 0 or s == self.numel]
+            elif self.unit < self.numel:
+                self.unit = math.lcm(self.unit, quantum)
         if self.starts is not None:
             self.max_block = max((b - a for a, b in zip(self.starts, self.starts[1:])), default=0)
         else:

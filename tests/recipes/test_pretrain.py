@@ -103,6 +103,23 @@ def test_bf16_compute(tmp_path):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in res["records"])
 
 
+def test_fp8_allgather(tmp_path):
+    # --fp8-allgather: block-wise FP8 parameter all-gather (dim 128: the attention matrices and the
+    # embedding are FP8-gathered); the loss tracks the plain run's and a checkpointed run resumes.
+    wide = ["--set", "model.dim=128", "--set", "train.dtype=bf16"]
+    ref = train(tmp_path / "ref", *wide, steps=4)["records"]
+    fp8 = train(tmp_path / "fp8", *wide, "--fp8-allgather", steps=4)["records"]
+    assert json.loads((tmp_path / "fp8" / "config.json").read_text())["train"]["fp8_all_gather"] == "128x128"
+    for a, b in zip(fp8, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=0.02)
+    res = train(tmp_path / "fp8", *wide, "--fp8-allgather", "1x128", "--resume", steps=5)
+    assert res["resumed_from"].endswith("step_000004") and [r["step"] for r in res["records"]] == [1, 2, 3, 4, 5]
+    with pytest.raises(DistributedTestError, match="needs the fsdp_optim backend"):
+        train(tmp_path / "t", "--optimizer", "adamw", "--set", "train.backend=torch", "--fp8-allgather", steps=1)
+    with pytest.raises(DistributedTestError, match="train.fp8_all_gather must be off, 128x128 or 1x128"):
+        train(tmp_path / "u", "--set", 'train.fp8_all_gather="64x64"', steps=1)
+
+
 def test_clear_errors(tmp_path):
     with pytest.raises(DistributedTestError, match=r"data.seq_len 64 is longer than the model supports \(32\)"):
         train(tmp_path / "a", "--set", "data.seq_len=64", "--set", "model.max_seq_len=32")
