@@ -61,15 +61,23 @@ def pick_backend(cfg: Config) -> str:
 
 
 def shard_model(
-    model: torch.nn.Module, backend: str, opt_name: str, param_dtype: torch.dtype, fp8_all_gather: str = "off"
+    model: torch.nn.Module,
+    backend: str,
+    opt_name: str,
+    param_dtype: torch.dtype,
+    fp8_all_gather: str = "off",
+    max_preconditioner_dim: int = 1024,
 ) -> None:
-    """Shard each decoder layer, then the root (embeddings, final norm, head), FSDP2-style.
+    """Shard each decoder layer, then the root (embeddings, final norm, head), FSDP2-style, with the
+    optimizer's block rule (Shampoo's follows ``optim.max_preconditioner_dim``).
     ``fp8_all_gather``: ``off`` or a tile (``128x128``, ``1x128``) for the block-wise FP8 all-gather."""
     if backend == "fsdp_optim":
         import fsdp_optim
         from fsdp_optim import optimizers
 
         blocks = getattr(optimizers, OPTIMIZERS[opt_name]).blocks
+        if opt_name == "shampoo":
+            blocks = optimizers.Shampoo.rule(max_preconditioner_dim=max_preconditioner_dim)
         mp = None
         if param_dtype != torch.float32:
             mp = fsdp_optim.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -273,6 +281,10 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = load_tokens(cfg.data.path, tokenizer, cfg.data.token_dtype)
     windows = TokenWindows(tokens, cfg.data.seq_len, cfg.data.val_fraction, where=f"data.path = {cfg.data.path!r}")
     sampler = Sampler(windows, cfg.train.batch_size, rank, world, cfg.train.seed)
+    if cfg.log.eval_batches < 1:
+        raise ValueError(f"log.eval_batches must be >= 1, got {cfg.log.eval_batches}")
+    if windows.n_val:  # fail now, not after training: the held-out split must feed every rank
+        next(iter(val_batches(windows, cfg.train.batch_size, rank, world, 1)))
 
     # ---- model: built whole (same seed on every rank) or on meta, then sharded per layer ----
     torch.manual_seed(cfg.train.seed)
@@ -284,7 +296,9 @@ def main(argv: list[str] | None = None) -> dict:
             "lower data.seq_len or raise model.max_seq_len"
         )
     n_params, n_flop_params = num_params(model), num_params(model, exclude_embedding=True)
-    shard_model(model, backend, cfg.optim.name, dtype, cfg.train.fp8_all_gather)
+    shard_model(
+        model, backend, cfg.optim.name, dtype, cfg.train.fp8_all_gather, cfg.optim.max_preconditioner_dim
+    )
     if cfg.model.meta_init:  # initialize at full shape, one bucket at a time, keeping this rank's piece
         torch.manual_seed(cfg.train.seed)
         init_sharded(model, backend, device)
@@ -386,7 +400,8 @@ def main(argv: list[str] | None = None) -> dict:
         step += 1
 
         last = step == t.steps
-        if step % cfg.log.every == 0 or last:
+        eval_now = bool(cfg.log.eval_every) and step % cfg.log.eval_every == 0
+        if step % cfg.log.every == 0 or eval_now or last:
             dist.all_reduce(loss_sum)
             now = time.perf_counter()
             tps = tokens_per_step * (step - step_last) / (now - t_last)
@@ -397,7 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "mfu": 6 * n_flop_params * tps / (peak * 1e12 * world) if peak else None,
                 "mem_gb": memory_gb(), "elapsed_s": now - t_start,
             }
-            if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or last:
+            if eval_now or last:
                 rec["eval_loss"] = evaluate()
             if master:
                 with metrics_path.open("a") as fh:

@@ -42,8 +42,8 @@ def test_timeout_kills_the_group():
         run_distributed(fn, world_size=2, timeout=1.0)
 
 
-def test_overhead_is_small():
-    t0 = time.monotonic()
+def test_groups_back_to_back():
+    """Fresh groups one after another (each test makes its own); the overhead (~0.1 s per 4-rank
+    group here) is a benchmark figure, not asserted."""
     for _ in range(3):
-        run_distributed(lambda: dist.get_rank(), world_size=4)
-    assert (time.monotonic() - t0) / 3 < 3.0  # generous: a loaded CI machine; typically ~0.2 s
+        assert run_distributed(lambda: dist.get_rank(), world_size=4) == [0, 1, 2, 3]

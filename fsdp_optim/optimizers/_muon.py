@@ -281,10 +281,11 @@ class Muon(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         named = [x if isinstance(x, tuple) else (None, x) for x in params]
-        muon, adamw, unexpected = [], [], []
+        muon, adamw, unexpected, unnamed = [], [], [], 0
         for name, p in named:
             info = self._info(p, name)
             (muon if info.spec.is_matrix else adamw).append((name, p) if name is not None else p)
+            unnamed += shard_info(p) is None and name is None and info.spec.is_matrix
             if shard_info(p) is not None and not info.spec.is_matrix and len(info.shape) in (2, 3):
                 if not is_embedding_or_head(info.fqn, None):
                     unexpected.append(info.fqn or f"<shape {info.shape}>")
@@ -293,6 +294,13 @@ class Muon(torch.optim.Optimizer):
                 f"Muon: {len(unexpected)} sharded matrix parameter(s) (e.g. {unexpected[0]}) carry element-wise "
                 "blocks and get the AdamW fallback; shard with fully_shard(..., blocks=Muon.blocks) to "
                 "orthogonalize them",
+                stacklevel=3,
+            )
+        if unnamed:
+            warnings.warn(
+                f"Muon: {unnamed} plain (unsharded) matrix parameter(s) came without names, so embeddings and "
+                "the output head cannot be told apart and every matrix gets Newton-Schulz; pass "
+                "model.named_parameters() (or shard with fully_shard) to give embeddings and the head AdamW",
                 stacklevel=3,
             )
         opts = {k: v for k, v in param_group.items() if k != "params"}

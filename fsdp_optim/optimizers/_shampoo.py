@@ -14,8 +14,9 @@ above. ``exponent_override`` replaces the root (4 for two factors, 2 for one; fa
 optimizers' ``inv_root_override``).
 
 [Note: Shampoo step]
-Per step ``t`` (1-based) and block, following facebookresearch/optimizers' DistributedShampoo
-(arXiv:2309.06497) semantics:
+Per step ``t`` (1-based) and block, modelled on facebookresearch/optimizers' DistributedShampoo
+(arXiv:2309.06497; not tested against it, which is not installed here: the tests check W-invariance
+and a float64 re-derivation of these formulas):
 1. factors from the raw gradient: ``L <- beta2 L + (1 - beta2) G G^T`` (``beta2 == 1``: a sum);
    Adam grafting state ``v <- gb2 v + (1 - gb2) g^2``;
 2. inverse roots at ``t == start_preconditioning_step`` and at ``t > start`` with

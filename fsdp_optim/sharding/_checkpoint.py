@@ -275,8 +275,8 @@ def _gather_flat(local: torch.Tensor, start: int, numel: int, group: dist.Proces
         assert start == 0 and local.numel() == numel, "a single rank must hold the whole tensor"
         return local.clone()
     w = dist.get_world_size(group)
-    meta = torch.tensor([start, local.numel()], dtype=torch.int64)
-    metas = torch.empty(2 * w, dtype=torch.int64)
+    meta = torch.tensor([start, local.numel()], dtype=torch.int64, device=local.device)  # NCCL: on device
+    metas = torch.empty(2 * w, dtype=torch.int64, device=local.device)
     _all_gather(metas, meta, group)
     metas = metas.view(w, 2).tolist()
     width = max(n for _, n in metas)

@@ -15,10 +15,11 @@ flat 1-D piece of the global tensor, a view into the bucket's segment, with a ``
 
 [Note: which call is the root]
 Balance is global, so the planner must see every bucket of a model at once. Every call shards
-what it is given right away (so an optimizer may be built after any call), and a call on a module
-that contains modules sharded by earlier calls *absorbs* them: their parameters are gathered back
-to full tensors (one all-gather per absorbed bucket, at setup only), and everything
-under the new call is planned again, at once, with ``plan_model``. The outermost call is
+what it is given right away, and a call on a module that contains modules sharded by earlier calls
+*absorbs* them: their parameters are gathered back to full tensors (one all-gather per absorbed
+bucket, at setup only), and everything under the new call is planned again, at once, with
+``plan_model``, into new ``nn.Parameter`` objects. Build the optimizer after the outermost call:
+one built earlier holds the absorbed (orphaned) parameters and would train nothing. The outermost call is
 therefore the root: in the usage above ``layers.0`` is provisionally a root until
 ``fully_shard(model)`` absorbs every layer. Calls on two disjoint modules make two independent
 roots (e.g. a student and a teacher model). Inner calls' settings (``blocks``, ``mp_policy``,
@@ -100,6 +101,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import warnings
 import weakref
 from collections.abc import Callable
@@ -583,8 +585,9 @@ def _agree(err: BaseException | None, root: _ModuleState, fingerprint: Any) -> N
             problem = f"fully_shard failed on rank {r} of {root.world_size}: {msg}"
         elif bad:
             problem = (
-                f"fully_shard: ranks {bad} see a different model than rank {root.rank} (parameter names, shapes or "
-                "block specs differ); build the same model and pass the same block rule on every rank"
+                f"fully_shard: ranks {bad} plan a different layout than rank {root.rank} (parameter names, shapes, "
+                "dtypes, block specs or plan_config differ); build the same model and pass the same block rule and "
+                "plan_config on every rank"
             )
     elif err is not None:
         problem = f"fully_shard failed on shard rank 0 of 1: {type(err).__name__}: {err}"
@@ -634,6 +637,13 @@ class _Runtime:
     def build(root: _ModuleState) -> _Runtime:
         err: BaseException | None = None
         fingerprint = None
+        # An earlier root under this module may still be gathered (a forward without backward): swap
+        # its sharded parameters back first (local, no collective) so discovery sees those.
+        for m in root.module.modules():
+            st = getattr(m, _STATE, None)
+            if st is not None and st.runtime is not None and st.runtime.root_state is st:
+                for b in st.runtime.buckets:
+                    b.reshard()
         try:
             states, entries = _discover(root)
             _validate(root, states, entries)
@@ -652,7 +662,17 @@ class _Runtime:
                 for st in bucket_states
             ]
             plan = plan_model(specs, world_size=root.world_size, config=root.plan_config or PlanConfig())
-            fingerprint = [(n, [(t.name, t.shape, str(t.spec), t.align_rows) for t in ts]) for n, ts in specs]
+            # A digest of the plan itself (not only its inputs): ranks that differ in dtypes or plan
+            # config must not enter mismatched collectives; hashed so it stays small at any W.
+            fingerprint = hashlib.sha256(
+                repr(
+                    [
+                        (b.name, b.layout.value, b.itemsize, tuple(b.rank_bounds),
+                         [(p.name, p.shape, str(p.spec), p.offset) for p in b.placements])
+                        for b in plan.buckets
+                    ]  # fmt: skip
+                ).encode()
+            ).hexdigest()
         except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
             err = e
         _agree(err, root, fingerprint)

@@ -615,5 +615,5 @@ def test_errors_raise_on_every_rank_without_hanging():
     for r, msgs in enumerate(out):
         assert len(msgs) == 3, msgs
         assert "returned None" in msgs[0] and ("rank 1" in msgs[0] or r == 1)
-        assert "see a different model" in msgs[1]
+        assert "plan a different layout" in msgs[1]
         assert "world size 1" in msgs[2] and "world size 2" in msgs[2] and "same mesh" in msgs[2]
