@@ -19,7 +19,12 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from .sharding import BlockSpec, RaggedShard
 
 __all__ = ["run_distributed", "DistributedTestError"]
 

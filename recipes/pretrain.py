@@ -13,7 +13,6 @@ the training loop (with eval, metrics and checkpoints), and the loss plot.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os

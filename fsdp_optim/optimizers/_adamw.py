@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from ._base import StateShard, check_adam_hparams, make_dcp_ready, param_info
+from ._base import StateShard, check_adam_hparams, checked_param_info, make_dcp_ready, param_info
 from ._rules import adamw_rule
 
 __all__ = ["AdamW", "adamw_update"]
@@ -132,12 +132,8 @@ class AdamW(torch.optim.Optimizer):
 
     # ---- state ------------------------------------------------------------------------
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
-        info = param_info(p, self.blocks)  # element-wise: every spec and layout is fine
-        if p.numel() != info.local_numel:
-            raise ValueError(
-                f"AdamW: parameter {info.fqn or '<unnamed>'} has {p.numel()} local elements but its "
-                f"layout gives rank {info.rank} {info.local_numel} (shape {info.shape})"
-            )
+        # element-wise: every spec and layout is fine
+        info = checked_param_info(p, self.blocks, optimizer="AdamW", blocks="AdamW.blocks")
         if group["fused"] and not (p.is_floating_point() and p.device.type in ("cpu", "cuda", "mps", "xpu")):
             raise ValueError(
                 f"AdamW: fused=True needs floating-point parameters on a supported device; "

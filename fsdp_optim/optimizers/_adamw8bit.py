@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ..sharding._blocks import elements
 from ..sharding._shard_info import ShardInfo
-from ._base import StateShard, check_adam_hparams, make_dcp_ready, param_info, require_spec
+from ._base import StateShard, check_adam_hparams, checked_param_info, make_dcp_ready, require_spec
 from ._rules import adamw8bit_rule
 
 __all__ = ["AdamW8bit", "QUANTIZE_MIN_NUMEL", "quantize_blockwise", "dequantize_blockwise"]
@@ -158,12 +158,7 @@ class AdamW8bit(torch.optim.Optimizer):
     def _kind(self, p: Tensor) -> _Kind:
         kind = self._kinds.get(p)
         if kind is None:
-            info = param_info(p, self.blocks)
-            if p.numel() != info.local_numel:
-                raise ValueError(
-                    f"AdamW8bit: parameter {info.fqn or '<unnamed>'} has {p.numel()} local elements but its "
-                    f"layout gives rank {info.rank} {info.local_numel} (shape {info.shape})"
-                )
+            info = checked_param_info(p, self.blocks, optimizer="AdamW8bit", blocks="AdamW8bit.blocks")
             quantized = info.numel >= QUANTIZE_MIN_NUMEL
             if quantized:
                 need = elements(self.block_size)

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import NamedTuple, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..sharding._blocks import BlockRule, BlockSpec
 from ..sharding._ragged import RaggedShard
 from ..sharding._shard_info import ShardInfo, shard_info
 
-__all__ = ["param_info", "require_spec", "check_adam_hparams", "make_dcp_ready", "StateShard", "ShardedState"]
+__all__ = ["param_info", "checked_param_info", "require_spec", "check_adam_hparams", "make_dcp_ready", "StateShard", "ShardedState"]
 
 
 class StateShard(NamedTuple):
@@ -53,6 +54,28 @@ def param_info(p: torch.Tensor, rule: BlockRule, *, name: str = "") -> ShardInfo
     return ShardInfo(
         fqn=name, shape=shape, spec=spec, layout=RaggedShard(shape, (0, p.numel())), rank=0, group=None
     )
+
+
+def checked_param_info(
+    p: torch.Tensor, rule: BlockRule, *, optimizer: str, blocks: str, name: str = "", whole_blocks: bool = False
+) -> ShardInfo:
+    """``param_info`` plus the checks every optimizer makes: the local piece has the size its layout
+    gives this rank; with ``whole_blocks`` (optimizers that view blocks as matrices) also no DTensor
+    and no non-contiguous plain parameter."""
+    if whole_blocks and isinstance(p, DTensor):
+        raise ValueError(
+            f"{optimizer}: parameter {name or '<unnamed>'} is a DTensor (PyTorch FSDP2 / TP); shard the model "
+            f"with fsdp_optim's fully_shard(..., blocks={blocks}) or pass plain tensors"
+        )
+    info = param_info(p, rule, name=name)
+    if info.local_numel != p.numel():
+        raise ValueError(
+            f"{optimizer}: parameter {info.fqn or '<unnamed>'} holds {p.numel()} elements but its layout gives "
+            f"rank {info.rank} {info.local_numel} (shape {info.shape}, world size {info.world_size})"
+        )
+    if whole_blocks and shard_info(p) is None and not p.is_contiguous():
+        raise ValueError(f"{optimizer}: plain parameter {name or '<unnamed>'} (shape {info.shape}) must be contiguous")
+    return info
 
 
 def require_spec(info: ShardInfo, ok: bool, *, optimizer: str, need: str, blocks: str) -> None:

@@ -36,12 +36,11 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from ..sharding._blocks import BlockRule
 from ..sharding._shard_info import ShardInfo, shard_info
 from ._adamw import adamw_update
-from ._base import StateShard, make_dcp_ready, param_info, require_spec
+from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec
 from ._rules import is_embedding_or_head, muon_rule
 
 __all__ = ["Muon", "newton_schulz", "adjust_lr"]
@@ -334,20 +333,9 @@ class Muon(torch.optim.Optimizer):
         self._exchanges = None
 
     def _info(self, p: Tensor, name: str | None) -> ShardInfo:
-        if isinstance(p, DTensor):
-            raise ValueError(
-                f"Muon: parameter {name or '<unnamed>'} is a DTensor (PyTorch FSDP2 / TP); shard the model with "
-                "fsdp_optim's fully_shard(..., blocks=Muon.blocks) or pass plain tensors"
-            )
-        info = param_info(p, self._rule, name=name or "")
-        if info.local_numel != p.numel():
-            raise ValueError(
-                f"Muon: parameter {info.fqn or '<unnamed>'} holds {p.numel()} elements but its layout gives "
-                f"rank {info.rank} {info.local_numel} (shape {info.shape}, world size {info.world_size})"
-            )
-        if shard_info(p) is None and not p.is_contiguous():
-            raise ValueError(f"Muon: plain parameter {name or '<unnamed>'} (shape {info.shape}) must be contiguous")
-        return info
+        return checked_param_info(
+            p, self._rule, optimizer="Muon", blocks="Muon.blocks", name=name or "", whole_blocks=True
+        )
 
     @staticmethod
     def _check_layout(info: ShardInfo) -> None:

@@ -49,11 +49,10 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from ..sharding._blocks import BlockKind, BlockRule, BlockSpec
 from ..sharding._shard_info import ShardInfo, shard_info
-from ._base import StateShard, make_dcp_ready, param_info, require_spec
+from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec
 from ._rules import shampoo_rule
 
 __all__ = ["Shampoo", "shampoo_blocks", "matrix_inverse_root"]
@@ -266,19 +265,10 @@ class Shampoo(torch.optim.Optimizer):
         k = group["max_preconditioner_dim"]
         names = group.get("param_names", [None] * len(group["params"]))
         for name, p in zip(names, group["params"]):
-            if isinstance(p, DTensor):
-                raise ValueError(
-                    f"Shampoo: parameter {name or '<unnamed>'} is a DTensor (PyTorch FSDP2 / TP); shard the model "
-                    f"with fsdp_optim's fully_shard(..., blocks=Shampoo.rule(max_preconditioner_dim={k}))"
-                )
-            info = param_info(p, self._rule or shampoo_rule(k), name=name or "")
-            if info.local_numel != p.numel():
-                raise ValueError(
-                    f"Shampoo: parameter {info.fqn or '<unnamed>'} holds {p.numel()} elements but its layout "
-                    f"gives rank {info.rank} {info.local_numel} (shape {info.shape}, world size {info.world_size})"
-                )
-            if shard_info(p) is None and not p.is_contiguous():
-                raise ValueError(f"Shampoo: plain parameter {name or '<unnamed>'} must be contiguous")
+            info = checked_param_info(
+                p, self._rule or shampoo_rule(k), optimizer="Shampoo", name=name or "", whole_blocks=True,
+                blocks=f"Shampoo.rule(max_preconditioner_dim={k})",
+            )  # fmt: skip
             geom = shampoo_blocks(info.shape, k, info.spec)
             ok = info.numel == 0 or all(geom.is_strip_boundary(b) for b in info.layout.bounds)
             require_spec(
