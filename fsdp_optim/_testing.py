@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from .sharding import BlockSpec, RaggedShard
 
-__all__ = ["run_distributed", "DistributedTestError"]
+__all__ = ["run_distributed", "DistributedTestError", "LiveBytes"]
 
 
 _ECHOES = ("Connection closed by peer", "Connection reset by peer", "Socket Timeout", "timed out after")
@@ -159,3 +159,65 @@ def make_sharded_param(
         ShardInfo(fqn=fqn, shape=tuple(full.shape), spec=spec, layout=layout, rank=rank, bucket=bucket, split=split),
     )
     return p
+
+
+class LiveBytes:
+    """Count live tensor bytes (not RSS) while a block runs: ``with LiveBytes() as m: ...; m.peak``.
+
+    A ``TorchDispatchMode`` sees every op's outputs; their storages are tracked through weak
+    references, so a storage counts from the op that made it until it is freed, and storages shrunk
+    or grown in place (``untyped_storage().resize_``, as FSDP2 frees its gathered parameters) count
+    at their current size. ``baseline`` storages (e.g. the model's before setup) are not counted:
+    only storages created inside the block are. ``peak`` is the largest total seen after any op;
+    ``current`` the total at exit. Collectives write into outputs made by ops, so their buffers are
+    counted; allocations made outside torch's dispatcher (a backend's internal staging) are not.
+    """
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.current = 0
+        self._live: dict[int, Any] = {}
+
+    def __enter__(self) -> "LiveBytes":
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                outer._track(out)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self.current = self._total()
+
+    def _track(self, out: Any) -> None:
+        import weakref
+
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            s = t.untyped_storage()
+            key = s.data_ptr() if s.nbytes() else id(s)
+            if key not in self._live or self._live[key]() is None:
+                self._live[key] = weakref.ref(s)
+        self.peak = max(self.peak, self._total())
+
+    def _total(self) -> int:
+        total = 0
+        for key, ref in list(self._live.items()):
+            s = ref()
+            if s is None:
+                del self._live[key]
+            else:
+                total += s.nbytes()
+        return total

@@ -47,3 +47,22 @@ def test_groups_back_to_back():
     group here) is a benchmark figure, not asserted."""
     for _ in range(3):
         assert run_distributed(lambda: dist.get_rank(), world_size=4) == [0, 1, 2, 3]
+
+
+def test_live_bytes_counts_allocations_frees_and_resizes():
+    from fsdp_optim._testing import LiveBytes
+
+    before = torch.zeros(10_000)  # made outside the block: not counted
+    with LiveBytes() as m:
+        a = torch.zeros(1000)  # 4,000 B
+        b = torch.ones(2000)  # 8,000 B; peak 12,000 here
+        del a
+        c = b[:10].clone()  # 40 B
+        d = torch.zeros(1 << 16)  # 262,144 B, then shrunk in place to nothing
+        peak_with_d = m._total()
+        d.untyped_storage().resize_(0)
+        e = before + 1  # an op's output is counted: 40,000 B
+        del e
+    assert peak_with_d == 8000 + 40 + (1 << 18)
+    assert m.peak == peak_with_d
+    assert m.current == 8000 + 40
