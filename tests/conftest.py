@@ -12,6 +12,10 @@ def _warm_up_imports() -> None:
     torch.optim.AdamW([p]).step()
 
 
+# Ranks run with one intra-op thread each (fsdp_optim._testing); references computed in this process
+# must run the same kernels, since CPU BLAS results can depend on the thread count (seen on a machine
+# with 2 physical cores: a W=1 run and its single-process reference differed in the 7th digit).
+torch.set_num_threads(1)
 _warm_up_imports()
 
 
