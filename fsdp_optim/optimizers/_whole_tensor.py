@@ -1,0 +1,184 @@
+"""Any per-tensor optimizer on whole-tensor shards: each rank steps the tensors it owns whole.
+
+[Note: whole-tensor optimizer]
+A per-tensor optimizer (Adafactor, NAdam, torch.optim.Muon, Lion, ...) computes each parameter's
+update from that parameter's own gradient and state only. With ``WholeTensorOptimizer.blocks``
+(``whole()`` for every tensor) the planner keeps every parameter on one rank, so after the
+reduce-scatter each rank holds whole gradients for the parameters it owns and nothing for the
+rest. Each rank then runs ``optimizer_class`` on *global-shape views* of its owned parameters and
+gradients (views of the flat shards: no copy), exactly as the unsharded optimizer would step them,
+and skips the others: the result equals ``optimizer_class`` unsharded, bitwise, with no collective.
+(The signature follows ``torch.distributed.optim.ZeroRedundancyOptimizer``; unlike ZeRO-1 there is
+no broadcast after the step: FSDP's next all-gather moves the parameters anyway.)
+
+``param_groups`` are this optimizer's (every parameter, owned or not), so LR schedulers and
+``add_param_group`` work; before each step their hyperparameters are copied into the inner
+optimizer's groups. Plain (unsharded) parameters are owned by every rank. A parameter whose
+layout cuts it across ranks (a plan that had to split it, or other block rules) is rejected with
+the parameter's name. State lives in the inner optimizer (lazily, as torch's optimizers create
+it); ``self.state[p]`` mirrors it for owned parameters after each step. ``state_dict()`` /
+``load_state_dict()`` are the inner optimizer's per rank (same world size and plan); resharding
+checkpoints of this optimizer are not supported yet (``save_checkpoint`` raises a clear error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..sharding._blocks import BlockSpec, elements, whole
+from ..sharding._shard_info import ShardInfo, shard_info
+
+__all__ = ["WholeTensorOptimizer", "whole_tensor_rule"]
+
+
+def whole_tensor_rule(fqn: str, param: Tensor, module: nn.Module | None) -> BlockSpec:
+    """Every tensor is one block (a 0-dim tensor is a single element anyway)."""
+    return whole() if param.ndim >= 1 else elements(1)
+
+
+class WholeTensorOptimizer(torch.optim.Optimizer):
+    """Run ``optimizer_class`` on the parameters each rank owns whole; see [Note: whole-tensor optimizer].
+
+    Args:
+        params: parameters (sharded with ``blocks=WholeTensorOptimizer.blocks``, or plain) or param groups.
+        optimizer_class: any ``torch.optim.Optimizer`` subclass whose update of a parameter depends
+            only on that parameter (not a global norm across parameters).
+        **defaults: keyword arguments for ``optimizer_class`` (e.g. ``lr``).
+    """
+
+    blocks = staticmethod(whole_tensor_rule)
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        optimizer_class: type[torch.optim.Optimizer],
+        **defaults: Any,
+    ) -> None:
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise ValueError(
+                f"WholeTensorOptimizer: optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+            )
+        self.optimizer_class = optimizer_class
+        self._views: dict[Tensor, Tensor] = {}  # owned sharded parameter -> its global-shape view
+        groups = list(params)
+        if not groups:
+            raise ValueError("WholeTensorOptimizer: optimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        groups = [{**g, "params": list(g["params"]) if not torch.is_tensor(g["params"]) else [g["params"]]} for g in groups]
+        # The inner optimizer holds this rank's owned views, one inner group per group (maybe empty).
+        self.optim = optimizer_class(
+            [{**g, "params": self._owned_views(g["params"])} for g in groups], **defaults
+        )
+        super().__init__(groups, dict(self.optim.defaults))
+        for g, inner in zip(self.param_groups, self.optim.param_groups):
+            for k, v in inner.items():  # hyperparameters the inner optimizer filled in
+                if k != "params":
+                    g.setdefault(k, v)
+        self._ready = True
+
+    # ---- ownership -----------------------------------------------------------------------
+    def _owned_views(self, params: list[Tensor]) -> list[Tensor]:
+        views = []
+        for p in params:
+            view = self._view(p)
+            if view is not None:
+                views.append(view)
+        return views
+
+    def _view(self, p: Tensor) -> Tensor | None:
+        """The global-shape view of ``p`` if this rank owns it whole, ``None`` if it holds none of it."""
+        if p in self._views:
+            return self._views[p]
+        info = shard_info(p)
+        if info is None:
+            self._views[p] = p  # a plain parameter: every rank holds (and steps) it
+            return p
+        if info.local_numel == 0 and info.numel > 0:
+            return None
+        _check_whole(p, info)
+        view = nn.Parameter(p.detach().view(info.shape), requires_grad=p.requires_grad)
+        self._views[p] = view
+        return view
+
+    def owns(self, p: Tensor) -> bool:
+        """Whether this rank steps ``p`` (holds it whole)."""
+        return self._view(p) is not None
+
+    # ---- torch.optim.Optimizer API ---------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if getattr(self, "_ready", False):
+            g = self.param_groups[-1]
+            self.optim.add_param_group({**g, "params": self._owned_views(g["params"])})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g, inner in zip(self.param_groups, self.optim.param_groups):
+            for k, v in g.items():
+                if k != "params":
+                    inner[k] = v
+            for p in g["params"]:
+                view = self._view(p)
+                if view is None or view is p:
+                    continue
+                if view.data_ptr() != p.data_ptr() or view.device != p.device or view.dtype != p.dtype:
+                    view.data = p.detach().view(view.shape)  # the runtime moved the shard: follow it
+                view.grad = None if p.grad is None else p.grad.view(view.shape)
+        try:
+            self.optim.step()
+        finally:
+            for p, view in self._views.items():
+                if view is not p:
+                    view.grad = None  # no extra reference to the gradient segment
+        self._mirror_state()
+        return loss
+
+    def _mirror_state(self) -> None:
+        for p, view in self._views.items():
+            if view in self.optim.state:
+                self.state[p] = self.optim.state[view]
+
+    def state_shards(self, p: Tensor) -> dict:
+        """Checkpoints: not supported yet (per-parameter state of any shape lives on its owner only)."""
+        raise ValueError(
+            "save_checkpoint / load_checkpoint do not support WholeTensorOptimizer yet: its state lives on "
+            "each parameter's owner only; use optimizer.state_dict() per rank with torch.save at a fixed "
+            "world size and plan"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict on this rank (this rank's owned parameters only)."""
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)
+        self._mirror_state()
+
+    def __repr__(self) -> str:
+        return f"WholeTensorOptimizer({self.optimizer_class.__name__}, {len(self._views)} local parameters)"
+
+
+def _check_whole(p: Tensor, info: ShardInfo) -> None:
+    if info.local_numel != info.numel:
+        raise ValueError(
+            f"WholeTensorOptimizer: parameter {info.fqn or '<unnamed>'} (shape {info.shape}, world size "
+            f"{info.world_size}) is cut across ranks ({info.spec} blocks, {info.local_numel} of {info.numel} "
+            f"elements on rank {info.rank}); shard the model with fully_shard(..., "
+            "blocks=WholeTensorOptimizer.blocks) and a layout that keeps whole tensors "
+            "(PlanConfig(layout='ragged'), or a padding_cap that never splits)"
+        )
+    if p.numel() != info.numel:
+        raise ValueError(
+            f"WholeTensorOptimizer: parameter {info.fqn or '<unnamed>'} holds {p.numel()} elements but its "
+            f"layout gives rank {info.rank} {info.local_numel}"
+        )
+
