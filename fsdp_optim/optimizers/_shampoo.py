@@ -53,7 +53,9 @@ has an absolute eigenvalue error of about ``1e-7 lambda_max``, far above the def
 But float64 ``eigh`` only recovers what the factor holds: with the default fp32 factors and
 ``beta2 < 1`` the EMA itself rounds each entry to ~``1e-7 lambda_max`` every step, so eigenvalues
 below that are already noise before ``eigh`` sees them, and with a tiny epsilon the update still
-differs from a float64 reference (up to 0.68 relative measured with ``epsilon = 1e-12``). Use
+differs from a float64 reference (measured against DistributedShampoo run in float64 after 8 steps
+with ``epsilon = 1e-12``: up to 0.99 of the update on rank-deficient blocks with fp32 factors, at
+most 9e-2 with float64 ones; with ``epsilon = 0.1`` both agree to <= 1.6e-5). Use
 ``factor_matrix_dtype=torch.float64`` (the factors and their EMA in float64, as DistributedShampoo's
 option of the same name) when small eigenvalues matter; then ours equals DistributedShampoo with
 ``factor_matrix_dtype=torch.float64`` to float64 rounding in the roots and fp32 in the update. The
