@@ -5,8 +5,8 @@ One launch of W (default 2) forked gloo ranks, 1 thread each. Parameters: ``--la
 ``[dim, dim]`` plus a few odd shapes (a ``[dim, 3 * dim // 2]`` matrix, a ``[dim]`` vector). Every
 step every rank draws the same full gradients (seeded), outside any timed region, and feeds them to:
 
-- ``shampoo W`` / ``shampoo looped W``: ``Shampoo(max_preconditioner_dim=k)`` (``batched=True`` /
-  ``False``) on RaggedShard layouts that deal each tensor's ``k``-strips evenly to the ranks;
+- ``shampoo W`` / ``shampoo looped W``: ``Shampoo(max_preconditioner_dim=k)`` (``batched=True``, the
+  CUDA default / ``False``, the CPU default) on RaggedShard layouts that deal each tensor's ``k``-strips evenly to the ranks;
 - ``shampoo 1p``: the same optimizer on full (unsharded) parameters, run on every rank (each rank's
   single core does the whole step: the "single-process step");
 - ``soap W`` / ``soap 1p``: ``SOAP(block_size=k)`` likewise.
@@ -83,9 +83,9 @@ def bench(args) -> dict:
 
     sides = {}
     for key, params, make in [
-        ("shampoo W", sharded(), lambda ps: Shampoo(ps, **shampoo_kw)),
+        ("shampoo W", sharded(), lambda ps: Shampoo(ps, **shampoo_kw, batched=True)),
         ("shampoo looped W", sharded(), lambda ps: Shampoo(ps, **shampoo_kw, batched=False)),
-        ("shampoo 1p", plain(), lambda ps: Shampoo(ps, **shampoo_kw)),
+        ("shampoo 1p", plain(), lambda ps: Shampoo(ps, **shampoo_kw, batched=True)),
         ("shampoo looped 1p", plain(), lambda ps: Shampoo(ps, **shampoo_kw, batched=False)),
         ("soap W", sharded(), lambda ps: SOAP(list(ps), **soap_kw)),
         ("soap 1p", plain(), lambda ps: SOAP(list(ps), **soap_kw)),

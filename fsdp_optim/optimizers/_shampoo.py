@@ -62,7 +62,7 @@ option of the same name) when small eigenvalues matter; then ours equals Distrib
 cost is amortized over ``precondition_frequency`` steps.
 
 [Note: batched Shampoo]
-With ``batched=True`` a step runs in phases over a parameter group: per-element work per parameter
+With ``batched=True`` (the default for CUDA parameters) a step runs in phases over a parameter group: per-element work per parameter
 (grafting state, filtered gradient); then, per block *shape*, the blocks of every parameter stacked
 into one ``[B, *shape]`` tensor: outer products by ``bmm``, the factor EMA as two foreach ops over
 all factors, ``eigh`` and the root's matmuls on ``[B, n, n]`` stacks, preconditioning by ``bmm`` and
@@ -313,10 +313,12 @@ class Shampoo(torch.optim.Optimizer):
     ``factor^{-1/p}`` (0: ``2 * order``). ``grafting``: ``None`` (DistributedShampoo's default),
     ``"adam"``, ``"rmsprop"`` or ``"adagrad"``, with ``grafting_beta2`` (default 0.999 Adam, 0.99
     RMSprop; Adam/RMSprop need ``< 1``: use ``"adagrad"`` for a sum) and ``grafting_epsilon``.
-    ``factor_matrix_dtype``: ``torch.float32`` or ``torch.float64`` factors. ``batched`` (default):
-    the factor EMA with foreach ops and the outer products, ``eigh`` and preconditioning matmuls
-    batched over same-shape blocks of a parameter group (see [Note: batched Shampoo]); ``False``:
-    one block at a time (the reference mode the benchmark compares with).
+    ``factor_matrix_dtype``: ``torch.float32`` or ``torch.float64`` factors. ``batched``: the factor EMA with
+    foreach ops and the outer products, ``eigh`` and preconditioning matmuls batched over same-shape
+    blocks of a parameter group (see [Note: batched Shampoo]); ``False``: one block at a time (the
+    reference mode); ``None`` (default): batched for CUDA parameters, one block at a time on CPU
+    (where batching measured slower: the stacked blocks fall out of cache, and there are no kernel
+    launches to save).
     """
 
     blocks = staticmethod(shampoo_rule(1024))
@@ -347,7 +349,7 @@ class Shampoo(torch.optim.Optimizer):
         grafting_epsilon: float = 1e-10,
         factor_matrix_dtype: torch.dtype = torch.float32,
         blocks: BlockRule | None = None,
-        batched: bool = True,
+        batched: bool | None = None,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -500,7 +502,8 @@ class Shampoo(torch.optim.Optimizer):
             if p.grad.is_sparse or torch.is_complex(p):
                 raise RuntimeError("Shampoo does not support sparse gradients or complex parameters")
         self._check_finite([p for p, _ in todo])
-        if not self._batched:
+        batched = self._batched if self._batched is not None else any(p.is_cuda for p, _ in todo)
+        if not batched:
             for p, group in todo:
                 self._step_param(p, group)
             return loss
@@ -632,9 +635,13 @@ class Shampoo(torch.optim.Optimizer):
             ctx.append((p, plan, state, t, g, gbar, graft_dir, roots, bc2, d))
 
         by_shape: dict[tuple[int, ...], list[tuple[int, _Block]]] = {}
+        fv: dict[tuple[int, int], list[Tensor]] = {}  # (param, factor offset) -> factor views
+        iv: dict[tuple[int, int], list[Tensor]] = {}  # ... -> inverse-root views
         for ci, c in enumerate(ctx):
             for b in c[1].blocks:
                 by_shape.setdefault(b.shape, []).append((ci, b))
+                fv[ci, b.factor] = _factor_views(c[2]["factor_matrices"], b)
+                iv[ci, b.factor] = _factor_views(c[2]["inv_factor_matrices"], b)
 
         # factors: batched outer products, then one foreach EMA over every factor of the group
         views, outers = [], []
@@ -642,7 +649,7 @@ class Shampoo(torch.optim.Optimizer):
             gs = torch.stack([ctx[ci][4].view(ctx[ci][1].local_shape)[b.index] for ci, b in items]).to(fdt)
             for dim in range(len(shape)):
                 outers.extend(_outer_batched(gs, dim).unbind(0))
-                views.extend(_factor_views(ctx[ci][2]["factor_matrices"], b)[dim] for ci, b in items)
+                views.extend(fv[ci, b.factor][dim] for ci, b in items)
         if views:
             if beta2 == 1.0:
                 torch._foreach_add_(views, outers)
@@ -656,16 +663,15 @@ class Shampoo(torch.optim.Optimizer):
             # inverse roots: one batched eigh per factor dim
             sel = [(ci, b) for ci, b in items if ctx[ci][7]]
             for dim in range(order) if sel else ():
-                fs = torch.stack([_factor_views(ctx[ci][2]["factor_matrices"], b)[dim] / ctx[ci][8] for ci, b in sel])
-                out = [_factor_views(ctx[ci][2]["inv_factor_matrices"], b)[dim] for ci, b in sel]
+                fs = torch.stack([fv[ci, b.factor][dim] / ctx[ci][8] for ci, b in sel])
+                out = [iv[ci, b.factor][dim] for ci, b in sel]
                 torch._foreach_copy_(out, list(matrix_inverse_root(fs, root, eps).unbind(0)))
             # preconditioning (and grafting norms) batched
             sel = [(ci, b) for ci, b in items if ctx[ci][3] >= start]
             if not sel:
                 continue
             xs = torch.stack([ctx[ci][5].view(ctx[ci][1].local_shape)[b.index] for ci, b in sel])
-            rs = [torch.stack([_factor_views(ctx[ci][2]["inv_factor_matrices"], b)[dim] for ci, b in sel])
-                  for dim in range(order)]  # fmt: skip
+            rs = [torch.stack([iv[ci, b.factor][dim] for ci, b in sel]) for dim in range(order)]
             pre = _precondition_batched(xs, rs)
             if graft is not Grafting.NONE:
                 gd = torch.stack([ctx[ci][6].view(ctx[ci][1].local_shape)[b.index] for ci, b in sel])
@@ -673,7 +679,7 @@ class Shampoo(torch.optim.Optimizer):
                 scale = torch.linalg.vector_norm(gd, dim=dims) / torch.linalg.vector_norm(pre, dim=dims).add(
                     _GRAFT_NORM_EPS
                 )
-                pre = pre * scale.view(-1, *([1] * order))
+                pre.mul_(scale.view(-1, *([1] * order)))
             for i, (ci, b) in enumerate(sel):
                 ctx[ci][9].view(ctx[ci][1].local_shape)[b.index] = pre[i]
 

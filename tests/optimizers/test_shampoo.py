@@ -563,16 +563,21 @@ def test_load_state_dict_keeps_fp32_state_for_bf16_params_and_resumes_exactly():
     assert torch.equal(a, b)
 
 
-def test_looped_reference_mode_is_w_invariant_and_agrees_with_batched():
-    """batched=False (one block at a time; [Note: batched Shampoo]) is W-invariant bitwise too, and
-    agrees with the batched default to fp32 rounding (bmm vs mm kernels): 1e-5 of the update, with
-    epsilon = 1e-2 (with 1e-12 the rank-deficient early factors amplify any rounding difference)."""
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_batched_mode_is_w_invariant_and_agrees_with_looped(world_size):
+    """batched=True (the CUDA default; [Note: batched Shampoo]) is W-invariant bitwise too (the
+    blocks stacked together differ with W), and agrees with the per-block mode (the CPU default) to
+    fp32 rounding (bmm vs mm kernels): 1e-5 of the update, with epsilon = 1e-2 (with 1e-12 the
+    rank-deficient early factors amplify any rounding difference)."""
     kw = dict(OPT, epsilon=1e-2)
-    looped1, _, _ = run(1, opt_kw=dict(kw, batched=False))
-    looped3, _, _ = run(3, opt_kw=dict(kw, batched=False))
-    batched, _, _ = run(1, opt_kw=kw)
+    batched1, state1, _ = run(1, opt_kw=dict(kw, batched=True))
+    batched_w, state_w, comms = run(world_size, opt_kw=dict(kw, batched=True), count_comms=True)
+    looped, _, _ = run(1, opt_kw=dict(kw, batched=False))
     init = _init()
     for k in SHAPES:
-        assert torch.equal(looped1[k], looped3[k]), k
-        upd = (batched[k] - init[k]).abs().max()
-        assert (looped1[k] - batched[k]).abs().max() <= 1e-5 * upd, k
+        assert torch.equal(batched1[k], batched_w[k]), k
+        upd = (batched1[k] - init[k]).abs().max()
+        assert (looped[k] - batched1[k]).abs().max() <= 1e-5 * upd, k
+    for key in state1:
+        assert torch.equal(state1[key], state_w[key]), key
+    assert all(c == {} for per_rank in comms for c in per_rank), comms
