@@ -136,8 +136,8 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, backend: str) -> torch.
                 groups, lr=lr, momentum=o.momentum, adamw_lr=o.adamw_lr or DEFAULT_LR["adamw"], adamw_betas=o.betas,
                 adamw_eps=o.eps,
             )
-        return optimizers.Shampoo(
-            groups, lr=lr, betas=o.betas, grafting_epsilon=o.eps, max_preconditioner_dim=o.max_preconditioner_dim,
+        return optimizers.Shampoo(  # Adam grafting: DistributedShampoo's default is none (docs/shampoo.md)
+            groups, lr=lr, betas=o.betas, grafting="adam", grafting_epsilon=o.eps, max_preconditioner_dim=o.max_preconditioner_dim,
             precondition_frequency=o.precondition_frequency,
         )
     if o.name == "adamw":

@@ -6,6 +6,22 @@ from ._adamw8bit import AdamW8bit
 from ._muon import Muon
 from ._rules import adamw8bit_rule, adamw_rule, is_embedding_or_head, muon_rule, shampoo_rule
 from ._shampoo import Shampoo
+from ._soap import SOAP
 from ._whole_tensor import WholeTensorOptimizer, whole_tensor_rule
 
-__all__ = ["AdamW", "adamw_update", "AdamW4bit", "AdamW8bit", "Muon", "Shampoo", "adamw_rule", "adamw8bit_rule", "muon_rule", "shampoo_rule", "is_embedding_or_head", "WholeTensorOptimizer", "whole_tensor_rule"]
+__all__ = [
+    "AdamW",
+    "AdamW4bit",
+    "AdamW8bit",
+    "Muon",
+    "SOAP",
+    "Shampoo",
+    "WholeTensorOptimizer",
+    "adamw8bit_rule",
+    "adamw_rule",
+    "adamw_update",
+    "is_embedding_or_head",
+    "muon_rule",
+    "shampoo_rule",
+    "whole_tensor_rule",
+]

@@ -8,12 +8,13 @@ optimizer treats it (e.g. Muon: matrix blocks get Newton-Schulz, the rest AdamW)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from ..sharding._blocks import BlockRule, BlockSpec, elements, expert, rows, whole
+from ..sharding._blocks import BlockRule, BlockSpec, elements, expert, merge_small_dims, rows, whole
 
 __all__ = [
     "is_embedding_or_head",
@@ -85,19 +86,32 @@ def muon_rule(
     return rule
 
 
-def shampoo_rule(max_preconditioner_dim: int = 1024, *, per_expert: bool = True) -> BlockRule:
-    """Strips of ``max_preconditioner_dim`` rows (1-D tensors: that many elements).
+def shampoo_rule(max_preconditioner_dim: int = 1024, *, per_expert: bool = False) -> BlockRule:
+    """Shampoo's strips: ``k = max_preconditioner_dim`` slices of dim 0 of the merged shape.
 
-    ``per_expert``: a 3-D ``[E, r, c]`` weight gets one ``expert()`` block per expert matrix (each
-    expert preconditioned as its own matrix, its <= k blocks local) instead of strips of dim 0,
-    which for E <= k make the whole stacked tensor one block (unbalanceable at scale).
+    Shampoo blocks the tensor viewed with ``merge_small_dims(shape, k)`` (size-1 dims dropped, small
+    dims merged, as facebookresearch/optimizers does; see [Note: Shampoo blocks]); a rank boundary
+    may only fall between ``k``-slices of its dim 0. That is ``rows(k)`` when the merged dim 0 is
+    the tensor's dim 0 (or the whole tensor is one strip either way), else ``elements(k * rest)``
+    (e.g. ``[1, 45]`` -> ``(45,)``: blocks of ``k`` elements). Scalars: ``elements(1)``.
+
+    ``per_expert`` (opt-in, not DistributedShampoo's blocking): a 3-D ``[E, r, c]`` weight gets one
+    ``expert()`` block per expert matrix, each merged and blocked on its own, instead of blocking
+    the 3-D tensor, whose dim-0 strips for ``E <= k`` make it one block (unbalanceable at scale).
     """
+    k = max_preconditioner_dim
 
     def rule(fqn: str, param: torch.Tensor, module: nn.Module | None) -> BlockSpec:
-        if per_expert and param.ndim == 3:
+        shape = tuple(param.shape)
+        if per_expert and len(shape) == 3:
             return expert()
-        if param.ndim == 0:  # a scalar: one element (rows() needs a dim 0)
+        if len(shape) == 0:  # a scalar: one element (rows() needs a dim 0)
             return elements(1)
-        return rows(max_preconditioner_dim)
+        numel = math.prod(shape)
+        merged = merge_small_dims(shape, k)
+        unit_merged, unit_rows = k * math.prod(merged[1:]), k * math.prod(shape[1:])
+        if unit_merged == unit_rows or numel <= min(unit_merged, unit_rows):
+            return rows(k)
+        return elements(unit_merged)
 
     return rule

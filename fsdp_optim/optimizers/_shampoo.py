@@ -1,39 +1,80 @@
 """Blocked Shampoo on block-aligned shards: every preconditioner block lives on one rank.
 
+Follows facebookresearch/optimizers' ``DistributedShampoo`` (arXiv:2309.06497) by default: the same
+blocking, defaults, grafting, epsilon and bias-correction definitions (files cited below; no code
+copied). docs/shampoo.md lists the defaults and the few documented differences.
+
 [Note: Shampoo blocks]
 Blocks are defined on the *global* tensor, never on a shard, so they are the same for every
-world size and plan. A parameter is viewed as a matrix ``[R, C]`` (``R = shape[0]``,
-``C = prod(shape[1:])``); its rows are cut into strips of ``k = max_preconditioner_dim`` rows
-(the ``rows(k)`` block spec, which the planner keeps whole) and each strip into ``k``-column
-blocks (the last strip / column block may be smaller). A block ``G`` (``r x c``) has a left factor
-``L`` (``r x r``, EMA of ``G G^T``) and a right factor ``R`` (``c x c``, EMA of ``G^T G``) and is
-preconditioned as ``L^{-1/4} G R^{-1/4}``. 1-D tensors (and scalars) are cut into ``k``-element
-blocks with one factor (``L``, EMA of ``g g^T``) and ``L^{-1/2} g``. A 3-D weight sharded with
-``expert()`` blocks (``Shampoo.rule(per_expert=True)``) is E matrices ``[r, c]``, each blocked as
-above. ``exponent_override`` replaces the root (4 for two factors, 2 for one; facebookresearch/
-optimizers' ``inv_root_override``).
+world size and plan. As in ``distributed_shampoo/distributor/shampoo_distributor.py``
+(``_merge_and_block_with_params``), a tensor is viewed with ``merge_small_dims(shape, k)``
+(``k = max_preconditioner_dim``; size-1 dims dropped, then trailing dims merged while their product
+stays <= k; ``distributed_shampoo/utils/shampoo_utils.py``) and that view is cut into ``k``-chunks
+along *every* dim (``multi_dim_split``), blocks ordered lexicographically by chunk index. A block
+of order ``N`` (its number of dims) has one factor per dim ``i``: ``F_i = contraction of G with
+itself over all other dims`` (``G G^T`` and ``G^T G`` for a matrix, ``g g^T`` for a vector) and
+is preconditioned as ``G x_0 F_0^{-1/2N} x_1 ... x_{N-1} F_{N-1}^{-1/2N}`` (matrix: ``L^{-1/4} G
+R^{-1/4}``; vector: ``L^{-1/2} g``). ``exponent_override = p`` uses ``-1/p`` for every factor.
+
+A *strip* is one ``k``-chunk of the merged dim 0 (all its blocks): it is contiguous in the flat
+tensor, so the planner keeps strips whole (``Shampoo.rule``) and a rank holds whole blocks. With
+``Shampoo.rule(per_expert=True)`` (opt-in) a 3-D ``[E, r, c]`` weight is E tensors ``[r, c]``, each
+merged and blocked as above.
 
 [Note: Shampoo step]
-Per step ``t`` (1-based) and block, modelled on facebookresearch/optimizers' DistributedShampoo
-(arXiv:2309.06497; not tested against it, which is not installed here: the tests check W-invariance
-and a float64 re-derivation of these formulas):
-1. factors from the raw gradient: ``L <- beta2 L + (1 - beta2) G G^T`` (``beta2 == 1``: a sum);
-   Adam grafting state ``v <- gb2 v + (1 - gb2) g^2``;
+Per step ``t`` (1-based) and block, with DistributedShampoo's definitions
+(``distributed_shampoo/distributed_shampoo.py`` ``_compute_search_directions``):
+0. every local gradient is checked first: a non-finite one raises ``FloatingPointError`` naming
+   the parameter, before any state changes;
+1. factors from the raw gradient: ``F <- beta2 F + (1 - beta2) outer`` (``beta2 == 1``: ``F + outer``,
+   AdaGrad-like), in ``factor_matrix_dtype``; the grafting state from the raw gradient
+   (``preconditioner/adagrad_preconditioner_list.py``): Adam ``v <- gb2 v + (1 - gb2) g^2``,
+   always bias-corrected by ``1 - gb2^t``; RMSprop the same, never bias-corrected; AdaGrad
+   ``v <- v + g^2``;
 2. inverse roots at ``t == start_preconditioning_step`` and at ``t > start`` with
-   ``t % precondition_frequency == 0``: ``(L / (1 - beta2^t) + eps I)^{-1/root}`` by ``eigh``
-   in float64 (eigenvalues clamped at 0, then ``+ epsilon``); stored in fp32;
-3. filtered gradient ``m <- beta1 m + (1 - beta1) g``, ``gbar = m / (1 - beta1^t)`` (beta1 > 0);
-4. grafting direction ``A = gbar / (sqrt(v / (1 - gb2^t)) + grafting_epsilon)``; before
-   ``start_preconditioning_step`` the search direction is ``A``; from then on it is
-   ``P = L^{-1/4} gbar R^{-1/4}`` rescaled to ``||A_block|| / (||P|| + 1e-16)`` per block;
+   ``t % precondition_frequency == 0``, from ``A = F / (1 - beta2^t)`` (``use_bias_correction`` and
+   ``beta2 < 1``; else ``F``): ``w, Q = eigh(A + eps I)``; if ``min(w) < eps`` every eigenvalue is
+   shifted: ``w <- w - min(w) + eps`` (``preconditioner/matrix_functions.py``,
+   ``matrix_inverse_root_from_eigendecomposition``, ``PerturbationConfig``); root ``Q w^{-1/p} Q^T``
+   stored in fp32. Inverse roots start as identity matrices;
+3. filtered gradient ``m <- beta1 m + (1 - beta1) g``, ``gbar = m / (1 - beta1^t)``
+   (``use_bias_correction``; ``beta1 == 0``: ``gbar = g``);
+4. before ``start_preconditioning_step`` the search direction is the grafting direction
+   ``gbar / (sqrt(vhat) + grafting_epsilon)`` (no grafting: Shampoo with the identity roots, i.e.
+   ``gbar``); from then on ``P`` (step 2's roots applied to ``gbar``), with grafting rescaled per
+   block to ``||graft_block|| / (||P|| + 1e-16)``;
 5. decoupled weight decay ``D <- D + weight_decay * param``; momentum ``M <- mu M + D``,
-   ``D <- M`` (or ``D + mu M``, Nesterov); ``param <- param - lr D``.
+   ``D <- M`` (or ``D + mu M``, Nesterov) (DistributedShampoo's ``ClassicMomentumConfig`` with
+   ``dampening = 0``); ``param <- param - lr D``.
 
-Why float64 for ``eigh``: the EMA of ``G G^T`` is rank-deficient early in training and its
-eigenvalues span many orders of magnitude; fp32 ``eigh`` has an absolute eigenvalue error of about
-``1e-7 * lambda_max``, far above the default ``epsilon = 1e-12``, so small eigenvalues (whose
-``-1/4`` powers dominate the root) would be noise. float64 brings that to ``~1e-16 lambda_max``.
-The cost is amortized over ``precondition_frequency`` steps; factors and roots stay fp32.
+Why ``eigh`` runs in float64 (DistributedShampoo runs it in ``factor_matrix_dtype``): fp32 ``eigh``
+has an absolute eigenvalue error of about ``1e-7 lambda_max``, far above the default
+``epsilon = 1e-12``, so small eigenvalues (whose ``-1/p`` powers dominate the root) would be noise.
+But float64 ``eigh`` only recovers what the factor holds: with the default fp32 factors and
+``beta2 < 1`` the EMA itself rounds each entry to ~``1e-7 lambda_max`` every step, so eigenvalues
+below that are already noise before ``eigh`` sees them, and with a tiny epsilon the update still
+differs from a float64 reference (measured against DistributedShampoo run in float64 after 8 steps
+with ``epsilon = 1e-12``: up to 0.99 of the update on rank-deficient blocks with fp32 factors, at
+most 9e-2 with float64 ones; with ``epsilon = 0.1`` both agree to <= 1.6e-5). Use
+``factor_matrix_dtype=torch.float64`` (the factors and their EMA in float64, as DistributedShampoo's
+option of the same name) when small eigenvalues matter; then ours equals DistributedShampoo with
+``factor_matrix_dtype=torch.float64`` to float64 rounding in the roots and fp32 in the update. The
+cost is amortized over ``precondition_frequency`` steps.
+
+[Note: batched Shampoo]
+With ``batched=True`` (the default for CUDA parameters) a step runs in phases over a parameter group: per-element work per parameter
+(grafting state, filtered gradient); then, per block *shape*, the blocks of every parameter stacked
+into one ``[B, *shape]`` tensor: outer products by ``bmm``, the factor EMA as two foreach ops over
+all factors, ``eigh`` and the root's matmuls on ``[B, n, n]`` stacks, preconditioning by ``bmm`` and
+the grafting norms by one batched ``vector_norm``; then the update per parameter. Which blocks share
+a batch depends on the world size, so bitwise W-invariance needs a kernel whose result for one
+matrix does not depend on its batch-mates or the batch size. CPU kernels (LAPACK ``syevd`` per
+matrix, ``bmm``'s per-matrix loops) satisfy this and the W = 1..4 tests check it. On CUDA, batched
+``eigh`` of matrices up to 32 x 32 uses a batched Jacobi solver for batches > 1 but ``syevd`` for
+one matrix, so a block alone in its batch can round differently from the same block batched at
+another world size: use ``batched=False`` where bitwise W-invariance on GPUs matters (it is also
+what the batched path is measured against). Batched and looped runs agree to fp32 rounding, not
+bitwise (``bmm`` vs ``mm`` kernels).
 
 Every per-block computation runs on contiguous copies of the block, with the same ops whatever
 the shard, and the per-element ones are element-wise, so a sharded run equals the single-process
@@ -42,6 +83,8 @@ run bitwise. The step issues no collectives.
 
 from __future__ import annotations
 
+import enum
+import itertools
 import math
 import warnings
 from collections.abc import Iterable
@@ -50,29 +93,54 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..sharding._blocks import BlockKind, BlockRule, BlockSpec
+from ..sharding._blocks import BlockKind, BlockRule, BlockSpec, merge_small_dims
 from ..sharding._shard_info import ShardInfo, shard_info
 from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec
 from ._rules import shampoo_rule
 
-__all__ = ["Shampoo", "shampoo_blocks", "matrix_inverse_root"]
+__all__ = ["Shampoo", "Grafting", "shampoo_blocks", "matrix_inverse_root"]
 
-_GRAFT_NORM_EPS = 1e-16  # facebookresearch/optimizers adds 1e-16 to the Shampoo norm when grafting
+_GRAFT_NORM_EPS = 1e-16  # distributed_shampoo.py _precondition_and_grafting adds 1e-16 to the Shampoo norm
+
+
+class Grafting(enum.Enum):
+    """The layer-wise step-size method grafted onto Shampoo (DistributedShampoo's ``grafting_config``)."""
+
+    NONE = "none"
+    ADAM = "adam"
+    """EMA of ``g^2`` with ``(1 - beta2)`` weight, always bias-corrected (``AdamPreconditionerConfig``)."""
+    RMSPROP = "rmsprop"
+    """EMA of ``g^2`` with ``(1 - beta2)`` weight, no bias correction (``RMSpropPreconditionerConfig``)."""
+    ADAGRAD = "adagrad"
+    """Sum of ``g^2`` (``AdaGradPreconditionerConfig``)."""
+
+
+_GRAFTING_BETA2_DEFAULT = {Grafting.ADAM: 0.999, Grafting.RMSPROP: 0.99}  # shampoo_types.py defaults
 
 
 # ---- block geometry (pure) ----------------------------------------------------------------
 class BlockGeometry(NamedTuple):
-    """How one parameter is blocked (see [Note: Shampoo blocks]): ``num_matrices`` stacked
-    ``[rows, cols]`` matrices, each cut into ``k``-row strips and each strip into ``k``-column blocks."""
+    """How one parameter is blocked (see [Note: Shampoo blocks]): ``num_matrices`` stacked tensors
+    of the merged shape ``dims``, each cut into ``k``-strips of ``dims[0]`` and each strip into
+    ``k``-chunks of the other dims."""
 
     num_matrices: int
-    rows: int
-    """Rows of each matrix (1-D tensors: their number of elements)."""
-    cols: int
-    """Columns (1-D tensors: 1)."""
+    dims: tuple[int, ...]
+    """The merged shape of each stacked tensor (``merge_small_dims``)."""
     k: int
-    one_factor: bool
-    """1-D tensors (and scalars): only a left factor."""
+
+    @property
+    def rows(self) -> int:
+        return self.dims[0]
+
+    @property
+    def cols(self) -> int:
+        """Elements per unit of dim 0 (1 for a 1-D merged shape)."""
+        return math.prod(self.dims[1:])
+
+    @property
+    def order(self) -> int:
+        return len(self.dims)
 
     @property
     def strips_per_matrix(self) -> int:
@@ -103,42 +171,42 @@ class BlockGeometry(NamedTuple):
         return offset >= self.num_matrices * mat or (offset % mat) % (self.k * self.cols) == 0
 
     @property
-    def col_widths(self) -> list[int]:
-        if self.one_factor:
-            return [1]
-        return [min(self.k, self.cols - j * self.k) for j in range(-(-self.cols // self.k))]
+    def tail_chunks(self) -> list[tuple[tuple[int, int], ...]]:
+        """The blocks of one strip as ``((start, size), ...)`` chunks of ``dims[1:]``, in order."""
+        per_dim = [[(s, min(self.k, d - s)) for s in range(0, d, self.k)] for d in self.dims[1:]]
+        return list(itertools.product(*per_dim))
 
-    def left_numel(self, s0: int, s1: int) -> int:
-        """Elements of the left factors of strips ``[s0, s1)`` (one ``r x r`` factor per block)."""
-        nb = len(self.col_widths)
-        return sum(nb * self.strip_rows(i) ** 2 for i in range(s0, s1))
+    def strip_factor_numel(self, r: int) -> int:
+        """Elements of the factors of all blocks of a strip with ``r`` rows."""
+        tails = self.tail_chunks
+        return len(tails) * r * r + sum(sum(n * n for _, n in t) for t in tails)
 
-    def right_numel(self, s0: int, s1: int) -> int:
-        return 0 if self.one_factor else (s1 - s0) * sum(c * c for c in self.col_widths)
+    def factor_numel(self, s0: int, s1: int) -> int:
+        """Elements of the factors of strips ``[s0, s1)`` (all blocks, each its factors in dim order)."""
+        return sum(self.strip_factor_numel(self.strip_rows(i)) for i in range(s0, s1))
 
 
 def shampoo_blocks(shape: tuple[int, ...], k: int, spec: BlockSpec | None = None) -> BlockGeometry:
     """The block geometry of a tensor of global ``shape`` with ``max_preconditioner_dim = k``:
-    ``expert()`` 3-D tensors are E matrices ``[r, c]``; others one matrix ``[shape[0], rest]``."""
+    ``expert()`` 3-D tensors are E tensors ``[r, c]``; others one tensor, both merged with
+    ``merge_small_dims``."""
     if spec is not None and spec.kind is BlockKind.EXPERT and len(shape) == 3:
-        return BlockGeometry(shape[0], shape[1], shape[2], k, False)
-    if len(shape) <= 1:
-        return BlockGeometry(1, math.prod(shape), 1, k, True)
-    return BlockGeometry(1, shape[0], math.prod(shape[1:]), k, False)
+        return BlockGeometry(shape[0], merge_small_dims(shape[1:], k), k)
+    return BlockGeometry(1, merge_small_dims(shape, k), k)
 
 
 class _Block(NamedTuple):
     row0: int
-    """First row in this rank's local ``[rows, cols]`` view."""
-    rows: int
-    col0: int
-    cols: int
-    left: int
-    """Offset of the block's left factor in this rank's flat left-factor state."""
-    right: int
+    """First row in this rank's local ``[local_rows, *dims[1:]]`` view."""
+    shape: tuple[int, ...]
+    index: tuple[slice, ...]
+    """The block in that local view."""
+    factor: int
+    """Offset of the block's first factor in this rank's flat factor state."""
 
 
 class _ParamPlan(NamedTuple):
+    name: str
     info: ShardInfo
     geom: BlockGeometry
     strips: tuple[int, int]
@@ -146,68 +214,127 @@ class _ParamPlan(NamedTuple):
     blocks: tuple[_Block, ...]
 
     @property
-    def local_rows(self) -> int:
-        return self.info.local_numel // self.geom.cols if self.geom.cols else 0
+    def local_shape(self) -> tuple[int, ...]:
+        g = self.geom
+        return (self.info.local_numel // g.cols if g.cols else 0, *g.dims[1:])
 
 
-def _plan_param(info: ShardInfo, geom: BlockGeometry) -> _ParamPlan:
+def _plan_param(name: str, info: ShardInfo, geom: BlockGeometry) -> _ParamPlan:
     if info.numel == 0:
-        return _ParamPlan(info, geom, (0, 0), ())
+        return _ParamPlan(name, info, geom, (0, 0), ())
     s0, s1 = geom.strip_at(info.start), geom.strip_at(info.end)
     row_base = info.start // geom.cols
-    blocks, left, right = [], 0, 0
+    blocks, off = [], 0
+    tails = geom.tail_chunks
     for i in range(s0, s1):
         r, row0 = geom.strip_rows(i), geom.strip_start_row(i) - row_base
-        col0 = 0
-        for w in geom.col_widths:
-            blocks.append(_Block(row0, r, col0, w, left, right))
-            left += r * r
-            right += 0 if geom.one_factor else w * w
-            col0 += w
-    return _ParamPlan(info, geom, (s0, s1), tuple(blocks))
+        for t in tails:
+            shape = (r, *(n for _, n in t))
+            index = (slice(row0, row0 + r), *(slice(s, s + n) for s, n in t))
+            blocks.append(_Block(row0, shape, index, off))
+            off += sum(n * n for n in shape)
+    return _ParamPlan(name, info, geom, (s0, s1), tuple(blocks))
+
+
+def _factor_views(flat: Tensor, b: _Block) -> list[Tensor]:
+    out, off = [], b.factor
+    for n in b.shape:
+        out.append(flat[off : off + n * n].view(n, n))
+        off += n * n
+    return out
+
+
+def _outer(g: Tensor, dim: int) -> Tensor:
+    """Contraction of ``g`` with itself over every dim but ``dim`` (``G G^T``, ``G^T G``, ``g g^T``)."""
+    if g.ndim == 1:
+        return torch.outer(g, g)
+    if g.ndim == 2:
+        return g @ g.mT if dim == 0 else g.mT @ g
+    other = [d for d in range(g.ndim) if d != dim]
+    return torch.tensordot(g, g, dims=(other, other))
+
+
+def _precondition(g: Tensor, roots: list[Tensor]) -> Tensor:
+    """``g x_0 roots[0] x_1 roots[1] ...`` (each root symmetric)."""
+    if g.ndim == 1:
+        return roots[0] @ g
+    if g.ndim == 2:
+        return roots[0] @ g @ roots[1]
+    for r in roots:  # contract dim 0, append the new dim last: after N steps the dims are back in order
+        g = torch.tensordot(g, r, dims=([0], [0]))
+    return g
+
+
+def _outer_batched(g: Tensor, dim: int) -> Tensor:
+    """``_outer`` of every ``g[i]`` of a ``[B, *shape]`` stack: ``[B, n, n]``."""
+    if g.ndim == 2:
+        return g.unsqueeze(-1) * g.unsqueeze(-2)
+    if g.ndim == 3:
+        return g @ g.mT if dim == 0 else g.mT @ g
+    return torch.stack([_outer(x, dim) for x in g.unbind(0)])
+
+
+def _precondition_batched(x: Tensor, roots: list[Tensor]) -> Tensor:
+    """``_precondition`` of every ``x[i]`` of a ``[B, *shape]`` stack with the roots stacked per dim."""
+    if x.ndim == 2:
+        return (roots[0] @ x.unsqueeze(-1)).squeeze(-1)
+    if x.ndim == 3:
+        return roots[0] @ x @ roots[1]
+    return torch.stack([_precondition(xi, [r[i] for r in roots]) for i, xi in enumerate(x.unbind(0))])
 
 
 def matrix_inverse_root(a: Tensor, root: float, epsilon: float) -> Tensor:
-    """``(a + epsilon I)^{-1/root}`` of a symmetric PSD matrix via float64 ``eigh``; negative
-    eigenvalues (rounding) are clamped to 0 before ``epsilon`` is added. Returns ``a.dtype``."""
-    w, q = torch.linalg.eigh(a.double())
-    w = w.clamp(min=0.0).add(epsilon).pow(-1.0 / root)
-    return ((q * w) @ q.mT).to(a.dtype)
+    """``A^{-1/root}`` of a symmetric matrix with DistributedShampoo's epsilon: ``w, Q = eigh(A +
+    epsilon I)`` in float64, then if ``min(w) < epsilon`` every eigenvalue is shifted by
+    ``epsilon - min(w)`` (``w - min(w) + epsilon``). Returns fp32 (the stored roots' dtype)."""
+    n = a.shape[-1]
+    a64 = a.double() + epsilon * torch.eye(n, dtype=torch.float64, device=a.device)
+    w, q = torch.linalg.eigh(a64)
+    lam_min = w.min(dim=-1, keepdim=True).values
+    w = torch.where(lam_min < epsilon, (w - lam_min) + epsilon, w)
+    return ((q * w.pow(-1.0 / root).unsqueeze(-2)) @ q.mT).float()
 
 
 # ---- the optimizer ----------------------------------------------------------------------
 class Shampoo(torch.optim.Optimizer):
-    """Blocked Shampoo with Adam grafting on sharded or plain parameters (see the notes above).
+    """Blocked Shampoo on sharded or plain parameters, DistributedShampoo's algorithm and defaults.
 
-    Shard with ``Shampoo.blocks`` (``rows(1024)``) or ``Shampoo.rule(max_preconditioner_dim=k)``
-    with the same ``k`` as here: a rank boundary inside a ``k``-row strip raises ``ValueError``.
-    Blocks are the same for every world size, so a sharded run equals the single-process run.
-    Plain (unsharded) parameters get their spec from ``blocks`` (default: ``Shampoo.rule`` with
-    the group's ``max_preconditioner_dim``).
+    Shard with ``Shampoo.blocks`` (``Shampoo.rule(max_preconditioner_dim=1024)``) or
+    ``Shampoo.rule(max_preconditioner_dim=k)`` with the same ``k`` as here: a rank boundary inside a
+    strip raises ``ValueError``. Blocks are the same for every world size, so a sharded run equals
+    the single-process run. Plain (unsharded) parameters get their spec from ``blocks`` (default:
+    ``Shampoo.rule`` with the group's ``max_preconditioner_dim``).
 
-    ``betas``: (beta1 of the filtered gradient, 0 to disable; beta2 of the factor EMA, 1 for a
-    sum). ``epsilon``: added to the factors' eigenvalues. ``precondition_frequency`` /
-    ``start_preconditioning_step`` (default: the frequency): when inverse roots are recomputed
-    and from which step the Shampoo direction replaces the Adam grafting direction.
-    ``exponent_override``: the root ``p`` of ``factor^{-1/p}`` (0: 4 for matrices, 2 for 1-D).
-    ``grafting_beta2`` / ``grafting_epsilon``: the Adam grafting's second moment. Defaults follow
-    facebookresearch/optimizers' README example of Shampoo grafting from AdamW.
+    ``betas``: (beta1 of the filtered gradient, 0 to disable; beta2 of the factor EMA, 1 for an
+    AdaGrad-like sum). ``epsilon``: the factors' damping (see [Note: Shampoo step]).
+    ``precondition_frequency`` / ``start_preconditioning_step`` (default: the frequency; must be
+    ``>=`` it, as DistributedShampoo requires): when inverse roots are recomputed and from which step
+    Shampoo's direction replaces the grafting one. ``exponent_override``: the root ``p`` of
+    ``factor^{-1/p}`` (0: ``2 * order``). ``grafting``: ``None`` (DistributedShampoo's default),
+    ``"adam"``, ``"rmsprop"`` or ``"adagrad"``, with ``grafting_beta2`` (default 0.999 Adam, 0.99
+    RMSprop; Adam/RMSprop need ``< 1``: use ``"adagrad"`` for a sum) and ``grafting_epsilon``.
+    ``factor_matrix_dtype``: ``torch.float32`` or ``torch.float64`` factors. ``batched``: the factor EMA with
+    foreach ops and the outer products, ``eigh`` and preconditioning matmuls batched over same-shape
+    blocks of a parameter group (see [Note: batched Shampoo]); ``False``: one block at a time (the
+    reference mode); ``None`` (default): batched for CUDA parameters, one block at a time on CPU
+    (where batching measured slower: the stacked blocks fall out of cache, and there are no kernel
+    launches to save).
     """
 
     blocks = staticmethod(shampoo_rule(1024))
 
     @classmethod
-    def rule(cls, *, max_preconditioner_dim: int = 1024, per_expert: bool = True) -> BlockRule:
-        """The block rule for ``fully_shard``: ``rows(max_preconditioner_dim)`` strips; with
-        ``per_expert`` 3-D ``[E, r, c]`` weights are E matrices, each blocked on its own."""
+    def rule(cls, *, max_preconditioner_dim: int = 1024, per_expert: bool = False) -> BlockRule:
+        """The block rule for ``fully_shard``: strips of the merged shape (see ``shampoo_rule``);
+        ``per_expert`` (opt-in) makes each expert of a 3-D ``[E, r, c]`` weight its own tensor."""
         return shampoo_rule(max_preconditioner_dim, per_expert=per_expert)
 
     def __init__(
         self,
         params: Iterable[Any],
         *,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        lr: float = 1e-2,
+        betas: tuple[float, float] = (0.9, 1.0),
         epsilon: float = 1e-12,
         momentum: float = 0.0,
         nesterov: bool = False,
@@ -217,16 +344,34 @@ class Shampoo(torch.optim.Optimizer):
         start_preconditioning_step: int | None = None,
         exponent_override: float = 0,
         use_bias_correction: bool = True,
-        grafting_beta2: float = 0.999,
-        grafting_epsilon: float = 1e-8,
+        grafting: str | Grafting | None = None,
+        grafting_beta2: float | None = None,
+        grafting_epsilon: float = 1e-10,
+        factor_matrix_dtype: torch.dtype = torch.float32,
         blocks: BlockRule | None = None,
+        batched: bool | None = None,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 < betas[1] <= 1.0):
-            raise ValueError(f"betas must be in [0, 1) x (0, 1], got {betas}")
-        if not 0.0 < grafting_beta2 <= 1.0:
-            raise ValueError(f"grafting_beta2 must be in (0, 1], got {grafting_beta2}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] <= 1.0):
+            raise ValueError(f"betas must be in [0, 1) x [0, 1], got {betas}")
+        try:
+            graft = Grafting(grafting or "none") if not isinstance(grafting, Grafting) else grafting
+        except ValueError:
+            raise ValueError(
+                f"grafting must be None, 'adam', 'rmsprop' or 'adagrad', got {grafting!r}"
+            ) from None
+        if grafting_beta2 is None:
+            grafting_beta2 = _GRAFTING_BETA2_DEFAULT.get(graft, 1.0)
+        if graft in (Grafting.ADAM, Grafting.RMSPROP) and not 0.0 < grafting_beta2 < 1.0:
+            raise ValueError(
+                f"grafting_beta2 must be in (0, 1) for {graft.value} grafting, got {grafting_beta2}; for a sum "
+                "of squared gradients use grafting='adagrad' (DistributedShampoo's Adam grafting with beta2=1 "
+                "never updates its second moment)"
+            )
+        if graft is Grafting.ADAGRAD and grafting_beta2 != 1.0:
+            warnings.warn(f"Shampoo: grafting_beta2={grafting_beta2} is ignored by AdaGrad grafting", stacklevel=2)
+            grafting_beta2 = 1.0
         if not epsilon > 0.0 or not grafting_epsilon > 0.0:
             raise ValueError(f"epsilon and grafting_epsilon must be > 0, got {epsilon}, {grafting_epsilon}")
         if not 0.0 <= momentum < 1.0:
@@ -238,19 +383,27 @@ class Shampoo(torch.optim.Optimizer):
         if precondition_frequency < 1:
             raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
         if start_preconditioning_step is None:
-            start_preconditioning_step = precondition_frequency  # facebookresearch/optimizers' default (-1)
-        if start_preconditioning_step < 1:
-            raise ValueError(f"start_preconditioning_step must be >= 1, got {start_preconditioning_step}")
+            start_preconditioning_step = precondition_frequency  # DistributedShampoo's default (-1)
+        if start_preconditioning_step < precondition_frequency:
+            raise ValueError(
+                f"start_preconditioning_step ({start_preconditioning_step}) must be >= precondition_frequency "
+                f"({precondition_frequency}), as DistributedShampoo requires: the first roots are computed at "
+                "start_preconditioning_step; pass start_preconditioning_step=None to use the frequency"
+            )
         if exponent_override < 0:
             raise ValueError(f"exponent_override must be >= 0 (0: the default root), got {exponent_override}")
+        if factor_matrix_dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"factor_matrix_dtype must be torch.float32 or torch.float64, got {factor_matrix_dtype}")
         self._plans: dict[Tensor, _ParamPlan] = {}
         self._rule = blocks
+        self._batched = batched
         defaults = dict(
             lr=lr, betas=tuple(betas), epsilon=epsilon, momentum=momentum, nesterov=nesterov,
             weight_decay=weight_decay, max_preconditioner_dim=max_preconditioner_dim,
             precondition_frequency=precondition_frequency, start_preconditioning_step=start_preconditioning_step,
             exponent_override=exponent_override, use_bias_correction=use_bias_correction,
-            grafting_beta2=grafting_beta2, grafting_epsilon=grafting_epsilon,
+            grafting=graft.value, grafting_beta2=grafting_beta2, grafting_epsilon=grafting_epsilon,
+            factor_matrix_dtype=factor_matrix_dtype,
         )  # fmt: skip
         super().__init__(params, defaults)
         if blocks is not None and self._plans and all(shard_info(t) is not None for t in self._plans):
@@ -263,6 +416,11 @@ class Shampoo(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         k = group["max_preconditioner_dim"]
+        if group["start_preconditioning_step"] < group["precondition_frequency"]:
+            raise ValueError(
+                f"start_preconditioning_step ({group['start_preconditioning_step']}) must be >= "
+                f"precondition_frequency ({group['precondition_frequency']}) in every parameter group"
+            )
         names = group.get("param_names", [None] * len(group["params"]))
         for name, p in zip(names, group["params"]):
             info = checked_param_info(
@@ -272,10 +430,10 @@ class Shampoo(torch.optim.Optimizer):
             geom = shampoo_blocks(info.shape, k, info.spec)
             ok = info.numel == 0 or all(geom.is_strip_boundary(b) for b in info.layout.bounds)
             require_spec(
-                info, ok, optimizer="Shampoo", need=f"whole {k}-row strips on one rank",
-                blocks=f"Shampoo.rule(max_preconditioner_dim={k})",
+                info, ok, optimizer="Shampoo", need=f"whole strips of {k} slices of dim 0 of its merged shape "
+                f"{geom.dims} on one rank", blocks=f"Shampoo.rule(max_preconditioner_dim={k})",
             )  # fmt: skip
-            plan = _plan_param(info, geom)
+            plan = _plan_param(name or info.fqn or f"<param of shape {tuple(info.shape)}>", info, geom)
             self._plans[p] = plan
             self._init_state(p, plan, group)
 
@@ -284,49 +442,50 @@ class Shampoo(torch.optim.Optimizer):
         f32 = dict(dtype=torch.float32, device=p.device)
         state = self.state[p]
         state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
-        nl = plan.geom.left_numel(s0, s1)
-        state.setdefault("left", torch.zeros(nl, **f32))
-        state.setdefault("left_inv_root", torch.zeros(nl, **f32))
-        if not plan.geom.one_factor:
-            nr = plan.geom.right_numel(s0, s1)
-            state.setdefault("right", torch.zeros(nr, **f32))
-            state.setdefault("right_inv_root", torch.zeros(nr, **f32))
-        state.setdefault("grafting_exp_avg_sq", torch.zeros(p.numel(), **f32))
+        n = plan.geom.factor_numel(s0, s1)
+        state.setdefault("factor_matrices", torch.zeros(n, dtype=group["factor_matrix_dtype"], device=p.device))
+        if "inv_factor_matrices" not in state:
+            inv = torch.zeros(n, **f32)
+            for b in plan.blocks:  # identity roots until the first computation (as DistributedShampoo)
+                for v in _factor_views(inv, b):
+                    v.fill_diagonal_(1.0)
+            state["inv_factor_matrices"] = inv
+        if group["grafting"] != Grafting.NONE.value:
+            state.setdefault("grafting_state", torch.zeros(p.numel(), **f32))
         if group["betas"][0] > 0:
-            state.setdefault("exp_avg", torch.zeros(p.numel(), **f32))
+            state.setdefault("filtered_grad", torch.zeros(p.numel(), **f32))
         if group["momentum"] > 0:
             state.setdefault("momentum_buffer", torch.zeros(p.numel(), **f32))
 
     def state_shards(self, p: Tensor) -> dict[str, StateShard]:
         """Per-element keys: the parameter's range; factor keys: this rank's blocks' factors, flattened
-        and concatenated in global block order (strip-major, then column block)."""
+        and concatenated in global block order (strip-major, then the other dims' chunks), each
+        block's factors in dim order."""
         plan = self._plans[p]
         info, geom = plan.info, plan.geom
         s0, s1 = plan.strips
         n = geom.num_strips
         elem = StateShard(info.numel, info.start, info.end)
-        left = StateShard(geom.left_numel(0, n), geom.left_numel(0, s0), geom.left_numel(0, s1))
-        out = {"left": left, "left_inv_root": left, "grafting_exp_avg_sq": elem}
-        if not geom.one_factor:
-            right = StateShard(geom.right_numel(0, n), geom.right_numel(0, s0), geom.right_numel(0, s1))
-            out |= {"right": right, "right_inv_root": right}
-        for key in ("exp_avg", "momentum_buffer"):
+        fac = StateShard(geom.factor_numel(0, n), geom.factor_numel(0, s0), geom.factor_numel(0, s1))
+        out = {"factor_matrices": fac, "inv_factor_matrices": fac}
+        for key in ("grafting_state", "filtered_grad", "momentum_buffer"):
             if key in self.state[p]:
                 out[key] = elem
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch's, but state stays fp32 (torch casts floating state to the parameter's dtype,
-        which for bf16 parameters would round the factors)."""
-        fp32: dict[Tensor, dict[str, Tensor]] = {}
+        """As torch's, but state keeps its saved dtype (torch casts floating state to the parameter's
+        dtype, which for bf16 parameters would round the factors)."""
+        keep: dict[Tensor, dict[str, Tensor]] = {}
         for saved, group in zip(state_dict["param_groups"], self.param_groups):
             for pid, p in zip(saved["params"], group["params"]):
                 st = state_dict["state"].get(pid, {})
-                fp32[p] = {
-                    k: v for k, v in st.items() if k != "step" and isinstance(v, Tensor) and v.dtype == torch.float32
-                }
+                keep[p] = {
+                    k: v for k, v in st.items()
+                    if k != "step" and isinstance(v, Tensor) and v.dtype in (torch.float32, torch.float64)
+                }  # fmt: skip
         super().load_state_dict(state_dict)
-        for p, st in fp32.items():
+        for p, st in keep.items():
             for k, v in st.items():
                 self.state[p][k] = v.to(device=p.device, copy=True)
 
@@ -338,38 +497,63 @@ class Shampoo(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse or torch.is_complex(p):
-                    raise RuntimeError("Shampoo does not support sparse gradients or complex parameters")
+        todo = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for p, _ in todo:
+            if p.grad.is_sparse or torch.is_complex(p):
+                raise RuntimeError("Shampoo does not support sparse gradients or complex parameters")
+        self._check_finite([p for p, _ in todo])
+        batched = self._batched if self._batched is not None else any(p.is_cuda for p, _ in todo)
+        if not batched:
+            for p, group in todo:
                 self._step_param(p, group)
+            return loss
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._step_group_batched(params, group)
         return loss
+
+    def _check_finite(self, params: list[Tensor]) -> None:
+        """``FloatingPointError`` naming the parameter(s) whose local gradient has a NaN or Inf (one
+        host sync per step). Raised before any state changes, so the step can be retried or skipped."""
+        if not params:
+            return
+        flags = torch.stack([torch.isfinite(p.grad).all() for p in params]).tolist()
+        bad = [self._plans[p] for p, ok in zip(params, flags) if not ok]
+        if bad:
+            names = ", ".join(f"{b.name} (shape {tuple(b.info.shape)})" for b in bad)
+            raise FloatingPointError(
+                f"Shampoo: non-finite gradient (NaN or Inf) in {names} on rank {bad[0].info.rank}; no state was "
+                "changed. Find its source (loss scale, learning rate, data) or skip this step"
+            )
 
     def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
         plan, state = self._plans[p], self.state[p]
-        geom = plan.geom
         beta1, beta2 = group["betas"]
-        gb2, bias = group["grafting_beta2"], group["use_bias_correction"]
+        graft, gb2 = Grafting(group["grafting"]), group["grafting_beta2"]
+        bias = group["use_bias_correction"]
         state["step"] += 1
         t = int(state["step"].item())
         g = p.grad.reshape(-1).float()
-        rows, cols = plan.local_rows, geom.cols
+        gv = g.view(plan.local_shape)
+        fdt = group["factor_matrix_dtype"]
 
-        # 1. factors (raw gradient) and Adam grafting state
-        g2 = g.view(rows, cols)
-        left, right = state["left"], state.get("right")
+        # 1. factors (raw gradient) and grafting state
+        factors = state["factor_matrices"]
         for b in plan.blocks:
-            gb = g2[b.row0 : b.row0 + b.rows, b.col0 : b.col0 + b.cols].contiguous()
-            _ema_(left[b.left : b.left + b.rows**2].view(b.rows, b.rows), gb @ gb.mT, beta2)
-            if not geom.one_factor:
-                _ema_(right[b.right : b.right + b.cols**2].view(b.cols, b.cols), gb.mT @ gb, beta2)
-        v = state["grafting_exp_avg_sq"]
-        if gb2 == 1.0:
-            v.addcmul_(g, g)
-        else:
-            v.mul_(gb2).addcmul_(g, g, value=1 - gb2)
+            gb = gv[b.index].to(fdt).contiguous()  # float64 factors: the outer products in float64 too
+            for dim, f in enumerate(_factor_views(factors, b)):
+                outer = _outer(gb, dim)
+                if beta2 == 1.0:
+                    f.add_(outer)
+                else:
+                    f.mul_(beta2).add_(outer, alpha=1 - beta2)
+        if graft is not Grafting.NONE:
+            v = state["grafting_state"]
+            if graft is Grafting.ADAGRAD:
+                v.addcmul_(g, g)
+            else:
+                v.mul_(gb2).addcmul_(g, g, value=1 - gb2)
 
         # 2. inverse roots
         start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
@@ -378,28 +562,30 @@ class Shampoo(torch.optim.Optimizer):
 
         # 3. filtered gradient
         if beta1 > 0:
-            m = state["exp_avg"]
+            m = state["filtered_grad"]
             m.lerp_(g, 1 - beta1)
             gbar = m / (1 - beta1**t) if bias else m
         else:
             gbar = g
 
-        # 4. grafting direction; Shampoo direction grafted to its per-block norm
-        vhat = v / (1 - gb2**t) if bias and gb2 < 1.0 else v
-        graft = gbar / vhat.sqrt().add_(group["grafting_epsilon"])
+        # 4. search direction: grafting before start, else Shampoo (grafted per block)
+        graft_dir = None
+        if graft is not Grafting.NONE:
+            v = state["grafting_state"]
+            vhat = v / (1 - gb2**t) if graft is Grafting.ADAM else v
+            graft_dir = gbar / vhat.sqrt().add_(group["grafting_epsilon"])
         if t < start:
-            d = graft
+            d = graft_dir if graft_dir is not None else gbar.clone()
         else:
             d = torch.empty_like(g)
-            d2, gbar2, graft2 = d.view(rows, cols), gbar.view(rows, cols), graft.view(rows, cols)
-            li, ri = state["left_inv_root"], state.get("right_inv_root")
+            dv, gbarv = d.view(plan.local_shape), gbar.view(plan.local_shape)
+            graftv = graft_dir.view(plan.local_shape) if graft_dir is not None else None
+            inv = state["inv_factor_matrices"]
             for b in plan.blocks:
-                sl = (slice(b.row0, b.row0 + b.rows), slice(b.col0, b.col0 + b.cols))
-                pre = li[b.left : b.left + b.rows**2].view(b.rows, b.rows) @ gbar2[sl].contiguous()
-                if not geom.one_factor:
-                    pre = pre @ ri[b.right : b.right + b.cols**2].view(b.cols, b.cols)
-                scale = graft2[sl].contiguous().norm() / pre.norm().add(_GRAFT_NORM_EPS)
-                d2[sl] = pre.mul_(scale)
+                pre = _precondition(gbarv[b.index].contiguous(), _factor_views(inv, b))
+                if graftv is not None:
+                    pre = pre * (graftv[b.index].contiguous().norm() / pre.norm().add(_GRAFT_NORM_EPS))
+                dv[b.index] = pre
 
         # 5. weight decay, momentum, update
         flat = p.view(-1)
@@ -412,22 +598,107 @@ class Shampoo(torch.optim.Optimizer):
             d = d.add(buf, alpha=mu) if group["nesterov"] else buf
         flat.add_(d.to(flat.dtype), alpha=-group["lr"])
 
+    def _step_group_batched(self, params: list[Tensor], group: dict[str, Any]) -> None:
+        """One step of every parameter of ``group`` with block work batched per block shape."""
+        beta1, beta2 = group["betas"]
+        graft, gb2 = Grafting(group["grafting"]), group["grafting_beta2"]
+        bias, fdt, eps = group["use_bias_correction"], group["factor_matrix_dtype"], group["epsilon"]
+        start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
+        ctx = []
+        for p in params:  # per-element work
+            plan, state = self._plans[p], self.state[p]
+            state["step"] += 1
+            t = int(state["step"].item())
+            g = p.grad.reshape(-1).float()
+            if graft is not Grafting.NONE:
+                v = state["grafting_state"]
+                if graft is Grafting.ADAGRAD:
+                    v.addcmul_(g, g)
+                else:
+                    v.mul_(gb2).addcmul_(g, g, value=1 - gb2)
+            if beta1 > 0:
+                m = state["filtered_grad"]
+                m.lerp_(g, 1 - beta1)
+                gbar = m / (1 - beta1**t) if bias else m
+            else:
+                gbar = g
+            graft_dir = None
+            if graft is not Grafting.NONE:
+                v = state["grafting_state"]
+                vhat = v / (1 - gb2**t) if graft is Grafting.ADAM else v
+                graft_dir = gbar / vhat.sqrt().add_(group["grafting_epsilon"])
+            roots = t == start or (t > start and t % freq == 0)
+            bc2 = 1 - beta2**t if bias and beta2 < 1.0 else 1.0
+            d = graft_dir if graft_dir is not None else gbar.clone()  # t < start; overwritten below otherwise
+            if t >= start:
+                d = torch.empty_like(g)
+            ctx.append((p, plan, state, t, g, gbar, graft_dir, roots, bc2, d))
+
+        by_shape: dict[tuple[int, ...], list[tuple[int, _Block]]] = {}
+        fv: dict[tuple[int, int], list[Tensor]] = {}  # (param, factor offset) -> factor views
+        iv: dict[tuple[int, int], list[Tensor]] = {}  # ... -> inverse-root views
+        for ci, c in enumerate(ctx):
+            for b in c[1].blocks:
+                by_shape.setdefault(b.shape, []).append((ci, b))
+                fv[ci, b.factor] = _factor_views(c[2]["factor_matrices"], b)
+                iv[ci, b.factor] = _factor_views(c[2]["inv_factor_matrices"], b)
+
+        # factors: batched outer products, then one foreach EMA over every factor of the group
+        views, outers = [], []
+        for shape, items in by_shape.items():
+            gs = torch.stack([ctx[ci][4].view(ctx[ci][1].local_shape)[b.index] for ci, b in items]).to(fdt)
+            for dim in range(len(shape)):
+                outers.extend(_outer_batched(gs, dim).unbind(0))
+                views.extend(fv[ci, b.factor][dim] for ci, b in items)
+        if views:
+            if beta2 == 1.0:
+                torch._foreach_add_(views, outers)
+            else:
+                torch._foreach_mul_(views, beta2)
+                torch._foreach_add_(views, outers, alpha=1 - beta2)
+
+        for shape, items in by_shape.items():
+            order = len(shape)
+            root = group["exponent_override"] or 2 * order
+            # inverse roots: one batched eigh per factor dim
+            sel = [(ci, b) for ci, b in items if ctx[ci][7]]
+            for dim in range(order) if sel else ():
+                fs = torch.stack([fv[ci, b.factor][dim] / ctx[ci][8] for ci, b in sel])
+                out = [iv[ci, b.factor][dim] for ci, b in sel]
+                torch._foreach_copy_(out, list(matrix_inverse_root(fs, root, eps).unbind(0)))
+            # preconditioning (and grafting norms) batched
+            sel = [(ci, b) for ci, b in items if ctx[ci][3] >= start]
+            if not sel:
+                continue
+            xs = torch.stack([ctx[ci][5].view(ctx[ci][1].local_shape)[b.index] for ci, b in sel])
+            rs = [torch.stack([iv[ci, b.factor][dim] for ci, b in sel]) for dim in range(order)]
+            pre = _precondition_batched(xs, rs)
+            if graft is not Grafting.NONE:
+                gd = torch.stack([ctx[ci][6].view(ctx[ci][1].local_shape)[b.index] for ci, b in sel])
+                dims = tuple(range(1, order + 1))
+                scale = torch.linalg.vector_norm(gd, dim=dims) / torch.linalg.vector_norm(pre, dim=dims).add(
+                    _GRAFT_NORM_EPS
+                )
+                pre.mul_(scale.view(-1, *([1] * order)))
+            for i, (ci, b) in enumerate(sel):
+                ctx[ci][9].view(ctx[ci][1].local_shape)[b.index] = pre[i]
+
+        for p, _, state, _, _, _, _, _, _, d in ctx:  # weight decay, momentum, update
+            flat = p.view(-1)
+            if group["weight_decay"] != 0:
+                d = d.add(flat, alpha=group["weight_decay"])
+            mu = group["momentum"]
+            if mu > 0:
+                buf = state["momentum_buffer"]
+                buf.mul_(mu).add_(d)
+                d = d.add(buf, alpha=mu) if group["nesterov"] else buf
+            flat.add_(d.to(flat.dtype), alpha=-group["lr"])
+
     def _inverse_roots(self, plan: _ParamPlan, state: dict[str, Tensor], group: dict[str, Any], t: int) -> None:
         beta2, eps = group["betas"][1], group["epsilon"]
         bc2 = 1 - beta2**t if group["use_bias_correction"] and beta2 < 1.0 else 1.0
-        root = group["exponent_override"] or (2 if plan.geom.one_factor else 4)
-        pairs = [("left", "left_inv_root", lambda b: (b.left, b.rows))]
-        if not plan.geom.one_factor:
-            pairs.append(("right", "right_inv_root", lambda b: (b.right, b.cols)))
-        for key, inv_key, where in pairs:
-            for b in plan.blocks:
-                off, n = where(b)
-                factor = state[key][off : off + n * n].view(n, n)
-                state[inv_key][off : off + n * n].view(n, n).copy_(matrix_inverse_root(factor / bc2, root, eps))
-
-
-def _ema_(factor: Tensor, outer: Tensor, beta2: float) -> None:
-    if beta2 == 1.0:
-        factor.add_(outer)
-    else:
-        factor.mul_(beta2).add_(outer, alpha=1 - beta2)
+        root = group["exponent_override"] or 2 * plan.geom.order
+        factors, inv = state["factor_matrices"], state["inv_factor_matrices"]
+        for b in plan.blocks:
+            for f, r in zip(_factor_views(factors, b), _factor_views(inv, b)):
+                r.copy_(matrix_inverse_root(f / bc2, root, eps))

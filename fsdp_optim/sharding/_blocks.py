@@ -38,6 +38,7 @@ __all__ = [
     "heads",
     "expert",
     "default_rule",
+    "merge_small_dims",
 ]
 
 
@@ -198,6 +199,29 @@ class BlockSpec:
             out.append((off, s, cols))
             off += s * cols
         return out
+
+
+def merge_small_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
+    """The shape blocked Shampoo (and SOAP with ``merge_dims``) works on: size-1 dims dropped,
+    then adjacent dims merged from the last one while their product stays <= ``max_dim``.
+
+    The definition of facebookresearch/optimizers ``distributed_shampoo/utils/shampoo_utils.py``
+    ``merge_small_dims`` with its default ``target_tensor_dimensionality=1``: ``()`` and all-ones
+    shapes give ``(1,)``, a shape with a 0 gives ``(0,)``; e.g. ``(4, 6), 1024 -> (24,)``,
+    ``(2, 40, 40), 1024 -> (80, 40)``, ``(1, 45), 4 -> (45,)``, ``(8, 2048, 512), 1024 ->
+    (8, 2048, 512)``. Pure; a reshape of the contiguous tensor (no data moves).
+    """
+    shape = tuple(shape)
+    if 0 in shape:
+        return (0,)
+    rev = [d for d in reversed(shape) if d != 1] or [1]
+    out = [rev[0]]
+    for d in rev[1:]:
+        if out[-1] * d <= max_dim:
+            out[-1] *= d
+        else:
+            out.append(d)
+    return tuple(reversed(out))
 
 
 def _row_numel(shape: Sequence[int]) -> int:

@@ -1,0 +1,387 @@
+"""SOAP (Vyas et al. 2024, arXiv:2409.11321): Adam in the eigenbasis of Shampoo's preconditioner,
+on whole tensors or on Shampoo's blocks, each on one rank.
+
+[Note: SOAP semantics]
+Follows the authors' reference ``soap.py`` (github.com/nikhilvyas/SOAP; facts, no code copied).
+Per *unit* (a whole tensor with ``block_size=None``, else one Shampoo block) and per dim ``i`` of
+size ``<= max_precond_dim`` (1-D units only with ``precondition_1d``; scalars never) a factor
+``GG_i`` and an orthonormal basis ``Q_i``; the other dims are left unrotated. ``project(X)`` rotates
+every such dim by ``Q_i^T`` (``tensordot`` over dim 0, the dims cycling back into place);
+``project_back`` by ``Q_i``. With ``shampoo_beta < 0`` the factors use ``betas[1]``.
+
+- call 1: ``GG_i <- lerp(0, outer_i(G), 1 - shampoo_beta)``, ``Q_i`` = eigenvectors of
+  ``GG_i + 1e-30 I`` (``eigh``) in descending eigenvalue order; *no parameter update* and no
+  weight decay (the reference never uses the current gradient in its own projection).
+- call ``t >= 2`` (Adam step ``s = t - 1``): ``g' = project(G)``; ``m <- beta1 m + (1 - beta1) g'``,
+  ``v <- beta2 v + (1 - beta2) g'^2`` (both in the rotated basis); ``N = project_back(m / (sqrt(v)
+  + eps))``, optionally ``N / (1e-30 + rms(N))`` (``normalize_grads``: per tensor, or per block with
+  ``block_size``); ``p <- p - lr sqrt(1 - beta2^s) / (1 - beta1^s) N`` (``correct_bias``; else
+  ``lr``); then ``p <- p - lr wd p``. Then ``m <- project_back(m)``; factors updated with ``G``;
+  if ``s % precondition_frequency == 0`` every basis is refreshed by one power iteration + QR:
+  order the columns of ``Q_i`` by the estimated eigenvalues ``diag(Q_i^T GG_i Q_i)`` (descending),
+  permute ``v`` along dim ``i`` the same way, ``Q_i <- qr(GG_i Q_i).Q``; finally
+  ``m <- project(m)`` with the new bases.
+- ``merge_dims`` (``block_size=None`` only): the reference's merge (from the *first* dim, while the
+  product stays ``<= max_precond_dim``; 4-D ``channels_last`` tensors permuted to NCHW first).
+
+With ``block_size = k`` the units are Shampoo's blocks (``merge_small_dims`` + k-chunks of every
+dim, see [Note: Shampoo blocks]); each block is its own SOAP unit, so every rank's blocks are
+complete and a sharded run equals the single-process run bitwise. The step issues no collectives.
+
+Tolerance against the reference: every op above is the same math in fp32, but the order of the
+rotations and the ``eigh`` / ``qr`` LAPACK calls on differently laid-out (yet equal) inputs can
+round differently; the basis is only defined up to column signs and near-degenerate rotations, so
+agreement is at fp32 rounding amplified by the ``1 / (sqrt(v) + eps)`` scaling (see docs/soap.md).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from ..sharding._blocks import BlockRule, BlockSpec, elements, whole
+from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec
+from ._rules import shampoo_rule
+from ._shampoo import BlockGeometry, shampoo_blocks
+
+__all__ = ["SOAP", "soap_rule", "reference_merge_dims"]
+
+
+def reference_merge_dims(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...]:
+    """soap.py's ``merge_dims``: from the first dim, merge while the product stays ``<= max_dim``."""
+    out: list[int] = []
+    cur = 1
+    for d in shape:
+        if cur * d > max_dim:
+            if cur > 1:
+                out.append(cur)
+                cur = d
+            else:
+                out.append(d)
+                cur = 1
+        else:
+            cur *= d
+    if cur > 1 or not out:
+        out.append(cur)
+    return tuple(out)
+
+
+def soap_rule(block_size: int | None = None) -> BlockRule:
+    """``block_size=None``: every tensor whole on one rank (``whole()``); ``k``: Shampoo's strips."""
+    if block_size is not None:
+        return shampoo_rule(block_size)
+
+    def rule(fqn: str, param: Tensor, module: nn.Module | None) -> BlockSpec:
+        return elements(1) if param.ndim == 0 else whole()
+
+    return rule
+
+
+class _Unit(NamedTuple):
+    shape: tuple[int, ...]
+    """The unit's (merged) shape."""
+    to_unit: Callable[[Tensor], Tensor]
+    """Local flat tensor -> the unit (a contiguous copy)."""
+    store: Callable[[Tensor, Tensor], None]
+    """``store(flat, u)``: write the unit back into a local flat tensor."""
+    elem: tuple[int, int] | None
+    """Whole mode: the unit's flat state is ``[0, numel)`` in unit order; block mode: None (at the
+    block's element positions)."""
+    factors: tuple[int | None, ...]
+    """Offset of each dim's factor in the flat factor state, None if not preconditioned."""
+
+
+class _Plan(NamedTuple):
+    name: str
+    units: tuple[_Unit, ...]
+    factor_shard: StateShard
+    elem_shard: StateShard
+
+
+class SOAP(torch.optim.Optimizer):
+    """SOAP with the reference ``soap.py``'s signature and semantics (see [Note: SOAP semantics]).
+
+    Shard with ``SOAP.rule(block_size=...)`` for the same ``block_size``: ``None`` keeps each tensor
+    whole on one rank (the reference's whole-tensor SOAP; the planner balances whole tensors), ``k``
+    keeps Shampoo's ``k``-strips whole (large matrices balance at scale). ``SOAP.blocks`` is the
+    whole-tensor rule.
+    """
+
+    blocks = staticmethod(soap_rule(None))
+
+    @classmethod
+    def rule(cls, *, block_size: int | None = None) -> BlockRule:
+        return soap_rule(block_size)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 3e-3,
+        betas: tuple[float, float] = (0.95, 0.95),
+        shampoo_beta: float = -1,
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        precondition_frequency: int = 10,
+        max_precond_dim: int = 10000,
+        merge_dims: bool = False,
+        precondition_1d: bool = False,
+        normalize_grads: bool = False,
+        data_format: str = "channels_first",
+        correct_bias: bool = True,
+        block_size: int | None = None,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if not shampoo_beta < 1.0:
+            raise ValueError(f"shampoo_beta must be < 1 (negative: use betas[1]), got {shampoo_beta}")
+        if not eps >= 0.0 or not weight_decay >= 0.0:
+            raise ValueError(f"eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
+        if precondition_frequency < 1 or max_precond_dim < 1:
+            raise ValueError(
+                f"precondition_frequency and max_precond_dim must be >= 1, got {precondition_frequency}, {max_precond_dim}"
+            )
+        if data_format not in ("channels_first", "channels_last"):
+            raise ValueError(f"data_format must be 'channels_first' or 'channels_last', got {data_format!r}")
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size must be None or >= 1, got {block_size}")
+        if block_size is not None and merge_dims:
+            warnings.warn("SOAP: merge_dims is ignored with block_size (blocks use Shampoo's merge_small_dims)",
+                          stacklevel=2)  # fmt: skip
+        self._data_format = data_format
+        self._block_size = block_size
+        self._plans: dict[Tensor, _Plan] = {}
+        defaults = dict(
+            lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
+            precondition_frequency=precondition_frequency, max_precond_dim=max_precond_dim, merge_dims=merge_dims,
+            precondition_1d=precondition_1d, normalize_grads=normalize_grads, correct_bias=correct_bias,
+        )  # fmt: skip
+        super().__init__(params, defaults)
+        make_dcp_ready(self)
+
+    # ---- planning ---------------------------------------------------------------------
+    def _preconditioned(self, n: int, order: int, group: dict[str, Any]) -> bool:
+        return n <= group["max_precond_dim"] and (order >= 2 or group["precondition_1d"])
+
+    def _unit_factor_numel(self, shape: tuple[int, ...], group: dict[str, Any]) -> int:
+        return sum(n * n for n in shape if self._preconditioned(n, len(shape), group))
+
+    def _factor_offsets(self, shape: tuple[int, ...], off: int, group: dict[str, Any]) -> tuple[tuple[int | None, ...], int]:
+        out = []
+        for n in shape:
+            if self._preconditioned(n, len(shape), group):
+                out.append(off)
+                off += n * n
+            else:
+                out.append(None)
+        return tuple(out), off
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        k = self._block_size
+        blocks = "SOAP.rule(block_size=None)" if k is None else f"SOAP.rule(block_size={k})"
+        names = group.get("param_names", [None] * len(group["params"]))
+        for name, p in zip(names, group["params"]):
+            info = checked_param_info(p, soap_rule(k), optimizer="SOAP", name=name or "", whole_blocks=True,
+                                      blocks=blocks)  # fmt: skip
+            label = name or info.fqn or f"<param of shape {tuple(info.shape)}>"
+            if k is None:
+                ok = all(b in (0, info.numel) for b in info.layout.bounds)
+                require_spec(info, ok, optimizer="SOAP", need="each tensor whole on one rank", blocks=blocks)
+                plan = self._whole_plan(label, info.shape, info.local_numel, group)
+            else:
+                geom = shampoo_blocks(info.shape, k, info.spec)
+                ok = info.numel == 0 or all(geom.is_strip_boundary(b) for b in info.layout.bounds)
+                require_spec(info, ok, optimizer="SOAP", need=f"whole {k}-strips of its merged shape {geom.dims}",
+                             blocks=blocks)  # fmt: skip
+                plan = self._block_plan(label, info, geom, group)
+            self._plans[p] = plan
+            st = self.state[p]
+            st.setdefault("step", torch.tensor(0.0))
+            st.setdefault("exp_avg", torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
+            st.setdefault("exp_avg_sq", torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
+            n = plan.factor_shard.end - plan.factor_shard.start
+            st.setdefault("GG", torch.zeros(n, dtype=torch.float32, device=p.device))
+            st.setdefault("Q", torch.zeros(n, dtype=torch.float32, device=p.device))
+
+    def _whole_plan(self, name: str, shape: tuple[int, ...], local_numel: int, group: dict[str, Any]) -> _Plan:
+        numel = math.prod(shape)
+        if local_numel == 0 or numel == 0:
+            fac_total = self._unit_factor_numel(self._whole_shape(shape, group)[0], group) if numel else 0
+            return _Plan(name, (), StateShard(fac_total, 0, 0), StateShard(numel, 0, 0))
+        ushape, to_u, from_u = self._whole_shape(shape, group)
+        offs, total = self._factor_offsets(ushape, 0, group)
+
+        def to_unit(flat: Tensor) -> Tensor:
+            return to_u(flat).contiguous()
+
+        def store(flat: Tensor, u: Tensor) -> None:
+            flat.copy_(from_u(u).reshape(-1))
+
+        return _Plan(name, (_Unit(ushape, to_unit, store, (0, numel), offs),), StateShard(total, 0, total),
+                     StateShard(numel, 0, numel))  # fmt: skip
+
+    def _whole_shape(self, shape: tuple[int, ...], group: dict[str, Any]):
+        """The unit shape of a whole tensor and the maps flat <-> unit (reference merge_dims / channels_last)."""
+        if len(shape) == 0:  # a scalar: plain Adam (no dims to rotate)
+            return (), (lambda f: f.view(())), (lambda u: u)
+        if len(shape) == 1 or not group["merge_dims"]:
+            return tuple(shape), (lambda f: f.view(shape)), (lambda u: u)
+        if self._data_format == "channels_last" and len(shape) == 4:
+            perm_shape = (shape[0], shape[3], shape[1], shape[2])
+            ushape = reference_merge_dims(perm_shape, group["max_precond_dim"])
+            return (ushape, lambda f: f.view(shape).permute(0, 3, 1, 2).reshape(ushape),
+                    lambda u: u.reshape(perm_shape).permute(0, 2, 3, 1))  # fmt: skip
+        ushape = reference_merge_dims(tuple(shape), group["max_precond_dim"])
+        return ushape, (lambda f: f.view(ushape)), (lambda u: u.reshape(shape))
+
+    def _block_plan(self, name: str, info, geom: BlockGeometry, group: dict[str, Any]) -> _Plan:
+        if info.numel == 0:
+            return _Plan(name, (), StateShard(0, 0, 0), StateShard(0, 0, 0))
+        tails = geom.tail_chunks
+
+        def strip_numel(i: int) -> int:
+            r = geom.strip_rows(i)
+            return sum(self._unit_factor_numel((r, *(n for _, n in t)), group) for t in tails)
+
+        s0, s1 = geom.strip_at(info.start), geom.strip_at(info.end)
+        before = sum(strip_numel(i) for i in range(s0))
+        total = before + sum(strip_numel(i) for i in range(s0, geom.num_strips))
+        local_shape = (info.local_numel // geom.cols, *geom.dims[1:])
+        row_base = info.start // geom.cols
+        units, off = [], 0
+        for i in range(s0, s1):
+            r, row0 = geom.strip_rows(i), geom.strip_start_row(i) - row_base
+            for t in tails:
+                shape = (r, *(n for _, n in t))
+                index = (slice(row0, row0 + r), *(slice(s, s + n) for s, n in t))
+                offs, off = self._factor_offsets(shape, off, group)
+
+                def to_unit(flat: Tensor, index=index) -> Tensor:
+                    return flat.view(local_shape)[index].contiguous()
+
+                def store(flat: Tensor, u: Tensor, index=index) -> None:
+                    flat.view(local_shape)[index] = u
+
+                units.append(_Unit(shape, to_unit, store, None, offs))
+        return _Plan(name, tuple(units), StateShard(total, before, before + off),
+                     StateShard(info.numel, info.start, info.end))  # fmt: skip
+
+    def state_shards(self, p: Tensor) -> dict[str, StateShard]:
+        plan = self._plans[p]
+        return {"exp_avg": plan.elem_shard, "exp_avg_sq": plan.elem_shard, "GG": plan.factor_shard,
+                "Q": plan.factor_shard}  # fmt: skip
+
+    # ---- step -------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 - torch.optim signature
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse or torch.is_complex(p):
+                    raise RuntimeError("SOAP does not support sparse gradients or complex parameters")
+                self._step_param(p, group)
+        return loss
+
+    def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
+        plan, st = self._plans[p], self.state[p]
+        st["step"] += 1
+        t = int(st["step"].item())
+        beta1, beta2 = group["betas"]
+        sb = group["shampoo_beta"] if group["shampoo_beta"] >= 0 else beta2
+        g = p.grad.reshape(-1).float()
+        gg, qq = st["GG"], st["Q"]
+        m_all, v_all = st["exp_avg"], st["exp_avg_sq"]
+        if t == 1:
+            for u in plan.units:
+                gu = u.to_unit(g)
+                for dim, (n, off) in enumerate(zip(u.shape, u.factors)):
+                    if off is None:
+                        continue
+                    f = gg[off : off + n * n].view(n, n)
+                    f.lerp_(_outer(gu, dim), 1 - sb)
+                    _, q = torch.linalg.eigh(f + 1e-30 * torch.eye(n, device=f.device))
+                    qq[off : off + n * n].view(n, n).copy_(torch.flip(q, [1]))
+            return
+        s = t - 1
+        step_size = group["lr"]
+        if group["correct_bias"]:
+            step_size = step_size * (1 - beta2**s) ** 0.5 / (1 - beta1**s)
+        direction = torch.empty_like(g)
+        news = []
+        for u in plan.units:
+            qs = [None if off is None else qq[off : off + n * n].view(n, n) for n, off in zip(u.shape, u.factors)]
+            gu = u.to_unit(g)
+            m, v = self._moment(m_all, u), self._moment(v_all, u)
+            gp = _rotate(gu, qs, back=False)
+            m.mul_(beta1).add_(gp, alpha=1 - beta1)
+            v.mul_(beta2).add_(gp.square(), alpha=1 - beta2)
+            n_dir = _rotate(m / v.sqrt().add_(group["eps"]), qs, back=True)
+            if group["normalize_grads"]:
+                n_dir = n_dir / (1e-30 + torch.mean(n_dir**2) ** 0.5)
+            u.store(direction, n_dir)
+            news.append((u, gu, m, v, qs))
+        flat = p.view(-1)
+        flat.add_(direction.to(flat.dtype), alpha=-step_size)
+        if group["weight_decay"] > 0.0:
+            flat.add_(flat, alpha=-group["lr"] * group["weight_decay"])
+        for u, gu, m, v, qs in news:
+            m = _rotate(m, qs, back=True)
+            for dim, (n, off) in enumerate(zip(u.shape, u.factors)):
+                if off is not None:
+                    gg[off : off + n * n].view(n, n).lerp_(_outer(gu, dim), 1 - sb)
+            if s % group["precondition_frequency"] == 0:
+                for dim, (n, off) in enumerate(zip(u.shape, u.factors)):
+                    if off is None:
+                        continue
+                    f, o = gg[off : off + n * n].view(n, n), qq[off : off + n * n].view(n, n)
+                    est = torch.diag(o.T @ f @ o)
+                    idx = torch.argsort(est, descending=True)
+                    v = v.index_select(dim, idx)
+                    q, _ = torch.linalg.qr(f @ o[:, idx])
+                    o.copy_(q)
+            m = _rotate(m, [None if off is None else qq[off : off + n * n].view(n, n)
+                            for n, off in zip(u.shape, u.factors)], back=False)  # fmt: skip
+            self._put_moment(m_all, u, m)
+            self._put_moment(v_all, u, v)
+
+    @staticmethod
+    def _moment(flat: Tensor, u: _Unit) -> Tensor:
+        if u.elem is not None:
+            return flat[u.elem[0] : u.elem[1]].view(u.shape).clone()
+        return u.to_unit(flat)
+
+    @staticmethod
+    def _put_moment(flat: Tensor, u: _Unit, x: Tensor) -> None:
+        if u.elem is not None:
+            flat[u.elem[0] : u.elem[1]].copy_(x.reshape(-1))
+        else:
+            u.store(flat, x)
+
+
+def _outer(g: Tensor, dim: int) -> Tensor:
+    other = [d for d in range(g.ndim) if d != dim]
+    return torch.tensordot(g, g, dims=(other, other))
+
+
+def _rotate(x: Tensor, qs: list[Tensor | None], *, back: bool) -> Tensor:
+    """``project`` (``x x_i Q_i``, contracting Q's rows) or ``project_back`` (its columns) over every
+    dim; unrotated dims are cycled to the end so every dim is back in place after ``ndim`` steps."""
+    for q in qs:
+        if q is None:
+            x = x.permute(*range(1, x.ndim), 0)
+        else:
+            x = torch.tensordot(x, q, dims=([0], [1 if back else 0]))
+    return x
