@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from ..sharding._blocks import BlockRule, BlockSpec
 from ..sharding._ragged import RaggedShard
-from ..sharding._shard_info import ShardInfo, shard_info
+from ..sharding._shard_info import ShardInfo, check_not_replaced, shard_info
 
 __all__ = ["param_info", "checked_param_info", "require_spec", "check_adam_hparams", "make_dcp_ready", "StateShard", "ShardedState"]
 
@@ -48,6 +48,7 @@ def param_info(p: torch.Tensor, rule: BlockRule, *, name: str = "") -> ShardInfo
     info = shard_info(p)
     if info is not None:
         return info
+    check_not_replaced([p], owner="the optimizer")
     shape = tuple(p.shape)
     spec = rule(name, p, None)
     spec.check(shape, name or f"parameter of shape {shape}")

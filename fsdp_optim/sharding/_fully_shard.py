@@ -102,6 +102,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -120,7 +121,7 @@ from ._float8 import Float8AllGather, Float8Gather, tile_aligned
 from ._mixed_precision import MixedPrecisionPolicy
 from ._plan import BucketPlan, Plan, PlanConfig, TensorSpec
 from ._planner import plan_model
-from ._shard_info import ShardInfo, set_shard_info, shard_info
+from ._shard_info import ShardInfo, check_not_replaced, mark_replaced, set_shard_info, shard_info
 
 __all__ = ["fully_shard", "ShardedModule", "sharded_plan"]
 
@@ -237,6 +238,7 @@ class ShardedModule:
         if st.bucket is not None:
             st.bucket.unshard()
             st.bucket.wait_unshard()
+            st.bucket.explicit_unshard = True
 
     def reshard(self) -> None:
         """Free this module's gathered parameters and swap the sharded ones back."""
@@ -381,6 +383,13 @@ def _resolve_mesh(
     initialized = dist.is_available() and dist.is_initialized()
     if mesh is None:
         if not initialized:
+            env_world = os.environ.get("WORLD_SIZE", "1")
+            if env_world.isdigit() and int(env_world) > 1:
+                raise ValueError(
+                    f"fully_shard: WORLD_SIZE={env_world} in the environment (launched by torchrun?) but no process "
+                    "group is initialized, so every rank would train alone as a world of one; call "
+                    "torch.distributed.init_process_group(...) before fully_shard (or pass mesh=...)"
+                )
             return None, 0, 1, torch.device("cpu"), None, 1
         group = dist.group.WORLD
         return group, dist.get_rank(group), dist.get_world_size(group), _device_of_backend(group), None, 1
@@ -631,6 +640,12 @@ class _Runtime:
         self.post_forward_order: list[_Bucket] = []
         self.callback_queued = False
         self.pending_reduces: list[_Bucket] = []
+        self.generation = 0  # bumped at the end of every backward (see _PendingCall)
+        self.params_stepped = False  # an optimizer stepped since the last forward (see [Note: stale gathers])
+        self.debug = os.environ.get("FSDP_OPTIM_DEBUG", "0") not in ("", "0")
+        self.num_collectives = 0
+        _LIVE_RUNTIMES.add(self)
+        _install_optimizer_hooks()
 
     # ---- construction ----------------------------------------------------------------------
     @staticmethod
@@ -722,8 +737,11 @@ class _Runtime:
 
     def _detach(self) -> None:
         """Drop this (absorbed) runtime's storage now rather than at the next cyclic GC."""
+        _LIVE_RUNTIMES.discard(self)
         for b in self.buckets:
             b.reshard()
+            for sp in b.sharded:
+                mark_replaced(sp, shard_info(sp).fqn)
             b.buffer = b.gathered = b.flat_grad = b.flat_views = b.grad_seg = b.fp8_gather = None
             b.sharded, b.unsharded, b.entries = [], [], []
         self.buckets = []
@@ -735,9 +753,18 @@ class _Runtime:
         self.finish_reduces()
         self.prev_forward_order = self.forward_order
         self.forward_order, self.post_forward_order = [], []
+        stepped, self.params_stepped = self.params_stepped, False
         for b in self.buckets:
             b.rebind()
             b.used = False
+            # [Note: stale gathers] A bucket still gathered here was gathered by a forward whose
+            # backward never ran (an evaluation forward with grad enabled, or a dropped graph), or by
+            # an explicit ``unshard()``. Its values predate any optimizer step since then, so it is
+            # freed and gathered again by this forward: always for the former, and for explicit
+            # gathers once an optimizer has stepped (torch's global step hook, which runs on every
+            # rank alike, so every rank decides the same and the collectives stay matched).
+            if (b.is_unsharded or b.gather_handle is not None) and (stepped or not b.explicit_unshard):
+                b.reshard()
         self.state = _TrainingState.FORWARD
 
     def root_post_forward(self) -> None:
@@ -781,8 +808,28 @@ class _Runtime:
             b.post_backward_done = False
             b.pre_backward_done = False
             b.num_pending_calls = 0
+        self.generation += 1  # calls registered by graphs that backward did not reach no longer count
         self.callback_queued = False
         self.state = _TrainingState.IDLE
+
+    def check_collective(self, b: _Bucket, op: str) -> None:
+        """Debug mode (``FSDP_OPTIM_DEBUG=1``): before each collective, all ranks agree on what it is
+        (bucket and operation), so a rank whose sequence differs (it skipped a module's forward, or
+        backward) raises on every rank, naming it, instead of hanging or mixing up buckets."""
+        if not self.debug or self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        self.num_collectives += 1
+        mine = (b.plan.name, op, self.num_collectives)
+        every: list = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=self.group)
+        bad = [r for r, x in enumerate(every) if x[:2] != mine[:2]]
+        if bad:
+            raise RuntimeError(
+                "fully_shard (FSDP_OPTIM_DEBUG): ranks disagree on the next collective: "
+                + "; ".join(f"rank {r}: {x[1]} of bucket {x[0]!r} (collective #{x[2]})" for r, x in enumerate(every))
+                + ". Every rank must run the same sharded modules' forward and backward in the same order "
+                "(a rank that skips a module or a backward hangs the others without this check)"
+            )
 
     def issue_reduce(self, b: _Bucket) -> None:
         if b.replicate_group is None:
@@ -864,6 +911,8 @@ class _Bucket:
                 )
                 self.sharded.append(sp)
                 e.full = None
+                if e.param is not sp:
+                    mark_replaced(e.param, e.fqn)
                 e.param = sp  # drop the original (full) tensor: it is not kept alive by the runtime
         self.expected_ptrs = [sp.data_ptr() for sp in self.sharded]
         # Gathered buffer (compute dtype) and unsharded parameters: views into its ``.data`` so the
@@ -898,6 +947,7 @@ class _Bucket:
         self._replica_out: tuple[torch.Tensor, bool] | None = None  # (reduced shard, add it to grad_seg)
         self._grad_seg_ref: weakref.ref | None = None  # see [Note: gradient segment lifetime]
         self.used = False
+        self.explicit_unshard = False  # gathered by ShardedModule.unshard(), not by a forward
         self.pre_backward_done = False
         self.post_backward_done = False
         self.num_pending_calls = 0
@@ -927,6 +977,7 @@ class _Bucket:
         """Issue the all-gather (async); no-op when gathered or in flight."""
         if self.is_unsharded or self.gather_handle is not None:
             return
+        self.runtime.check_collective(self, "all_gather")
         if self.gathered.untyped_storage().nbytes() == 0:
             self.gathered.untyped_storage().resize_(self._gathered_nbytes)
         seg = self.buffer.segment
@@ -951,6 +1002,7 @@ class _Bucket:
             self.gather_handle = None
             self.is_unsharded = True
         self._set_params(self.sharded)
+        self.explicit_unshard = False
         if self.is_unsharded:
             self._free_gathered()
             self.is_unsharded = False
@@ -1041,6 +1093,7 @@ class _Bucket:
         if not self.requires_sync:
             return  # keep summing into flat_grad (gradient accumulation without sync)
         self.flat_grad = self.flat_views = None
+        self.runtime.check_collective(self, "reduce_scatter")
         accumulate = self._prepare_grad_segment()
         out = self.grad_seg
         if self.replicate_group is not None and (accumulate or self.reduce_dtype != self.buffer.dtype):
@@ -1171,29 +1224,107 @@ class _PostBackward(torch.autograd.Function):
     parameters' AccumulateGrad nodes, which it always runs first; as FSDP2 does)."""
 
     @staticmethod
-    def forward(ctx, bucket: _Bucket, *inputs: torch.Tensor):
-        ctx.bucket = bucket
+    def forward(ctx, call: _PendingCall, *inputs: torch.Tensor):
+        ctx.call = call
         return inputs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        b = ctx.bucket
+        call = ctx.call
+        b = call.bucket
         b.runtime.queue_final_callback()
-        b.num_pending_calls -= 1
+        call.finish()
         if b.num_pending_calls <= 0 and not b.post_backward_done:  # the module's last use is done
             b.post_backward()
         return (None, *grads)
+
+
+class _PendingCall:
+    """One grad-enabled call of a bucket's module whose backward has not run yet.
+
+    A module called k times reduces after its k-th backward, so each call raises the bucket's
+    count and its backward lowers it. The object lives in the autograd graph (``ctx``): if the
+    graph is dropped without a backward (an evaluation forward with grad enabled), it is freed and
+    lowers the count then, so the next backward still reduces each bucket as soon as it is done
+    instead of deferring every reduction to the end of backward. Calls from before the last end of
+    backward (an older generation) no longer count."""
+
+    __slots__ = ("bucket", "generation", "done")
+
+    def __init__(self, bucket: _Bucket) -> None:
+        self.bucket = bucket
+        self.generation = bucket.runtime.generation
+        self.done = False
+        bucket.num_pending_calls += 1
+
+    def finish(self) -> None:
+        if not self.done:
+            self.done = True
+            if self.generation == self.bucket.runtime.generation:
+                self.bucket.num_pending_calls -= 1
+
+    def __del__(self) -> None:
+        try:
+            self.finish()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 def _register_post_backward(bucket: _Bucket, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     leaves, spec = tree_flatten((args, kwargs))
     idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
     if idx:
-        bucket.num_pending_calls += 1  # a module called k times reduces after its k-th backward
-        outs = _PostBackward.apply(bucket, *(leaves[i] for i in idx))
+        outs = _PostBackward.apply(_PendingCall(bucket), *(leaves[i] for i in idx))
         for i, o in zip(idx, outs):
             leaves[i] = o
     return tree_unflatten(leaves, spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Guards through torch's global optimizer hooks
+# ---------------------------------------------------------------------------------------------
+_LIVE_RUNTIMES: weakref.WeakSet = weakref.WeakSet()
+_HOOKS_INSTALLED = False
+_CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if _CHECKED_OPTIMIZERS.get(optimizer) == len(params):
+        return
+    check_not_replaced(params, owner=f"{type(optimizer).__name__} (at its first step)")
+    sharded = [shard_info(p) for p in params]
+    multi = [i for i in sharded if i is not None and i.world_size > 1]
+    if multi:
+        plain = [p for p, i in zip(params, sharded) if i is None and p.requires_grad]
+        if plain:
+            warnings.warn(
+                f"{type(optimizer).__name__}: {len(plain)} trainable parameter(s) (shapes "
+                f"{[tuple(p.shape) for p in plain[:4]]}{' ...' if len(plain) > 4 else ''}) are not managed by "
+                f"fully_shard while others are sharded over {multi[0].world_size} ranks: their gradients are not "
+                "averaged across ranks and the ranks will drift apart. Call fully_shard on the model's root module "
+                "too (it shards every parameter the inner calls did not)",
+                stacklevel=3,
+            )
+    _CHECKED_OPTIMIZERS[optimizer] = len(params)
+
+
+def _optimizer_post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # Every rank runs the same optimizer steps, so marking every live runtime keeps the decision in
+    # root_pre_forward the same on every rank (see [Note: stale gathers]).
+    for rt in list(_LIVE_RUNTIMES):
+        rt.params_stepped = True
+
+
+def _install_optimizer_hooks() -> None:
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_optimizer_pre_step)
+    register_optimizer_step_post_hook(_optimizer_post_step)
+    _HOOKS_INSTALLED = True
 
 
 def _register_on_tensors(obj: Any, hook: Callable[[torch.Tensor], torch.Tensor]) -> Any:

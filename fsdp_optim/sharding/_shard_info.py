@@ -9,6 +9,7 @@ matching flat view into the gradient segment. ``shard_info(p)`` returns the meta
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -17,9 +18,10 @@ import torch.distributed as dist
 from ._blocks import BlockSpec
 from ._ragged import RaggedShard
 
-__all__ = ["ShardInfo", "shard_info", "set_shard_info"]
+__all__ = ["ShardInfo", "shard_info", "set_shard_info", "mark_replaced", "check_not_replaced"]
 
 _ATTR = "_fsdp_optim_shard"
+_REPLACED = "_fsdp_optim_replaced_by"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,3 +86,24 @@ def shard_info(p: torch.Tensor) -> ShardInfo | None:
 
 def set_shard_info(p: torch.Tensor, info: ShardInfo | None) -> None:
     setattr(p, _ATTR, info)
+
+
+def mark_replaced(p: object, fqn: str) -> None:
+    """Mark a parameter object that ``fully_shard`` replaced (an optimizer holding it trains nothing)."""
+    if isinstance(p, torch.Tensor):
+        try:
+            setattr(p, _REPLACED, fqn)
+        except (AttributeError, RuntimeError):  # pragma: no cover - tensors that refuse attributes
+            pass
+
+
+def check_not_replaced(params: Iterable[torch.Tensor], *, owner: str) -> None:
+    """``ValueError`` if any of ``params`` is a parameter object that ``fully_shard`` replaced."""
+    for p in params:
+        fqn = getattr(p, _REPLACED, None)
+        if fqn is not None:
+            raise ValueError(
+                f"{owner} holds parameter {fqn or '<unnamed>'} (shape {tuple(p.shape)}) that fully_shard replaced "
+                "with a sharded parameter: it would never be updated. Build the optimizer after the outermost "
+                "fully_shard call (the root), from model.parameters()"
+            )
