@@ -20,7 +20,7 @@ from torch import nn
 import fsdp_optim
 from fsdp_optim._testing import DistributedTestError, run_distributed
 from fsdp_optim.optimizers import AdamW
-from tests._models import TinyConfig, TinyTransformer, make_batch
+from tests._models import TinyConfig, TinyTransformer, assert_close_after_adamw, make_batch
 
 CFG = TinyConfig(vocab_size=101, dim=24, num_heads=2, num_layers=2, mlp_dim=40)
 GLOBAL_BATCH, SEQ, LR = 6, 8, 1e-2
@@ -64,11 +64,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _assert_close(got: dict, want: dict) -> None:
-    # The sharded run reduces gradients over ranks (a different summation order than one process),
-    # so parameters agree to float32 rounding after a few AdamW steps, not bitwise.
-    assert got.keys() == want.keys()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-5, msg=k)
+    assert_close_after_adamw(got, want, lr=LR)
 
 
 @pytest.mark.parametrize("eval_mode", ["no_grad", "grad_enabled", "grad_enabled_kept"])
