@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
-# Installs fsdp_optim and its test dependencies into the current Python.
-# torch is pinned to the CPU build first: a bare "torch" requirement would pull a multi-GB CUDA build.
+# Installs fsdp_optim (editable) and its test dependencies into the current Python.
+# torch: an existing install is kept. Otherwise torch==2.13.0 is installed from PyPI, which on Linux
+# is the CUDA build (multi-GB; right for GPU machines). For the CPU-only wheel, install it first:
+#   pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# Nothing is installed when this checkout's fsdp_optim and every dependency already import.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if "$PY" - 2>/dev/null <<'PYEOF'
+import os, sys
+import fsdp_optim, torch, torchao, einops, tqdm, matplotlib, numpy, pytest, pytest_timeout, hypothesis  # noqa: E401,F401
+sys.exit(0 if os.path.samefile(os.path.dirname(fsdp_optim.__file__), "fsdp_optim") else 1)
+PYEOF
+then
+  exit 0
+fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
