@@ -3,14 +3,16 @@
 # torch: an existing install is kept. Otherwise torch==2.13.0 is installed from PyPI, which on Linux
 # is the CUDA build (multi-GB; right for GPU machines). For the CPU-only wheel, install it first:
 #   pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-# Nothing is installed when this checkout's fsdp_optim and every dependency already import.
+# Nothing is installed when this checkout's fsdp_optim and every dependency are already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if "$PY" - 2>/dev/null <<'PYEOF'
-import os, sys
-import fsdp_optim, torch, torchao, einops, tqdm, matplotlib, numpy, pytest, pytest_timeout, hypothesis  # noqa: E401,F401
-sys.exit(0 if os.path.samefile(os.path.dirname(fsdp_optim.__file__), "fsdp_optim") else 1)
+import importlib.util, os, sys
+deps = ("torch", "torchao", "einops", "tqdm", "matplotlib", "numpy", "pytest", "pytest_timeout", "hypothesis", "transformers")
+spec = importlib.util.find_spec("fsdp_optim")  # found, not imported: this check takes milliseconds
+ours = spec is not None and os.path.samefile(os.path.dirname(spec.origin), "fsdp_optim")
+sys.exit(0 if ours and all(importlib.util.find_spec(d) for d in deps) else 1)
 PYEOF
 then
   exit 0
