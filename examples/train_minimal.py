@@ -7,6 +7,7 @@ A second run with the same --out resumes from its checkpoint.
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -107,6 +108,12 @@ def main() -> None:
     fsdp_optim.save_checkpoint(ckpt, model=model, optimizer=optimizer, extra={"step": args.steps})
     if rank == 0:
         print(f"saved {ckpt}", flush=True)
+
+    # 8. Tear down: the sharded model and optimizer reference the process group (in reference
+    #    cycles), so free them before destroying it; left to interpreter exit, the group's
+    #    teardown can abort the process.
+    del model, optimizer, groups
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -16,6 +16,7 @@ the training loop (with eval, metrics and checkpoints), and the loss plot.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -568,6 +569,7 @@ def cli(argv: list[str] | None = None) -> int:
         return 2
     finally:
         if dist.is_initialized():
+            gc.collect()  # free the sharded model (it references the group) before destroying the group
             dist.destroy_process_group()
 
 
