@@ -8,11 +8,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if "$PY" - 2>/dev/null <<'PYEOF'
-import importlib.util, os, sys
-deps = ("torch", "torchao", "einops", "tqdm", "matplotlib", "numpy", "pytest", "pytest_timeout", "hypothesis", "transformers")
+# Exit 0 (skip installing) only if fsdp_optim resolves to this checkout and every core and dev
+# dependency of pyproject.toml is importable (distribution name -> module name: "-" -> "_").
+import importlib.util, os, re, sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+reqs = project["dependencies"] + project["optional-dependencies"]["dev"]
+names = [re.split(r"[<>=!~ \[]", r, maxsplit=1)[0] for r in reqs if ";" not in r]
 spec = importlib.util.find_spec("fsdp_optim")  # found, not imported: this check takes milliseconds
 ours = spec is not None and os.path.samefile(os.path.dirname(spec.origin), "fsdp_optim")
-sys.exit(0 if ours and all(importlib.util.find_spec(d) for d in deps) else 1)
+sys.exit(0 if ours and all(importlib.util.find_spec(n.lower().replace("-", "_")) for n in names) else 1)
 PYEOF
 then
   exit 0
