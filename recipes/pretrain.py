@@ -317,6 +317,16 @@ def finished_run(out: Path, cfg: Config) -> str | None:
     )
 
 
+def check_unfinished(out: Path, cfg: Config, resume: bool) -> None:
+    """An unfinished run in ``out`` continues only with ``--resume`` (never overwritten silently)."""
+    ckpt = latest_checkpoint(out)
+    if ckpt is not None and not resume:
+        raise ValueError(
+            f"{out} already holds checkpoints (latest {ckpt.name}, train.steps {cfg.train.steps}); pass --resume to "
+            "continue, or use another --out"
+        )
+
+
 def summary(rec: dict, step: int) -> str:
     """``step S: loss L, held-out H`` rounded to 3 decimals (what the last line of a run says)."""
     text = f"step {step}"
@@ -398,11 +408,7 @@ def main(argv: list[str] | None = None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     ckpt = latest_checkpoint(out)
-    if ckpt is not None and not args.resume:
-        raise ValueError(
-            f"{out} already holds checkpoints (latest {ckpt.name}, train.steps {t.steps}); pass --resume to continue, "
-            "or use another --out"
-        )
+    check_unfinished(out, cfg, args.resume)
     if ckpt is not None:
         extra = load_checkpoint(ckpt, model, optimizer, scheduler, backend)
         step = int(extra["step"])
@@ -553,6 +559,7 @@ def cli(argv: list[str] | None = None) -> int:
             if report is not None:
                 print(report, flush=True)
                 return 3 if args.check is not None else 0
+            check_unfinished(Path(args.out), cfg, args.resume)
             load_data(cfg, world)
             check_model(cfg)
             if args.check is not None:

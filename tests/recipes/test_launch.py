@@ -64,6 +64,12 @@ def test_check_validates_before_any_rank(tmp_path, capsys, monkeypatch):
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and err.startswith(match), (bad, err)
     assert not list(tmp_path.iterdir())
+    # An unfinished run is never trained over without --resume; the check says so before any rank starts.
+    (tmp_path / "checkpoints" / "step_000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000001" / "recipe_done.json").write_text('{"step": 1}')
+    assert pretrain.cli([*TINY, *out, "--check", "2"]) == 2
+    assert "already holds checkpoints (latest step_000001, train.steps 100); pass --resume" in capsys.readouterr().err
+    assert pretrain.cli([*TINY, *out, "--resume", "--check", "2"]) == 0
 
 
 def test_torchrun_config_error_is_one_line_on_rank_0(tmp_path):
