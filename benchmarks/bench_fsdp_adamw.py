@@ -22,7 +22,8 @@ Measured per rank, reported as the max over ranks (the slowest rank sets the pac
   max and the min over ranks are compared.
 
 Usage: ``python benchmarks/bench_fsdp_adamw.py [--world-size 2] [--steps 10] ...``; prints the
-figures and ratios (ours / FSDP2) and writes benchmarks/results/bench_fsdp_adamw.json.
+figures and ratios (ours / FSDP2) and writes benchmarks/results/bench_fsdp_adamw.json (a run with any
+flag changed: runs/bench-quick/bench_fsdp_adamw.json; ``--out DIR`` chooses the folder).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ sys.path.insert(0, _ROOT)
 import fsdp_optim  # noqa: E402
 from tests._models import TinyConfig, TinyTransformer, make_batch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _out import out_dir  # noqa: E402
+
 
 def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -60,8 +64,11 @@ def _parse(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results", "bench_fsdp_adamw.json"))
-    return ap.parse_args(argv)
+    ap.add_argument("--out", default=None, help="output folder (default: benchmarks/results/ for the full run, "
+                    "runs/bench-quick/ when any flag is changed)")
+    args = ap.parse_args(argv)
+    args.out_file = str(out_dir(ap, args, keep=("out_file",)) / "bench_fsdp_adamw.json")
+    return args
 
 
 def _cfg(a) -> TinyConfig:
@@ -264,7 +271,7 @@ def main(argv=None) -> None:
         for r, res in enumerate(results)))
     print("memory ratio ours/FSDP2, min over ranks: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios_min.items()))
     record = {
-        "config": {k: v for k, v in vars(a).items() if k != "out"},
+        "config": {k: v for k, v in vars(a).items() if k not in ("out", "out_file")},
         "num_params": n_params,
         "per_rank": results,
         "summary_max_over_ranks": summary,
@@ -274,10 +281,10 @@ def main(argv=None) -> None:
         "memory_measure": "live CPU tensor bytes from torch.profiler allocation events (profile_memory=True)",
         "torch": torch.__version__,
     }
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
+    os.makedirs(os.path.dirname(a.out_file), exist_ok=True)
+    with open(a.out_file, "w") as f:
         json.dump(record, f, indent=2)
-    print(f"wrote {a.out}")
+    print(f"wrote {a.out_file}")
 
 
 if __name__ == "__main__":

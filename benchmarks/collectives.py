@@ -15,6 +15,7 @@ time of a rep is the slowest rank's; we report the median over ``--reps`` reps a
 ``--warmup`` warm-up reps, and each form's ratio to the even form of the same direction.
 
     python benchmarks/collectives.py            # W = 2 and 4, 8M floats -> benchmarks/results/collectives.json
+    python benchmarks/collectives.py --reps 3   # any changed flag is a partial run -> runs/bench-quick/
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _out import out_dir  # noqa: E402
 
 from fsdp_optim._testing import run_distributed  # noqa: E402
 from fsdp_optim.sharding import BucketPlan, DistributedBuffer, Layout, Placement, RaggedShard, elements  # noqa: E402
@@ -124,10 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument(
-        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "collectives.json")
-    )
+    ap.add_argument("--out", default=None, help="output folder (default: benchmarks/results/ for the full run, "
+                    "runs/bench-quick/ when any flag is changed)")
     args = ap.parse_args(argv)
+    out = out_dir(ap, args) / "collectives.json"
     all_rows = []
     for w in args.world_sizes:
         rows = run_distributed(lambda w=w: _bench(args.numel, args.reps, args.warmup), world_size=w, timeout=1800)[0]
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['world_size']:>2} {r['split']:>7} {r['direction']:>15} {r['form']:>22} "
             f"{r['median_s'] * 1e3:>10.1f} {r['ratio_to_even']:>7.2f}  [{sizes}]"
         )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "backend": "gloo",
         "numel": args.numel,
@@ -153,9 +158,8 @@ def main(argv: list[str] | None = None) -> None:
         "load_avg_1m_at_end": os.getloadavg()[0],
         "command": "python benchmarks/collectives.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": all_rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    out.write_text(json.dumps({"meta": meta, "rows": all_rows}, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,8 @@ from fsdp_optim.sharding._presets import preset_buckets, preset_names
 
 WORLD_SIZES = (8, 64, 256, 1024, 4096, 16384)
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _out import out_dir  # noqa: E402
 SCHEMES = ("ours", "fsdp2_muon", "gather_scatter")
 SCHEME_LABELS = {
     "ours": "(a) ours",
@@ -430,7 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ragged-model", default=LinkConfig.ragged_model, choices=("grouped", "grouped-serial", "ring-max"))
     ap.add_argument("--out-name", default="comm_model", help="results/<name>.{json,md,png}")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
+    ap.add_argument("--out", default=None, help="output folder (default: benchmarks/results/ for the full run with "
+                    "default assumptions, runs/bench-quick/ when any other flag is changed)")
     args = ap.parse_args(argv)
+    results = out_dir(ap, args, keep=("shard_size", "out_name", "no_write"))
     link = LinkConfig(
         bandwidth_gbps=args.bandwidth_gbps, alpha_us=args.alpha_us, param_bytes=args.param_bytes,
         grad_bytes=args.grad_bytes, optim_bytes=args.optim_bytes, latency=args.latency, ragged_model=args.ragged_model,
@@ -460,11 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_write:
         print(md)
         return 0
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.out_name}.json").write_text(json.dumps(data, indent=1))
-    (RESULTS / f"{args.out_name}.md").write_text(md)
-    plot(data, RESULTS / f"{args.out_name}.png")
-    print(f"wrote {RESULTS}/{args.out_name}.{{json,md,png}} in {data['seconds']:.0f} s")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{args.out_name}.json").write_text(json.dumps(data, indent=1))
+    (results / f"{args.out_name}.md").write_text(md)
+    plot(data, results / f"{args.out_name}.png")
+    print(f"wrote {results}/{args.out_name}.{{json,md,png}} in {data['seconds']:.0f} s")
     return 0
 
 

@@ -1,12 +1,12 @@
 """Planner at scale, simulated: every preset x optimizer x world size x layout.
 
-Writes benchmarks/results/planner_scale.{json,md,png}: padding %, split matrix bytes %,
+Writes benchmarks/results/planner_scale.{json,md,png} (a --quick run: runs/bench-quick/; --out DIR): padding %, split matrix bytes %,
 per-rank bytes and optimizer cost max/mean, the whole-block lower bound (largest block over
 mean per-rank bytes), plan seconds; and per preset the largest power-of-two W at which Muon
 matrices / Shampoo blocks (ragged, whole blocks) still balance within 10%.
 
     python benchmarks/planner_scale.py            # full grid (a few minutes on 2 cores)
-    python benchmarks/planner_scale.py --quick    # W in {8, 1024}, for a smoke run
+    python benchmarks/planner_scale.py --quick    # W in {8, 1024}, for a smoke run -> runs/bench-quick/
     python benchmarks/planner_scale.py --shard-size 64   # HSDP: plan over 64 ranks, replicate W/64
                                                          # (writes planner_scale_hsdp64.*)
 """
@@ -19,6 +19,9 @@ import platform
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _out import out_dir  # noqa: E402
 
 from fsdp_optim._cli import optimizer_rule
 from fsdp_optim.sharding import PlanConfig, plan_model
@@ -143,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="W in {8, 1024} only")
     ap.add_argument("--shard-size", type=int, default=None, help="HSDP: plan over this many ranks, replicate the rest")
+    ap.add_argument("--out", default=None, help="output folder (default: benchmarks/results/; --quick: runs/bench-quick/)")
     args = ap.parse_args(argv)
+    results = out_dir(ap, args, keep=("shard_size",))
     world_sizes = (8, 1024) if args.quick else WORLD_SIZES
     if args.shard_size is not None and any(w % min(w, args.shard_size) for w in world_sizes):
         ap.error(f"--shard-size {args.shard_size} must divide every world size {world_sizes} it is smaller than")
@@ -155,11 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     data["command"] = command
     data["shard_size"] = args.shard_size
     data["seconds"] = time.perf_counter() - t0
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1))
-    (RESULTS / f"{name}.md").write_text(_md(data, command))
-    _plot(data, RESULTS / f"{name}.png")
-    print(f"wrote {RESULTS}/{name}.{{json,md,png}} in {data['seconds']:.0f} s")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{name}.json").write_text(json.dumps(data, indent=1))
+    (results / f"{name}.md").write_text(_md(data, command))
+    _plot(data, results / f"{name}.png")
+    print(f"wrote {results}/{name}.{{json,md,png}} in {data['seconds']:.0f} s")
     return 0
 
 

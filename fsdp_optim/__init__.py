@@ -1,6 +1,7 @@
 """fsdp_optim: FSDP with block-aligned ragged sharding for whole-block optimizers."""
 
-from . import sharding
+from . import _quiet_torchao, sharding  # noqa: F401  (_quiet_torchao: see its docstring)
+from ._param_groups import global_shape, param_groups
 from .sharding._checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
 from .sharding._clip import clip_grad_norm_
 from .sharding._float8 import Float8AllGather
@@ -18,9 +19,11 @@ __all__ = [
     "clip_grad_norm_",
     "full_state_dict",
     "fully_shard",
+    "global_shape",
     "init_weights",
     "load_checkpoint",
     "load_full_state_dict",
+    "param_groups",
     "save_checkpoint",
     "shard_info",
     "sharded_plan",

@@ -8,6 +8,12 @@ import sys
 
 __all__ = ["main"]
 
+DESCRIPTION = (
+    "fsdp_optim command line tools. 'fsdp-optim plan' lays out a public model's weights (shapes only, no "
+    "download) over W simulated ranks and reports padding, split matrices, per-rank balance and planner time."
+)
+EPILOG = "Example: fsdp-optim plan --model llama3-70b --world-size 1024 --optimizer muon"
+
 OPTIMIZERS = ("adamw", "adamw8bit", "muon", "shampoo")
 
 
@@ -117,7 +123,7 @@ _COMMANDS = [_add_plan]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fsdp-optim", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fsdp-optim", description=DESCRIPTION, epilog=EPILOG)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in _COMMANDS:
         add(sub)

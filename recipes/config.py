@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the tomli backport (a dependency there, see pyproject.toml)
+    import tomli as tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from config import ModelConfig
@@ -64,13 +65,13 @@ class Attention(nn.Module):
         self.wo.is_out_proj = True  # residual-branch output: smaller init (see Transformer.init_module)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # Split the projections into heads: [batch, time, heads * head_dim] -> [batch, heads, time, head_dim].
+        q = rearrange(self.wq(x), "b t (h d) -> b h t d", h=self.n_heads)
+        k = rearrange(self.wk(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
+        v = rearrange(self.wv(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        return self.wo(rearrange(y, "b h t d -> b t (h d)"))
 
 
 class FeedForward(nn.Module):

@@ -4,8 +4,11 @@
     torchrun --nproc_per_node=2 recipes/pretrain.py --config recipes/configs/tiny.toml --out runs/tiny --resume
     torchrun ... --optimizer muon --steps 50 --set model.dim=128 --set train.batch_size=4
 
+    python recipes/pretrain.py --config recipes/configs/tiny.toml --out runs/tiny --check 2   # validate only
+
 Writes OUT/metrics.jsonl (one JSON object per logged step), OUT/loss.png, OUT/config.json and
-OUT/checkpoints/step_NNNNNN/. ``--set section.key=value`` overrides any config key (see config.py).
+OUT/checkpoints/step_NNNNNN/. Run without torchrun, the script checks the config, data and model
+and prints the torchrun command to use. A finished run in OUT is reported (exit 0), not retrained. ``--set section.key=value`` overrides any config key (see config.py).
 The script reads top to bottom: config, process group, data, model, sharding, optimizer, resume,
 the training loop (with eval, metrics and checkpoints), and the loss plot.
 """
@@ -13,10 +16,12 @@ the training loop (with eval, metrics and checkpoints), and the loss plot.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
 import resource
+import shlex
 import shutil
 import sys
 import time
@@ -104,24 +109,14 @@ def init_sharded(model: torch.nn.Module, backend: str, device: torch.device) -> 
         model.init_weights()  # FSDP2: on DTensors, so each rank draws its own shards
 
 
-def global_ndim(p: torch.Tensor) -> int:
-    """Dims of the full parameter (ours are flat 1-D pieces; FSDP2's DTensors report the global shape)."""
-    from fsdp_optim import shard_info
-
-    info = shard_info(p)
-    return len(info.shape) if info is not None else p.ndim
-
-
 def build_optimizer(model: torch.nn.Module, cfg: Config, backend: str) -> torch.optim.Optimizer:
     o = cfg.optim
     lr = o.lr if o.lr is not None else DEFAULT_LR[o.name]
-    params = list(model.parameters())
-    # Weight decay on matrices only (not norms, biases); nanoGPT's grouping.
-    groups = [
-        {"params": [p for p in params if global_ndim(p) >= 2], "weight_decay": o.weight_decay},
-        {"params": [p for p in params if global_ndim(p) < 2], "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]
+    # Weight decay on matrices only (not norms, biases): nanoGPT's grouping, by the *global* shape
+    # (a sharded parameter is a flat 1-D piece, so p.ndim would say 1 for all of them).
+    import fsdp_optim
+
+    groups = fsdp_optim.param_groups(model, weight_decay=o.weight_decay)
     if backend == "fsdp_optim":
         from fsdp_optim import optimizers
 
@@ -214,8 +209,17 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------
+class UsageError(ValueError):
+    """A bad command line (argparse's errors, raised instead of printed so that only rank 0 reports)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage and exits on every rank; one line on rank 0 instead
+        raise UsageError(f"{message} (python {self.prog} --help lists the flags)")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="recipes/pretrain.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML config (recipes/configs/*.toml); default: built-in defaults")
     p.add_argument("--out", required=True, help="output folder: metrics.jsonl, loss.png, checkpoints/")
     p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
@@ -227,12 +231,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="all-gather parameters in block-wise FP8, one scale per TILE (128x128 or 1x128; default 128x128): "
         "train.fp8_all_gather",
     )
+    p.add_argument(
+        "--check", nargs="?", const=2, type=int, metavar="W",
+        help="validate the config, data and model for W ranks (default 2) without training, then exit: "
+        "0 ready, 2 invalid, 3 the run in --out is already finished (no torchrun needed)",
+    )
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    t_start = time.perf_counter()
-    args = parse_args(argv)
+def resolve_config(args: argparse.Namespace) -> Config:
+    """The config from --config, --set and the flags, with every check that needs no data or ranks."""
     overrides = list(args.set)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
@@ -247,7 +255,104 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(
             f"train.fp8_all_gather must be off, {' or '.join(FP8_TILES)}, got {cfg.train.fp8_all_gather!r}"
         )
+    if cfg.train.dtype not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"train.dtype must be auto, bf16 or fp32, got {cfg.train.dtype!r}")
+    if cfg.train.steps < 1:
+        raise ValueError(f"train.steps must be >= 1, got {cfg.train.steps}")
+    if cfg.log.eval_batches < 1:
+        raise ValueError(f"log.eval_batches must be >= 1, got {cfg.log.eval_batches}")
+    backend = pick_backend(cfg)
+    if cfg.train.fp8_all_gather != "off" and backend != "fsdp_optim":
+        raise ValueError(
+            f"train.fp8_all_gather={cfg.train.fp8_all_gather} (--fp8-allgather) needs the fsdp_optim backend, "
+            f"but the backend is {backend}; set train.backend=fsdp_optim or drop --fp8-allgather"
+        )
+    if backend == "torch" and cfg.optim.name not in ("adamw", "adamw8bit"):
+        raise ValueError(
+            f"optim.name = {cfg.optim.name!r} needs fsdp_optim.optimizers.{OPTIMIZERS[cfg.optim.name]} "
+            "(train.backend = 'fsdp_optim'); the torch backend (PyTorch FSDP2) runs adamw and adamw8bit"
+        )
+    return cfg
+
+
+def load_data(cfg: Config, world: int):
+    """Tokenizer, token stream and windows; checks the train and held-out splits can feed ``world`` ranks.
+    Sets ``cfg.model.vocab_size`` when it is 0 (the tokenizer's)."""
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = tokenizer.vocab_size
+    elif cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size}; raise it or set 0")
+    tokens = load_tokens(cfg.data.path, tokenizer, cfg.data.token_dtype)
+    windows = TokenWindows(tokens, cfg.data.seq_len, cfg.data.val_fraction, where=f"data.path = {cfg.data.path!r}")
+    Sampler(windows, cfg.train.batch_size, 0, world, cfg.train.seed)  # raises if the data cannot feed W ranks
+    if windows.n_val:  # fail now, not after training: the held-out split must feed every rank
+        next(iter(val_batches(windows, cfg.train.batch_size, 0, world, 1)))
+    return tokenizer, tokens, windows
+
+
+def check_model(cfg: Config) -> None:
+    """Build the model on the meta device (no memory) to check its config against the data."""
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    if cfg.data.seq_len > max_seq_len(model):
+        raise ValueError(
+            f"data.seq_len {cfg.data.seq_len} is longer than the model supports ({max_seq_len(model)}); "
+            "lower data.seq_len or raise model.max_seq_len"
+        )
+
+
+def finished_run(out: Path, cfg: Config) -> str | None:
+    """A report line when ``out`` holds a complete checkpoint at or past ``train.steps`` (nothing to train)."""
+    ckpt = latest_checkpoint(out)
+    if ckpt is None:
+        return None
+    done = int(json.loads((ckpt / "recipe_done.json").read_text())["step"])
+    if done < cfg.train.steps:
+        return None
+    last = next((r for r in reversed(read_metrics(out / "metrics.jsonl")) if r["step"] == done), {})
+    return (
+        f"[pretrain] {out} already holds a finished run: {summary(last, done)}; checkpoint {ckpt}. "
+        f"Nothing to train: --resume --steps N (N > {done}) continues it, another --out starts afresh."
+    )
+
+
+def check_unfinished(out: Path, cfg: Config, resume: bool) -> None:
+    """An unfinished run in ``out`` continues only with ``--resume`` (never overwritten silently)."""
+    ckpt = latest_checkpoint(out)
+    if ckpt is not None and not resume:
+        raise ValueError(
+            f"{out} already holds checkpoints (latest {ckpt.name}, train.steps {cfg.train.steps}); pass --resume to "
+            "continue, or use another --out"
+        )
+
+
+def summary(rec: dict, step: int) -> str:
+    """``step S: loss L, held-out H`` rounded to 3 decimals (what the last line of a run says)."""
+    text = f"step {step}"
+    if "loss" in rec:
+        text += f": loss {rec['loss']:.3f}"
+    if rec.get("eval_loss") is not None:
+        text += f", held-out {rec['eval_loss']:.3f}"
+    return text
+
+
+def torchrun_command(argv: list[str], nproc: int = 2) -> str:
+    """The command that runs this script with ``argv`` on ``nproc`` local ranks."""
+    return shlex.join(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "recipes/pretrain.py", *argv])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    cfg = resolve_config(args)
     out = Path(args.out)
+    report = finished_run(out, cfg)
+    if report is not None:  # rerunning a finished job: say so, train nothing (every rank returns alike)
+        if int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0)) == 0:
+            print(report, flush=True)
+        return {"records": read_metrics(out / "metrics.jsonl"), "backend": pick_backend(cfg), "resumed_from": None,
+                "finished": True}
 
     # ---- process group and device ----
     use_cuda = torch.cuda.is_available()
@@ -259,31 +364,14 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.set_device(device)
     if cfg.train.dtype == "auto":
         dtype = torch.bfloat16 if use_cuda and torch.cuda.is_bf16_supported() else torch.float32
-    elif cfg.train.dtype in ("bf16", "fp32"):
-        dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
     else:
-        raise ValueError(f"train.dtype must be auto, bf16 or fp32, got {cfg.train.dtype!r}")
+        dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
     backend = pick_backend(cfg)
-    if cfg.train.fp8_all_gather != "off" and backend != "fsdp_optim":
-        raise ValueError(
-            f"train.fp8_all_gather={cfg.train.fp8_all_gather} (--fp8-allgather) needs the fsdp_optim backend, "
-            f"but the backend is {backend}; set train.backend=fsdp_optim or drop --fp8-allgather"
-        )
     master = rank == 0
 
     # ---- data: every rank tokenizes the same stream and takes its own windows ----
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = tokenizer.vocab_size
-    elif cfg.model.vocab_size < tokenizer.vocab_size:
-        raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size}; raise it or set 0")
-    tokens = load_tokens(cfg.data.path, tokenizer, cfg.data.token_dtype)
-    windows = TokenWindows(tokens, cfg.data.seq_len, cfg.data.val_fraction, where=f"data.path = {cfg.data.path!r}")
+    tokenizer, tokens, windows = load_data(cfg, world)
     sampler = Sampler(windows, cfg.train.batch_size, rank, world, cfg.train.seed)
-    if cfg.log.eval_batches < 1:
-        raise ValueError(f"log.eval_batches must be >= 1, got {cfg.log.eval_batches}")
-    if windows.n_val:  # fail now, not after training: the held-out split must feed every rank
-        next(iter(val_batches(windows, cfg.train.batch_size, rank, world, 1)))
 
     # ---- model: built whole (same seed on every rank) or on meta, then sharded per layer ----
     torch.manual_seed(cfg.train.seed)
@@ -320,8 +408,7 @@ def main(argv: list[str] | None = None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     ckpt = latest_checkpoint(out)
-    if ckpt is not None and not args.resume:
-        raise ValueError(f"{out} already holds checkpoints (latest {ckpt.name}); pass --resume to continue, or use another --out")
+    check_unfinished(out, cfg, args.resume)
     if ckpt is not None:
         extra = load_checkpoint(ckpt, model, optimizer, scheduler, backend)
         step = int(extra["step"])
@@ -446,17 +533,52 @@ def main(argv: list[str] | None = None) -> dict:
         fig.savefig(out / "loss.png", dpi=120)
         plt.close(fig)
         first, final = records[0], records[-1]
-        print(f"[pretrain] step {final['step']}: loss {first['loss']:.3f} -> {final['loss']:.3f}, "
-              f"held-out {final.get('eval_loss')}; wrote {metrics_path}, {out / 'loss.png'}", flush=True)
-    return {"records": records, "backend": backend, "resumed_from": str(ckpt) if ckpt else None}
+        last_ckpt = latest_checkpoint(out)
+        print(f"[pretrain] wrote {metrics_path}, {out / 'loss.png'}", flush=True)
+        print(f"[pretrain] done: {summary(final, final['step'])} (first logged loss {first['loss']:.3f}); "
+              f"checkpoint {last_ckpt}", flush=True)
+    return {"records": records, "backend": backend, "resumed_from": str(ckpt) if ckpt else None, "finished": False}
+
+
+def _rank() -> int:
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: errors as one line on rank 0 and exit code 2; without torchrun, a check and
+    the torchrun command to use."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse_args(argv)
+        if args.check is not None or "RANK" not in os.environ:
+            world = args.check or 2
+            cfg = resolve_config(args)
+            report = finished_run(Path(args.out), cfg)
+            if report is not None:
+                print(report, flush=True)
+                return 3 if args.check is not None else 0
+            check_unfinished(Path(args.out), cfg, args.resume)
+            load_data(cfg, world)
+            check_model(cfg)
+            if args.check is not None:
+                print(f"[pretrain] check passed for {world} ranks: {torchrun_command(argv, world)}", flush=True)
+                return 0
+            print("error: recipes/pretrain.py runs under torchrun (RANK is not set); the config, data and model "
+                  f"checks passed. Run:\n  {torchrun_command(argv)}", file=sys.stderr, flush=True)
+            return 2
+        main(argv)
+        return 0
+    except ValueError as e:  # user errors: one clear line, on rank 0 only (every rank raises the same)
+        if _rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            gc.collect()  # free the sharded model (it references the group) before destroying the group
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as e:  # user errors: one clear line per rank, no traceback
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    sys.exit(cli())

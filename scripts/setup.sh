@@ -1,9 +1,26 @@
 #!/usr/bin/env bash
-# Installs fsdp_optim and its test dependencies into the current Python.
-# torch is pinned to the CPU build first: a bare "torch" requirement would pull a multi-GB CUDA build.
+# Installs fsdp_optim (editable) and its test dependencies into the current Python.
+# torch: an existing install is kept. Otherwise torch==2.13.0 is installed from PyPI, which on Linux
+# is the CUDA build (multi-GB; right for GPU machines). For the CPU-only wheel, install it first:
+#   pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# Nothing is installed when this checkout's fsdp_optim and every dependency are already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if "$PY" - 2>/dev/null <<'PYEOF'
+# Exit 0 (skip installing) only if fsdp_optim resolves to this checkout and every core and dev
+# dependency of pyproject.toml is importable (distribution name -> module name: "-" -> "_").
+import importlib.util, os, re, sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+reqs = project["dependencies"] + project["optional-dependencies"]["dev"]
+names = [re.split(r"[<>=!~ \[]", r, maxsplit=1)[0] for r in reqs if ";" not in r]
+spec = importlib.util.find_spec("fsdp_optim")  # found, not imported: this check takes milliseconds
+ours = spec is not None and os.path.samefile(os.path.dirname(spec.origin), "fsdp_optim")
+sys.exit(0 if ours and all(importlib.util.find_spec(n.lower().replace("-", "_")) for n in names) else 1)
+PYEOF
+then
+  exit 0
+fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi

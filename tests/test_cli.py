@@ -91,3 +91,16 @@ def test_plan_errors(capsys):
     assert "--shard-size must be a positive divisor of --world-size 100" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_help_is_plain_text(capsys):
+    # --help shows prose, not the module docstring's reStructuredText markup.
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "plan" in text and "Example: fsdp-optim plan --model" in text
+    assert "``" not in text and ":func:" not in text and ":class:" not in text
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "``" not in capsys.readouterr().out

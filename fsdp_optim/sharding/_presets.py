@@ -4,8 +4,8 @@ Every weight's name (Hugging Face naming) and shape is generated from the model'
 dims below; nothing is read at run time. Dims are those of the official configs (Meta
 llama-models ``sku_list.py``; Qwen/Qwen3-235B-A22B ``config.json``; deepseek-ai/DeepSeek-V3
 ``inference/configs/config_671B.json``; moonshotai/Kimi-K2 ``config.json``; openai/gpt-oss
-``gpt_oss/torch/model.py``), as collected with sources in ``../shared/model_shapes.json``, which
-``tests/sharding/test_presets.py`` checks every preset against.
+``gpt_oss/torch/model.py``), as collected with sources in the repository's test data ``tests/data/model_shapes.json``,
+which ``tests/sharding/test_presets.py`` checks every preset against.
 
 Routed experts are stacked per layer into one 3-D ``[E, rows, cols]`` tensor per projection
 (``mlp.experts.gate_proj.weight`` etc.), as torchtitan's grouped experts and gpt-oss store them.

@@ -124,8 +124,11 @@ def test_clear_errors(tmp_path):
     with pytest.raises(DistributedTestError, match="no data found"):
         train(tmp_path / "c", "--set", f'data.path="{tmp_path / "nothing_here"}"')
     train(tmp_path / "e", steps=1)
-    with pytest.raises(DistributedTestError, match=r"already holds checkpoints \(latest step_000001\); pass --resume"):
-        train(tmp_path / "e", steps=1)
+    with pytest.raises(DistributedTestError, match=r"already holds checkpoints \(latest step_000001, train.steps 2\); pass --resume"):
+        train(tmp_path / "e", steps=2)
+    # A finished run is recognised and reported, not retrained and not an error.
+    res = train(tmp_path / "e", steps=1)
+    assert res["finished"] and [r["step"] for r in res["records"]] == [1]
     # On the command line: one clear line, exit code 2, before any process group is needed.
     r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "d"), "--set", "model.dimm=8"],
                        capture_output=True, text=True, timeout=60)

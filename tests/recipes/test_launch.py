@@ -1,0 +1,127 @@
+"""The recipe as a user launches it: without torchrun, with a bad config under torchrun, rerun through
+scripts/pretrain.sh, and on two torchrun agents (a 2-node rendezvous on one machine)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = "recipes/pretrain.py"
+TINY = ["--config", "recipes/configs/tiny.toml"]
+# Tiny dims so a step takes milliseconds (as in test_pretrain.py).
+SMALL = ["--set", "model.dim=48", "--set", "model.n_layers=2", "--set", "model.n_heads=4", "--set", "model.n_kv_heads=2",
+         "--set", "model.ffn_dim=64", "--set", "data.seq_len=32", "--set", "train.batch_size=2",
+         "--set", "train.warmup_steps=2", "--set", "log.eval_batches=1"]
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
+           PYTHONUNBUFFERED="1")
+
+
+def _run(cmd: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or ENV, cwd=ROOT)
+
+
+def _torchrun(*args: str, launcher: list[str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *(launcher or ["--standalone", "--nproc_per_node=2"]),
+            SCRIPT, *args]
+
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def test_without_torchrun_prints_the_command(tmp_path):
+    args = [*TINY, "--out", str(tmp_path / "a b"), "--steps", "3"]
+    r = _run([sys.executable, SCRIPT, *args])
+    assert r.returncode == 2, r.stderr
+    assert "runs under torchrun (RANK is not set)" in r.stderr
+    expected = f"torchrun --standalone --nproc_per_node=2 recipes/pretrain.py {' '.join(TINY)} --out '{tmp_path / 'a b'}' --steps 3"
+    assert expected in r.stderr, r.stderr
+    assert not (tmp_path / "a b").exists()  # nothing written
+
+
+def test_check_validates_before_any_rank(tmp_path, capsys, monkeypatch):
+    # The check (what scripts/pretrain.sh runs before torchrun), in-process: pretrain.cli is the __main__.
+    import pretrain
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RANK", raising=False)
+    out = ["--out", str(tmp_path)]
+    assert pretrain.cli([*TINY, *out, "--check", "2"]) == 0
+    assert "check passed for 2 ranks" in capsys.readouterr().out
+    for bad, match in [
+        (["--set", "model.dimm=8"], "error: unknown config key 'model.dimm' in --set. Did you mean 'dim'"),
+        (["--optimizer", "sgd"], "error: argument --optimizer: invalid choice: 'sgd'"),
+        (["--stepz", "3"], "error: unrecognized arguments: --stepz 3"),
+        (["--set", "model.max_seq_len=64"], "error: data.seq_len 128 is longer than the model supports (64)"),
+        (["--set", "train.batch_size=100000"], "error: the data cannot feed world size 2"),
+        (["--set", "train.dtype=fp16"], "error: train.dtype must be auto, bf16 or fp32, got 'fp16'"),
+        (["--optimizer", "muon", "--set", "train.backend=torch"], "error: optim.name = 'muon' needs fsdp_optim"),
+    ]:
+        assert pretrain.cli([*TINY, *out, *bad, "--check", "2"]) == 2, bad
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and err.startswith(match), (bad, err)
+    assert not list(tmp_path.iterdir())
+    # An unfinished run is never trained over without --resume; the check says so before any rank starts.
+    (tmp_path / "checkpoints" / "step_000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000001" / "recipe_done.json").write_text('{"step": 1}')
+    assert pretrain.cli([*TINY, *out, "--check", "2"]) == 2
+    assert "already holds checkpoints (latest step_000001, train.steps 100); pass --resume" in capsys.readouterr().err
+    assert pretrain.cli([*TINY, *out, "--resume", "--check", "2"]) == 0
+
+
+def test_torchrun_config_error_is_one_line_on_rank_0(tmp_path):
+    r = _run(_torchrun(*TINY, "--out", str(tmp_path), "--set", "model.dimm=8"))
+    assert r.returncode != 0
+    errors = _error_lines(r.stdout + r.stderr)
+    assert len(errors) == 1 and "unknown config key 'model.dimm'" in errors[0], r.stdout + r.stderr
+    assert "exitcode  : 2" in r.stderr  # the rank's exit code, as torchrun reports it
+
+
+def test_pretrain_sh_reruns(tmp_path):
+    # The README's main job, twice: the second run recognises the finished run (exit 0, no training).
+    env = dict(ENV, OUT=str(tmp_path / "run"), PYTHON=sys.executable)
+    first = _run(["bash", "scripts/pretrain.sh", "--steps", "2", *SMALL], env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    last = first.stdout.strip().splitlines()[-1]
+    assert last.startswith("[pretrain] done: step 2: loss ") and last.endswith(f"checkpoint {tmp_path / 'run'}/checkpoints/step_000002")
+    loss = last.split("loss ")[1].split(",")[0]
+    assert len(loss.split(".")[1]) == 3  # rounded
+    again = _run(["bash", "scripts/pretrain.sh", "--steps", "2", *SMALL], env=env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already holds a finished run: step 2: loss " in again.stdout and "step_000002" in again.stdout
+    assert [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    bad = _run(["bash", "scripts/pretrain.sh", "--set", "model.dimm=8"], env=dict(env, OUT=str(tmp_path / "bad")))
+    assert bad.returncode == 2 and len(_error_lines(bad.stderr)) == 1 and "Traceback" not in bad.stderr, bad.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_node_launch_equals_one_node(tmp_path):
+    # Two torchrun agents rendezvous over c10d on localhost as 2 nodes x 2 ranks; the losses must equal
+    # a single 4-rank launch bit for bit (same global ranks, same data, same collectives).
+    args = [*TINY, *SMALL, "--steps", "2", "--set", "log.eval_batches=1"]
+    single = _run(_torchrun(*args, "--out", str(tmp_path / "single"), launcher=["--standalone", "--nproc_per_node=4"]))
+    assert single.returncode == 0, single.stdout + single.stderr
+    port = _free_port()
+    multi = ["--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
+             "--rdzv-id=fsdp-optim-test"]
+    agents = [subprocess.Popen(_torchrun(*args, "--out", str(tmp_path / "multi"), launcher=multi), cwd=ROOT, env=ENV,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    logs = [a.communicate(timeout=240)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], logs
+
+    def records(name):
+        return [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    one, two = records("single"), records("multi")
+    assert [r["step"] for r in one] == [1, 2]
+    assert [(r["loss"], r["grad_norm"], r.get("eval_loss")) for r in two] == [
+        (r["loss"], r["grad_norm"], r.get("eval_loss")) for r in one]
+    assert "world 4" in "".join(logs)
