@@ -692,15 +692,17 @@ class _Runtime:
             err = e
         _agree(err, root, fingerprint)
 
-        # Absorb earlier roots under this module: gather their values back to full tensors.
+        # Absorb earlier roots under this module: their parameters move shard to shard into the new
+        # plan (see [Note: absorbing without the full model]); the others are sliced locally.
         old = [st.runtime for st in states if st.runtime is not None and st.runtime.root_state is st]
-        full_of: dict[int, torch.Tensor | None] = {}
         for rt in old:
-            full_of.update(rt._gather_full_for_absorb())
-        for rt in old:
-            rt._detach()
+            for b in rt.buckets:
+                b.wait_reduces()
+        sources: dict[int, nn.Parameter] = {id(sp): sp for rt in old for b in rt.buckets for sp in b.sharded}
+        old_bucket_of = {id(sp): b for rt in old for b in rt.buckets for sp in b.sharded}
+        unmoved = {id(b): len(b.sharded) for rt in old for b in rt.buckets}
         for e in entries:
-            e.full = full_of[id(e.param)] if id(e.param) in full_of else e.param
+            e.full = None if id(e.param) in sources else e.param
             if e.full is not None and e.full.device.type == "meta":
                 e.full = None
 
@@ -708,7 +710,22 @@ class _Runtime:
         for i, (st, bp) in enumerate(zip(bucket_states, plan.buckets)):
             es = {e.fqn: e for e in entries if e.state is st}
             ordered = [es[pl.name] for pl in bp.placements]
-            buckets.append(_Bucket(index=i, state=st, plan=bp, entries=ordered, root=root))
+            old_pieces = [sources.get(id(e.param)) for e in ordered]
+            b = _Bucket(index=i, state=st, plan=bp, entries=ordered, root=root)
+            if any(sp is not None for sp in old_pieces):
+                _move_pieces(b, old_pieces)
+            buckets.append(b)
+            # Free each absorbed bucket as soon as all of its pieces have moved: the old and the new
+            # shards are never both alive whole (setup peak ~ one shard plus a few buckets).
+            for sp in old_pieces:
+                if sp is not None:
+                    ob = old_bucket_of[id(sp)]
+                    unmoved[id(ob)] -= 1
+                    if unmoved[id(ob)] == 0:
+                        ob.release()
+            del old_pieces
+        for rt in old:
+            rt._detach()
         rt = _Runtime(root, plan, buckets)
         for st in states:
             st.runtime = rt
@@ -725,25 +742,11 @@ class _Runtime:
             register_state_dict_hooks(root.module)
         return rt
 
-    def _gather_full_for_absorb(self) -> dict[int, torch.Tensor | None]:
-        """Full tensors of every parameter (keyed by the sharded parameter's id), for re-planning."""
-        out: dict[int, torch.Tensor | None] = {}
-        for b in self.buckets:
-            b.wait_reduces()
-            full = b.buffer.all_gather()
-            for sp, view in zip(b.sharded, b.buffer.full_views(full)):
-                out[id(sp)] = view
-        return out
-
     def _detach(self) -> None:
         """Drop this (absorbed) runtime's storage now rather than at the next cyclic GC."""
         _LIVE_RUNTIMES.discard(self)
         for b in self.buckets:
-            b.reshard()
-            for sp in b.sharded:
-                mark_replaced(sp, shard_info(sp).fqn)
-            b.buffer = b.gathered = b.flat_grad = b.flat_views = b.grad_seg = b.fp8_gather = None
-            b.sharded, b.unsharded, b.entries = [], [], []
+            b.release()
         self.buckets = []
 
     # ---- per-iteration hooks --------------------------------------------------------------
@@ -850,6 +853,55 @@ class _Runtime:
             self.pending_reduces.pop(0).wait_reduces()
 
 
+def _move_pieces(bucket: _Bucket, old: list[nn.Parameter | None]) -> None:
+    """Fill ``bucket``'s segment from the sharded parameters of absorbed roots, shard to shard.
+
+    [Note: absorbing without the full model]
+    A root call absorbs the roots of earlier (inner) calls and plans everything again. Rather than
+    gathering those parameters back to full tensors (the whole model on every rank at once), each
+    rank sends every other rank the part of its old piece that falls in that rank's new range: one
+    ``all_to_all_single`` per new bucket, with split sizes computed from the old and new layouts
+    alone (the same on every rank). Peak memory: the old and the new shards plus one bucket's send
+    and receive buffers. Meta-built models move their (uninitialized) zeros the same way, so every
+    rank issues the same collectives whatever the values.
+    """
+    rank, world = bucket.rank, bucket.buffer.world_size
+    new_views = bucket.buffer.local_views()
+    send: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    recv: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in range(world)]  # (dst view, offset, size)
+    for i, (sp, pl) in enumerate(zip(old, bucket.plan.placements)):
+        if sp is None:
+            continue
+        old_layout = shard_info(sp).layout
+        if old_layout.bounds[-1] != pl.shard.bounds[-1] or old_layout.world_size != world:
+            raise AssertionError(f"absorbing {pl.name}: old layout {old_layout} does not match the new world")
+        a_old, b_old = old_layout.range(rank)
+        a_new, b_new = pl.shard.range(rank)
+        piece = sp.detach().reshape(-1)
+        for peer in range(world):
+            lo, hi = max(a_old, pl.shard.bounds[peer]), min(b_old, pl.shard.bounds[peer + 1])
+            if hi > lo:
+                send[peer].append(piece[lo - a_old : hi - a_old])
+            lo, hi = max(old_layout.bounds[peer], a_new), min(old_layout.bounds[peer + 1], b_new)
+            if hi > lo:
+                recv[peer].append((new_views[i], lo - a_new, hi - lo))
+    dtype, device = bucket.buffer.dtype, bucket.buffer.device
+    in_sizes = [sum(t.numel() for t in ts) for ts in send]
+    out_sizes = [sum(n for _, _, n in rs) for rs in recv]
+    inp = torch.cat([t.to(device=device, dtype=dtype) for ts in send for t in ts]) if sum(in_sizes) else torch.empty(0, dtype=dtype, device=device)
+    out = torch.empty(sum(out_sizes), dtype=dtype, device=device)
+    if world > 1:
+        dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=bucket.buffer.group)
+    else:
+        out.copy_(inp)
+    pos = 0
+    with torch.no_grad():
+        for rs in recv:
+            for view, offset, n in rs:
+                view[offset : offset + n].copy_(out[pos : pos + n])
+                pos += n
+
+
 def _bucket_name(root: _ModuleState, st: _ModuleState) -> str:
     if st is root:
         return "<root>"
@@ -952,6 +1004,18 @@ class _Bucket:
         self.post_backward_done = False
         self.num_pending_calls = 0
         self._set_params(self.sharded)
+
+    def release(self) -> None:
+        """Drop this (absorbed) bucket's storage. Its modules already hold the new root's parameters
+        (it was resharded at the start of the new root's build), so nothing is re-registered."""
+        if self.gather_handle is not None:
+            self.gather_handle.wait()
+            self.gather_handle = None
+        for sp in self.sharded:
+            mark_replaced(sp, shard_info(sp).fqn)
+            sp.data = sp.data.new_empty(0)  # the segment is freed even if someone holds the parameter
+        self.buffer = self.gathered = self.flat_grad = self.flat_views = self.grad_seg = self.fp8_gather = None
+        self.sharded, self.unsharded, self.entries = [], [], []
 
     # ---- parameters -------------------------------------------------------------------------
     def _set_params(self, params: list[nn.Parameter]) -> None:
