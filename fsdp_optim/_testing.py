@@ -206,8 +206,11 @@ class LiveBytes:
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
-            s = t.untyped_storage()
-            key = s.data_ptr() if s.nbytes() else id(s)
+            try:
+                s = t.untyped_storage()
+                key = s.data_ptr() if s.nbytes() else id(s)
+            except RuntimeError:  # a wrapper subclass (DTensor): its local tensors' ops are seen too
+                continue
             if key not in self._live or self._live[key]() is None:
                 self._live[key] = weakref.ref(s)
         self.peak = max(self.peak, self._total())

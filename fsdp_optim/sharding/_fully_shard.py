@@ -969,12 +969,12 @@ class _Bucket:
         self.expected_ptrs = [sp.data_ptr() for sp in self.sharded]
         # Gathered buffer (compute dtype) and unsharded parameters: views into its ``.data`` so the
         # collective's writes do not bump the version counter autograd saved (see the Note above).
-        self.gathered = torch.empty(self.buffer.total_numel, dtype=self.param_dtype, device=root.device)
-        self.unsharded: list[nn.Parameter] = []
-        for e, view in zip(entries, self.buffer.full_views(self.gathered.data)):
-            self.unsharded.append(nn.Parameter(view, requires_grad=e.requires_grad))
-        self._gathered_nbytes = self.gathered.untyped_storage().nbytes()
-        self._free_gathered()
+        # Both are made at the first gather (setup never allocates a bucket at full size): then the
+        # storage is freed (resized to 0) and re-allocated in place, so the views stay valid.
+        self.gathered: torch.Tensor | None = None
+        self.unsharded: list[nn.Parameter] | None = None
+        self._gathered_nbytes = self.buffer.total_numel * self.param_dtype.itemsize
+        self._device = root.device
         # FP8 all-gather (opt-in): which parameters travel as codes + scales (see [Note: FP8 all-gather]).
         fp8 = state.fp8_all_gather or root.fp8_all_gather
         self.fp8_gather: Float8Gather | None = None
@@ -1024,7 +1024,19 @@ class _Bucket:
                 m._parameters[name] = p
 
     def _free_gathered(self) -> None:
-        self.gathered.untyped_storage().resize_(0)
+        if self.gathered is not None:
+            self.gathered.untyped_storage().resize_(0)
+
+    @torch._dynamo.disable  # runs eagerly even inside a compiled module's hooks (it makes Parameters)
+    def _alloc_gathered(self) -> None:
+        if self.gathered is None:
+            self.gathered = torch.empty(self.buffer.total_numel, dtype=self.param_dtype, device=self._device)
+            self.unsharded = [
+                nn.Parameter(view, requires_grad=e.requires_grad)
+                for e, view in zip(self.entries, self.buffer.full_views(self.gathered.data))
+            ]
+        elif self.gathered.untyped_storage().nbytes() == 0:
+            self.gathered.untyped_storage().resize_(self._gathered_nbytes)
 
     def rebind(self) -> None:
         """Re-point sharded parameters whose ``.data`` was replaced (``module.to_empty`` / ``.to``)."""
@@ -1042,8 +1054,7 @@ class _Bucket:
         if self.is_unsharded or self.gather_handle is not None:
             return
         self.runtime.check_collective(self, "all_gather")
-        if self.gathered.untyped_storage().nbytes() == 0:
-            self.gathered.untyped_storage().resize_(self._gathered_nbytes)
+        self._alloc_gathered()
         seg = self.buffer.segment
         if self.fp8_gather is not None:
             self.gather_handle = _Float8Handle(self.fp8_gather, self.fp8_gather.buffer.all_gather(

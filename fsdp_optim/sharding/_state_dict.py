@@ -34,12 +34,13 @@ def full_state_dict(module: nn.Module, *, device: torch.device | str = "cpu") ->
     wanted = {id(t) for _, t in names}
     full: dict[int, torch.Tensor] = {}
     for b in _relevant_buckets(module):
-        ids = [(sp, up) for sp, up in zip(b.sharded, b.unsharded) if id(sp) in wanted or id(up) in wanted]
+        ups = b.unsharded if b.unsharded is not None else [None] * len(b.sharded)  # never gathered yet
+        ids = [(sp, up) for sp, up in zip(b.sharded, ups) if id(sp) in wanted or id(up) in wanted]
         if not ids:
             continue
         b.wait_reduces()
         flat = b.buffer.all_gather()
-        for (sp, up), view in zip(zip(b.sharded, b.unsharded), b.buffer.full_views(flat)):
+        for (sp, up), view in zip(zip(b.sharded, ups), b.buffer.full_views(flat)):
             if id(sp) in wanted or id(up) in wanted:
                 full[id(sp)] = full[id(up)] = view.detach().to(device, copy=True)
     out: dict[str, torch.Tensor] = {}
