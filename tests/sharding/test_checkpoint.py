@@ -435,7 +435,7 @@ def test_bad_input_errors(tmp_path):
     shutil.copytree(ck, bad)
     with open(os.path.join(bad, ".metadata"), "r+b") as fh:
         fh.truncate(10)
-    _expect_error_on_every_rank(2, missing_file, r"ValueError: cannot read the DCP metadata file .*bad/\.metadata")
+    _expect_error_on_every_rank(2, missing_file, r"ValueError: checkpoint file .*bad/\.metadata is corrupt")
     shutil.rmtree(bad)
     shutil.copytree(ck, bad)
     os.remove(os.path.join(bad, "fsdp_optim.json"))
