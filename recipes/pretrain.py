@@ -187,7 +187,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, backend: str) -> di
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    saved = torch.load(path / "recipe_extra.pt", weights_only=False)
+    saved = torch.load(path / "recipe_extra.pt", weights_only=True)
     scheduler.load_state_dict(saved["scheduler"])
     return saved["extra"]
 

@@ -50,6 +50,7 @@ import math
 import os
 import shutil
 import types
+import pickle
 import warnings
 import zlib
 from collections.abc import Iterable, Mapping
@@ -63,10 +64,14 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint._traverse import set_element
 
 from ._shard_info import ShardInfo, shard_info
 
@@ -457,8 +462,83 @@ def _to_bytes(obj: Any) -> bytes:
 def _from_bytes(data: Any, what: str) -> Any:
     if not isinstance(data, bytes | bytearray):
         raise RuntimeError(f"checkpoint entry {what!r} was not loaded")
-    # Our own checkpoint objects (scheduler state, extra): trusted like DCP's own byte entries.
-    return torch.load(io.BytesIO(data), weights_only=False)
+    # See [Note: loading runs no code]: tensors, numbers, strings and containers only.
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - refused (a class or callable) or undecodable
+        raise ValueError(
+            f"checkpoint entry {what!r} cannot be loaded safely: {type(e).__name__}: {str(e).splitlines()[0][:300]}. "
+            "Only tensors, numbers, strings, lists, tuples and dicts are loaded (for extra=, store such values)"
+        ) from None
+
+
+# [Note: loading runs no code]
+# A checkpoint is data: loading one must not run code, whoever wrote it. Three places would unpickle:
+# our small entries (optimizer scalars, param groups, scheduler state, RNG states, ``extra``), which
+# are read with ``torch.load(weights_only=True)`` (tensors and plain containers only); DCP's own byte
+# records that carry them, which DCP's default load planner reads with ``weights_only=False`` and
+# ``_SafeLoadPlanner`` reads with ``weights_only=True``; and DCP's ``.metadata`` file, a plain pickle,
+# which ``_SafeReader`` reads through an unpickler that resolves only DCP's metadata classes and the
+# few torch and pathlib names they use (``_METADATA_GLOBALS``). Anything else raises a clear error.
+_METADATA_GLOBALS = {
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem") or (
+            (module, name) in _METADATA_GLOBALS
+        ):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refused global {module}.{name} (not a DCP metadata class)")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader whose ``.metadata`` is read by ``_MetadataUnpickler`` (see the Note)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = os.path.join(str(self.path), ".metadata")
+        try:
+            with open(path, "rb") as f:
+                md = _MetadataUnpickler(f).load()
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"cannot read the DCP metadata file {path} safely: {type(e).__name__}: {e}") from None
+        if not isinstance(md, Metadata):
+            raise ValueError(f"the DCP metadata file {path} holds a {type(md).__name__}, not DCP Metadata")
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+def _root_cause(e: CheckpointException) -> str:
+    """The first rank's own exception inside DCP's CheckpointException."""
+    for failure in e.failures.values():
+        inner = getattr(failure, "exception", failure)
+        return f"{type(inner).__name__}: {inner}"
+    return str(e)
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading byte records with ``weights_only=True`` (see the Note)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(
+                f"checkpoint byte record {fqn!r} cannot be loaded safely: {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:300]}"
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
 
 
 def _rng_state() -> dict[str, Any]:
@@ -608,7 +688,7 @@ def _read_checkpoint_meta(path: str) -> tuple[dict[str, Any], Metadata]:
     if manifest.get("checksums") and ".metadata" in manifest["checksums"]:
         _verify_file(path, ".metadata", manifest["checksums"][".metadata"])
     try:
-        md = dcp.FileSystemReader(path).read_metadata()
+        md = _SafeReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 - a missing or truncated .metadata
         raise ValueError(f"cannot read the DCP metadata file {os.path.join(path, '.metadata')}: {e}") from e
     return manifest, md
@@ -896,17 +976,40 @@ def load_checkpoint(
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         err = e
     _agree(err)
-    assert plan is not None
-    dcp.load(plan.sd, storage_reader=dcp.FileSystemReader(path), no_dist=not dist.is_initialized())
+    if plan is None:
+        raise AssertionError("load_checkpoint: no plan after an agreed success")
+    no_dist = not dist.is_initialized()
+    # Small entries first, decoded before any tensor is read: a bad one leaves everything as it was.
+    blobs: dict[str, Any] = {k: v for k, v in plan.sd.items() if isinstance(v, bytes)}
+    if "optim" in plan.sd:
+        blobs["optim"] = {"scalars": b"", "param_groups": b""}
+    try:
+        dcp.load(blobs, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(), no_dist=no_dist)
+    except CheckpointException as e:  # raised on every rank by DCP: name the root cause plainly
+        raise ValueError(f"load_checkpoint({path}): {_root_cause(e)}") from None
+    decoded: dict[str, Any] = {}
+    err = None
+    try:
+        for key, value in blobs.items():
+            if key == "optim":
+                decoded["optim.param_groups"] = _from_bytes(value["param_groups"], "optim.param_groups")
+                decoded["optim.scalars"] = _from_bytes(value["scalars"], "optim.scalars")
+            else:
+                decoded[key] = _from_bytes(value, key)
+    except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
+        err = e
+    _agree(err)
+    tensors = {k: v for k, v in plan.sd.items() if k == "model"}
+    if "optim" in plan.sd:
+        tensors["optim"] = {"state": plan.sd["optim"]["state"]}
+    dcp.load(tensors, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(), no_dist=no_dist)
 
     if optimizer is not None:
-        opt_sd = plan.sd["optim"]
-        groups = _from_bytes(opt_sd["param_groups"], "optim.param_groups")
-        for g, saved_g in zip(optimizer.param_groups, groups):
+        for g, saved_g in zip(optimizer.param_groups, decoded["optim.param_groups"]):
             for k, v in saved_g.items():
                 if k != "params":
                     g[k] = v
-        scalars = _from_bytes(opt_sd["scalars"], "optim.scalars")
+        scalars = decoded["optim.scalars"]
         for target, key, name, device in plan.scalars:
             v, old = scalars[name][key], target.get(key)
             if torch.is_tensor(v) and (torch.is_tensor(old) or device is not None):
@@ -915,10 +1018,10 @@ def load_checkpoint(
         for p, _, state in plan.fresh.values():
             optimizer.state[p] = state
     if scheduler is not None:
-        scheduler.load_state_dict(_from_bytes(plan.sd["scheduler"], "scheduler"))
-    if f"rng.rank{rank}" in plan.sd:
-        _set_rng_state(_from_bytes(plan.sd[f"rng.rank{rank}"], f"rng.rank{rank}"))
-    return _from_bytes(plan.sd["extra"], "extra") if "extra" in plan.sd else None
+        scheduler.load_state_dict(decoded["scheduler"])
+    if f"rng.rank{rank}" in decoded:
+        _set_rng_state(decoded[f"rng.rank{rank}"])
+    return decoded.get("extra")
 
 
 # ---- full (unsharded) state dicts ---------------------------------------------------------------

@@ -127,3 +127,76 @@ def test_intact_checkpoint_still_loads_bitwise(saved):
         return all(torch.equal(got[k], want[k]) for k in want)
 
     assert run_distributed(fn, world_size=2) == [True, True]
+
+
+# ---- loading runs no code ([Note: loading runs no code]) ---------------------------------------
+class _Payload:
+    """Unpickling this creates a marker file: proof that a load ran code."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _restamp(path) -> None:
+    """Recompute every checksum in the manifest, as an attacker who edits the files would."""
+    import zlib
+
+    manifest = json.loads((path / "fsdp_optim.json").read_text())
+    for name in manifest["checksums"]:
+        data = (path / name).read_bytes()
+        manifest["checksums"][name] = [len(data), f"{zlib.crc32(data):08x}"]
+    (path / "fsdp_optim.json").write_text(json.dumps(manifest))
+
+
+def _expect_refused(path, match: str, marker) -> None:
+    assert _load_expecting(path, match) == [True, True]
+    assert not os.path.exists(marker), "loading the checkpoint ran code"
+
+
+def test_payload_in_a_blob_does_not_run(tmp_path):
+    marker = str(tmp_path / "ran_blob")
+
+    def fn():
+        model, opt = _trained(seed=0)
+        fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, extra={"x": _Payload(marker)})
+
+    run_distributed(fn, world_size=2)
+    assert not os.path.exists(marker)
+    _expect_refused(tmp_path / "ckpt", r"'extra' cannot be loaded safely", marker)
+
+
+def test_payload_in_a_dcp_byte_record_does_not_run(tmp_path, monkeypatch):
+    """A byte record whose pickle is the payload itself (not our bytes): DCP's own default planner
+    would unpickle it with weights_only=False."""
+    import fsdp_optim.sharding._checkpoint as ckpt
+
+    marker = str(tmp_path / "ran_record")
+    real = ckpt._to_bytes
+    monkeypatch.setattr(ckpt, "_to_bytes", lambda obj: _Payload(marker) if obj == {"step": 1} else real(obj))
+
+    def fn():
+        model, opt = _trained(seed=0)
+        fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, extra={"step": 1})
+
+    run_distributed(fn, world_size=2)
+    monkeypatch.undo()
+    assert not os.path.exists(marker)
+    _expect_refused(tmp_path / "ckpt", r"byte record 'extra' cannot be loaded safely", marker)
+
+
+def test_payload_in_the_metadata_does_not_run(saved, tmp_path):
+    import pickle
+
+    bad = tmp_path / "ckpt"
+    shutil.copytree(saved, bad)
+    marker = str(tmp_path / "ran_metadata")
+    with open(bad / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    md.planner_data = _Payload(marker)
+    with open(bad / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    _restamp(bad)
+    _expect_refused(bad, r"metadata file .* safely.*refused global", marker)
