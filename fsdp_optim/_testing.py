@@ -167,8 +167,9 @@ class LiveBytes:
     A ``TorchDispatchMode`` sees every op's outputs; their storages are tracked through weak
     references, so a storage counts from the op that made it until it is freed, and storages shrunk
     or grown in place (``untyped_storage().resize_``, as FSDP2 frees its gathered parameters) count
-    at their current size. ``baseline`` storages (e.g. the model's before setup) are not counted:
-    only storages created inside the block are. ``peak`` is the largest total seen after any op;
+    at their current size. Storages made before the block (the model's, say) are not
+    counted, even when an op inside it views or writes them: only storages first seen as an op's new
+    output are. ``peak`` is the largest total seen after any op;
     ``current`` the total at exit. Collectives write into outputs made by ops, so their buffers are
     counted; allocations made outside torch's dispatcher (a backend's internal staging) are not.
     """
@@ -186,7 +187,7 @@ class LiveBytes:
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                outer._track(out)
+                outer._track(out, (args, kwargs))
                 return out
 
         self._mode = _Mode()
@@ -197,12 +198,21 @@ class LiveBytes:
         self._mode.__exit__(*exc)
         self.current = self._total()
 
-    def _track(self, out: Any) -> None:
+    def _track(self, out: Any, inputs: Any = ()) -> None:
         import weakref
 
         import torch
         from torch.utils._pytree import tree_leaves
 
+        # Outputs that alias an input (views such as detach(), in-place and out= ops) are not new
+        # storages: a storage made before the block must not start counting when an op touches it.
+        aliased = set()
+        for t in tree_leaves(inputs):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                try:
+                    aliased.add(t.untyped_storage().data_ptr())
+                except RuntimeError:
+                    pass
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
@@ -210,6 +220,8 @@ class LiveBytes:
                 s = t.untyped_storage()
                 key = s.data_ptr() if s.nbytes() else id(s)
             except RuntimeError:  # a wrapper subclass (DTensor): its local tensors' ops are seen too
+                continue
+            if s.nbytes() and key in aliased and key not in self._live:
                 continue
             if key not in self._live or self._live[key]() is None:
                 self._live[key] = weakref.ref(s)

@@ -1025,33 +1025,43 @@ def load_checkpoint(
 
 
 # ---- full (unsharded) state dicts ---------------------------------------------------------------
-def load_full_state_dict(model: nn.Module, full: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+def load_full_state_dict(
+    model: nn.Module, full: Mapping[str, torch.Tensor] | None, *, strict: bool = True, broadcast_from_rank0: bool = False
+) -> None:
     """Load plain full tensors (the model's own names, global shapes) into a sharded model.
 
-    Every rank passes the full dict and copies its own range; no communication.
+    Default: every rank passes the full dict and copies its own range; no communication.
+    ``broadcast_from_rank0``: only global rank 0 needs the dict (the others may pass ``None`` or
+    ``{}``); it is sent one bucket at a time (one broadcast per bucket, then one per buffer or
+    unsharded parameter), so no rank holds more than the dict (rank 0) or one bucket at full size.
+    As FSDP2's ``set_model_state_dict(..., StateDictOptions(broadcast_from_rank0=True))``.
     """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    holds_dict = not broadcast_from_rank0 or rank == 0
+    full = full if full is not None else {}
     err = None
+    pairs: list[tuple[str, torch.Tensor | None, ShardInfo | None]] = []
     try:
         _ensure_sharded(model)
         params = dict(model.named_parameters(remove_duplicate=False))
         own = model.state_dict()
-        missing, unexpected = set(own) - set(full), set(full) - set(own)
-        if strict and (missing or unexpected):
-            raise ValueError(
-                "load_full_state_dict(strict=True): "
-                + (f"missing keys: {_fmt_keys(missing)}" if missing else "")
-                + ("; " if missing and unexpected else "")
-                + (f"unexpected keys: {_fmt_keys(unexpected)}" if unexpected else "")
-            )
-        pairs = []
+        if holds_dict:
+            missing, unexpected = set(own) - set(full), set(full) - set(own)
+            if strict and (missing or unexpected):
+                raise ValueError(
+                    "load_full_state_dict(strict=True): "
+                    + (f"missing keys: {_fmt_keys(missing)}" if missing else "")
+                    + ("; " if missing and unexpected else "")
+                    + (f"unexpected keys: {_fmt_keys(unexpected)}" if unexpected else "")
+                )
         for key in own:
-            if key not in full:
+            if holds_dict and key not in full:
                 continue
-            src = full[key]
+            src = full.get(key) if holds_dict else None
             p = params.get(key)
             info = shard_info(p) if p is not None else None
             shape = info.shape if info is not None else tuple(own[key].shape)
-            if tuple(src.shape) != tuple(shape):
+            if src is not None and tuple(src.shape) != tuple(shape):
                 raise ValueError(
                     f"shape mismatch for {key}: the full state dict has {tuple(src.shape)}, the model {tuple(shape)}"
                 )
@@ -1060,13 +1070,62 @@ def load_full_state_dict(model: nn.Module, full: Mapping[str, torch.Tensor], *, 
         err = e
     _agree(err)
     targets = {**dict(model.named_buffers(remove_duplicate=False)), **params}
+    if not broadcast_from_rank0 or not dist.is_initialized() or dist.get_world_size() == 1:
+        with torch.no_grad():
+            for key, src, info in pairs:
+                dst = targets[key]
+                if info is not None:
+                    dst.copy_(src.detach().reshape(-1)[info.start : info.end])
+                else:
+                    dst.copy_(src)
+        return
+    _broadcast_full_state(model, pairs, targets, rank)
+
+
+def _broadcast_full_state(model: nn.Module, pairs: list, targets: dict[str, torch.Tensor], rank: int) -> None:
+    """``load_full_state_dict(broadcast_from_rank0=True)``: one broadcast per bucket from global rank 0.
+
+    Which keys rank 0 sends is agreed first (strict=False may skip some), so every rank joins the
+    same broadcasts in the same order.
+    """
+    from ._fully_shard import _runtimes_under
+
+    keys = [[k for k, _, _ in pairs]]
+    dist.broadcast_object_list(keys, src=0)
+    present = set(keys[0])
+    src_of = {k: src for k, src, _ in pairs}
+    key_of_param: dict[int, list[str]] = {}
+    for key, t in targets.items():
+        key_of_param.setdefault(id(t), []).append(key)
+    done: set[str] = set()
+    def one_bucket(b) -> None:  # (a function, so the broadcast buffer dies before the next one)
+        names = [next((k for k in key_of_param.get(id(sp), []) if k in present), None) for sp in b.sharded]
+        if not any(names):
+            return
+        flat = torch.zeros(b.buffer.total_numel, dtype=b.buffer.dtype, device=b.buffer.device)
+        views = b.buffer.full_views(flat)
+        if rank == 0:
+            for view, name in zip(views, names):
+                if name is not None:
+                    view.copy_(src_of[name].detach().reshape(view.shape))
+        dist.broadcast(flat, src=0)
+        for sp, view, name in zip(b.sharded, views, names):
+            if name is not None:
+                a, e = shard_info(sp).start, shard_info(sp).end
+                sp.detach().copy_(view.reshape(-1)[a:e])
+                done.update(key_of_param[id(sp)])
+
     with torch.no_grad():
-        for key, src, info in pairs:
+        for rt in _runtimes_under(model):
+            for b in rt.buckets:
+                one_bucket(b)
+        for key in keys[0]:
+            if key in done:
+                continue
             dst = targets[key]
-            if info is not None:
-                dst.copy_(src.detach().reshape(-1)[info.start : info.end])
-            else:
-                dst.copy_(src)
+            buf = src_of[key].detach().to(dst.device, dst.dtype).clone() if rank == 0 else torch.empty_like(dst)
+            dist.broadcast(buf, src=0)
+            dst.copy_(buf)
 
 
 # ---- hooks: DCP-ready model.state_dict() / optimizer.state_dict() -----------------------------------

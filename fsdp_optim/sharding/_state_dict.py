@@ -15,13 +15,20 @@ def _relevant_buckets(module: nn.Module) -> list[_Bucket]:
     return [b for rt in rts for b in rt.buckets]
 
 
-def full_state_dict(module: nn.Module, *, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
     """Plain full tensors under ``module``'s own names (as ``module.state_dict()`` of the unsharded
-    model: tied parameters under each name, persistent buffers included), on every rank.
+    model: tied parameters under each name, persistent buffers included).
 
-    Collective: every rank of the mesh must call it (one all-gather per bucket holding a
-    parameter of ``module``). Parameters come back in their master dtype, copied to ``device``.
+    Collective: every rank of the mesh must call it (one all-gather per bucket holding a parameter of
+    ``module``, one bucket at a time). Parameters come back in their master dtype.
+    ``rank0_only``: only global rank 0 keeps the tensors; the others return ``{}`` and never hold more
+    than one bucket at full size (the one being gathered). ``cpu_offload``: the tensors are copied to
+    the CPU as each bucket arrives (else they stay on the mesh's device). As FSDP2's
+    ``get_model_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))``.
     """
+    import torch.distributed as dist
+
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     names: list[tuple[str, torch.Tensor]] = []
     for prefix, m in module.named_modules(remove_duplicate=False):
         pre = f"{prefix}." if prefix else ""
@@ -32,6 +39,10 @@ def full_state_dict(module: nn.Module, *, device: torch.device | str = "cpu") ->
             if b is not None and name not in m._non_persistent_buffers_set:
                 names.append((pre + name, b))
     wanted = {id(t) for _, t in names}
+
+    def out_of(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu" if cpu_offload else t.device, copy=True)
+
     full: dict[int, torch.Tensor] = {}
     for b in _relevant_buckets(module):
         ups = b.unsharded if b.unsharded is not None else [None] * len(b.sharded)  # never gathered yet
@@ -39,11 +50,40 @@ def full_state_dict(module: nn.Module, *, device: torch.device | str = "cpu") ->
         if not ids:
             continue
         b.wait_reduces()
-        flat = b.buffer.all_gather()
-        for (sp, up), view in zip(zip(b.sharded, ups), b.buffer.full_views(flat)):
-            if id(sp) in wanted or id(up) in wanted:
-                full[id(sp)] = full[id(up)] = view.detach().to(device, copy=True)
-    out: dict[str, torch.Tensor] = {}
-    for key, t in names:
-        out[key] = full[id(t)] if id(t) in full else t.detach().to(device, copy=True)
-    return out
+        flat = _gather_to_group_rank0(b) if rank0_only else b.buffer.all_gather()
+        if keep:
+            for (sp, up), view in zip(zip(b.sharded, ups), b.buffer.full_views(flat)):
+                if id(sp) in wanted or id(up) in wanted:
+                    full[id(sp)] = out_of(view)
+                    if up is not None:
+                        full[id(up)] = full[id(sp)]
+        del flat
+    if not keep:
+        return {}
+    return {key: full[id(t)] if id(t) in full else out_of(t) for key, t in names}
+
+
+def _gather_to_group_rank0(b: _Bucket) -> torch.Tensor | None:
+    """The bucket's full flat buffer on its shard group's rank 0 (``None`` elsewhere): one ``gather``
+    of segments padded to the largest, so the other ranks hold only their own (padded) segment."""
+    import torch.distributed as dist
+
+    buf = b.buffer
+    if buf.backend is None or buf.world_size == 1:
+        return buf.all_gather()
+    size = max(buf.sizes)
+    send = torch.zeros(size, dtype=buf.dtype, device=buf.device)
+    send[: buf.segment_numel].copy_(buf.segment)
+    # Gather to global rank 0 where it is in this group (the rank that keeps the result), else to the
+    # group's first rank (another HSDP replica: gathered and dropped).
+    try:
+        dist.get_group_rank(buf.group or dist.group.WORLD, 0)
+        group_rank0 = 0
+    except (ValueError, RuntimeError):
+        group_rank0 = dist.get_global_rank(buf.group, 0)
+    me_first = dist.get_rank() == group_rank0
+    pieces = [torch.empty(size, dtype=buf.dtype, device=buf.device) for _ in range(buf.world_size)] if me_first else None
+    dist.gather(send, pieces, dst=group_rank0, group=buf.group)
+    if not me_first:
+        return None
+    return torch.cat([piece[:n] for piece, n in zip(pieces, buf.sizes)])

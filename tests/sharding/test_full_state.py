@@ -1,0 +1,83 @@
+"""Memory-lean full state dicts: ``full_state_dict(rank0_only=, cpu_offload=)`` and
+``load_full_state_dict(broadcast_from_rank0=)`` equal the plain forms bitwise, and ranks other
+than 0 never hold more than one bucket at full size (live tensor bytes, ``LiveBytes``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fsdp_optim
+from fsdp_optim._testing import LiveBytes, run_distributed
+from tests._models import TinyConfig, TinyTransformer, make_batch
+
+CFG = TinyConfig(vocab_size=101, dim=24, num_heads=2, num_layers=3, mlp_dim=40)
+
+
+def _sharded(seed: int) -> TinyTransformer:
+    torch.manual_seed(seed)
+    model = TinyTransformer(CFG)
+    for layer in model.layers:
+        fsdp_optim.fully_shard(layer)
+    fsdp_optim.fully_shard(model)
+    return model
+
+
+def _largest_bucket_bytes(model) -> int:
+    rt = model._fsdp_optim_state.runtime
+    return max(b.buffer.total_numel * b.buffer.dtype.itemsize for b in rt.buckets)
+
+
+def test_rank0_only_equals_the_plain_form_and_other_ranks_hold_one_bucket():
+    def fn():
+        model = _sharded(0)
+        x, y = make_batch(batch_size=3, seq_len=8, vocab_size=CFG.vocab_size, seed=1)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        plain = fsdp_optim.full_state_dict(model)
+        with LiveBytes() as m:
+            lean = fsdp_optim.full_state_dict(model, rank0_only=True, cpu_offload=True)
+        return dist.get_rank(), plain, lean, m.peak, _largest_bucket_bytes(model)
+
+    out = run_distributed(fn, world_size=3)
+    for rank, plain, lean, peak, bucket in out:
+        if rank == 0:
+            assert lean.keys() == plain.keys() and all(torch.equal(lean[k], plain[k]) for k in plain)
+            assert all(v.device.type == "cpu" for v in lean.values())
+        else:
+            assert lean == {}
+            assert peak <= bucket, (peak, bucket)  # one gathered bucket at a time, nothing kept
+
+
+def test_broadcast_from_rank0_equals_every_rank_loading_the_dict():
+    torch.manual_seed(5)
+    source = {k: v.clone() for k, v in TinyTransformer(CFG).state_dict().items()}
+
+    def fn():
+        a, b = _sharded(0), _sharded(0)
+        fsdp_optim.load_full_state_dict(a, source)
+        mine = source if dist.get_rank() == 0 else None
+        with LiveBytes() as m:
+            fsdp_optim.load_full_state_dict(b, mine, broadcast_from_rank0=True)
+        got_a, got_b = fsdp_optim.full_state_dict(a), fsdp_optim.full_state_dict(b)
+        same = got_a.keys() == got_b.keys() and all(torch.equal(got_a[k], got_b[k]) for k in got_a)
+        equal_source = all(torch.equal(got_b[k], source[k]) for k in source)
+        return dist.get_rank(), same, equal_source, m.peak, _largest_bucket_bytes(b)
+
+    for rank, same, equal_source, peak, bucket in run_distributed(fn, world_size=3):
+        assert same and equal_source
+        if rank != 0:
+            assert peak <= bucket + 4096, (peak, bucket)  # one bucket's broadcast buffer (+ small buffers)
+
+
+def test_broadcast_from_rank0_strict_errors_raise_on_every_rank():
+    def fn():
+        model = _sharded(0)
+        bad = {"nope": torch.zeros(1)} if dist.get_rank() == 0 else None
+        try:
+            fsdp_optim.load_full_state_dict(model, bad, broadcast_from_rank0=True)
+        except ValueError as e:
+            return "missing keys" in str(e)
+        return False
+
+    assert run_distributed(fn, world_size=2) == [True, True]
