@@ -6,6 +6,7 @@ from .sharding._checkpoint import load_checkpoint, load_full_state_dict, save_ch
 from .sharding._clip import clip_grad_norm_
 from .sharding._float8 import Float8AllGather
 from .sharding._fully_shard import ShardedModule, fully_shard, sharded_plan
+from .sharding._hf import export_hf, load_hf
 from .sharding._init import init_weights
 from .sharding._mixed_precision import MixedPrecisionPolicy
 from .sharding._shard_info import ShardInfo, shard_info
@@ -17,12 +18,14 @@ __all__ = [
     "ShardInfo",
     "ShardedModule",
     "clip_grad_norm_",
+    "export_hf",
     "full_state_dict",
     "fully_shard",
     "global_shape",
     "init_weights",
     "load_checkpoint",
     "load_full_state_dict",
+    "load_hf",
     "param_groups",
     "save_checkpoint",
     "shard_info",

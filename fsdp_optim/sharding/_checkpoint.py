@@ -1040,7 +1040,7 @@ def load_full_state_dict(
     holds_dict = not broadcast_from_rank0 or rank == 0
     full = full if full is not None else {}
     err = None
-    pairs: list[tuple[str, torch.Tensor | None, ShardInfo | None]] = []
+    pairs: list[tuple[str, ShardInfo | None]] = []
     try:
         _ensure_sharded(model)
         params = dict(model.named_parameters(remove_duplicate=False))
@@ -1057,32 +1057,36 @@ def load_full_state_dict(
         for key in own:
             if holds_dict and key not in full:
                 continue
-            src = full.get(key) if holds_dict else None
             p = params.get(key)
             info = shard_info(p) if p is not None else None
             shape = info.shape if info is not None else tuple(own[key].shape)
-            if src is not None and tuple(src.shape) != tuple(shape):
-                raise ValueError(
-                    f"shape mismatch for {key}: the full state dict has {tuple(src.shape)}, the model {tuple(shape)}"
-                )
-            pairs.append((key, src, info))
+            if holds_dict:
+                # (a lazy mapping, as load_hf's, answers shapes without reading the tensor)
+                src_shape = full.shape_of(key) if hasattr(full, "shape_of") else tuple(full[key].shape)
+                if tuple(src_shape) != tuple(shape):
+                    raise ValueError(
+                        f"shape mismatch for {key}: the full state dict has {tuple(src_shape)}, the model {tuple(shape)}"
+                    )
+            pairs.append((key, info))
     except Exception as e:  # noqa: BLE001
         err = e
     _agree(err)
     targets = {**dict(model.named_buffers(remove_duplicate=False)), **params}
     if not broadcast_from_rank0 or not dist.is_initialized() or dist.get_world_size() == 1:
         with torch.no_grad():
-            for key, src, info in pairs:
-                dst = targets[key]
+            for key, info in pairs:
+                dst, src = targets[key], full[key]
                 if info is not None:
                     dst.copy_(src.detach().reshape(-1)[info.start : info.end])
                 else:
                     dst.copy_(src)
         return
-    _broadcast_full_state(model, pairs, targets, rank)
+    _broadcast_full_state(model, full, [k for k, _ in pairs], targets, rank)
 
 
-def _broadcast_full_state(model: nn.Module, pairs: list, targets: dict[str, torch.Tensor], rank: int) -> None:
+def _broadcast_full_state(
+    model: nn.Module, full: Mapping[str, torch.Tensor], pair_keys: list[str], targets: dict[str, torch.Tensor], rank: int
+) -> None:
     """``load_full_state_dict(broadcast_from_rank0=True)``: one broadcast per bucket from global rank 0.
 
     Which keys rank 0 sends is agreed first (strict=False may skip some), so every rank joins the
@@ -1090,10 +1094,9 @@ def _broadcast_full_state(model: nn.Module, pairs: list, targets: dict[str, torc
     """
     from ._fully_shard import _runtimes_under
 
-    keys = [[k for k, _, _ in pairs]]
+    keys = [pair_keys]
     dist.broadcast_object_list(keys, src=0)
     present = set(keys[0])
-    src_of = {k: src for k, src, _ in pairs}
     key_of_param: dict[int, list[str]] = {}
     for key, t in targets.items():
         key_of_param.setdefault(id(t), []).append(key)
@@ -1107,7 +1110,7 @@ def _broadcast_full_state(model: nn.Module, pairs: list, targets: dict[str, torc
         if rank == 0:
             for view, name in zip(views, names):
                 if name is not None:
-                    view.copy_(src_of[name].detach().reshape(view.shape))
+                    view.copy_(full[name].detach().reshape(view.shape))
         dist.broadcast(flat, src=0)
         for sp, view, name in zip(b.sharded, views, names):
             if name is not None:
@@ -1123,7 +1126,7 @@ def _broadcast_full_state(model: nn.Module, pairs: list, targets: dict[str, torc
             if key in done:
                 continue
             dst = targets[key]
-            buf = src_of[key].detach().to(dst.device, dst.dtype).clone() if rank == 0 else torch.empty_like(dst)
+            buf = full[key].detach().to(dst.device, dst.dtype).clone() if rank == 0 else torch.empty_like(dst)
             dist.broadcast(buf, src=0)
             dst.copy_(buf)
 
