@@ -273,3 +273,68 @@ def num_params(model: nn.Module, *, exclude_embedding: bool = False) -> int:
                 continue
         n += p.numel()
     return n
+
+
+# ---- Hugging Face layout of the dense Llama --------------------------------------------------------
+# Names map one to one onto transformers' LlamaForCausalLM. RoPE differs in layout only: ours rotates
+# interleaved pairs (x[2i], x[2i+1]) of each head, transformers' rotate_half rotates (x[i], x[i+d/2])
+# with the same frequencies, so each head's rows of wq and wk are permuted: HF row j < d/2 is our
+# row 2j, HF row j + d/2 our row 2j + 1 (the permutation transformers' own Llama conversion applies
+# to Meta's checkpoints).
+_HF_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_HF_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def _rope_heads(cfg: ModelConfig, suffix: str) -> int | None:
+    if suffix == "attention.wq.weight":
+        return cfg.n_heads
+    if suffix == "attention.wk.weight":
+        return cfg.n_kv_heads or cfg.n_heads
+    return None
+
+
+def hf_name(cfg: ModelConfig, name: str) -> str:
+    """The transformers name of one of ours (others, e.g. the RoPE tables, are not in HF files)."""
+    if name in _HF_TOP:
+        return _HF_TOP[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "layers" and parts[2] in _HF_NAMES:
+        return f"model.layers.{parts[1]}.{_HF_NAMES[parts[2]]}"
+    return name
+
+
+def to_hf(cfg: ModelConfig, name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """``export_hf``'s ``convert`` for the dense Llama: (our name, tensor) -> (HF name, HF layout)."""
+    heads = _rope_heads(cfg, name.split(".", 2)[-1]) if name.startswith("layers.") else None
+    if heads is not None:
+        t = rearrange(t, "(h d two) c -> (h two d) c", h=heads, two=2)
+    return hf_name(cfg, name), t
+
+
+def from_hf(cfg: ModelConfig, name: str):
+    """``load_hf``'s ``convert``: our name -> (HF name, HF layout -> ours)."""
+    heads = _rope_heads(cfg, name.split(".", 2)[-1]) if name.startswith("layers.") else None
+    if heads is None:
+        return hf_name(cfg, name), lambda t: t
+    return hf_name(cfg, name), lambda t: rearrange(t, "(h two d) c -> (h d two) c", h=heads, two=2)
+
+
+def llama_hf_config(cfg: ModelConfig):
+    """The transformers ``LlamaConfig`` of the dense Llama (for ``export_hf``)."""
+    import transformers
+
+    if cfg.kind != "llama":
+        raise ValueError(f"Hugging Face export/import supports model.kind = 'llama' or 'hf', not {cfg.kind!r}")
+    return transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads or cfg.n_heads,
+        intermediate_size=cfg.ffn_dim or ffn_hidden(cfg.dim, cfg.multiple_of), rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
+        hidden_act="silu", attention_bias=False, mlp_bias=False,
+    )

@@ -218,6 +218,21 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (python {self.prog} --help lists the flags)")
 
 
+def hf_convert(model, cfg: Config):
+    """``(config, load_hf convert, export_hf convert)`` between the recipe's names and the Hub's."""
+    import functools
+
+    from model import from_hf, llama_hf_config, to_hf
+
+    if cfg.model.kind == "hf":  # the wrapped transformers model: names behind "hf."
+        return (
+            model.hf.config,
+            lambda name: (name.removeprefix("hf."), lambda t: t),
+            lambda name, t: (name.removeprefix("hf."), t),
+        )
+    return llama_hf_config(cfg.model), functools.partial(from_hf, cfg.model), functools.partial(to_hf, cfg.model)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = _Parser(prog="recipes/pretrain.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML config (recipes/configs/*.toml); default: built-in defaults")
@@ -230,6 +245,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--fp8-allgather", nargs="?", const="128x128", choices=FP8_TILES, metavar="TILE",
         help="all-gather parameters in block-wise FP8, one scale per TILE (128x128 or 1x128; default 128x128): "
         "train.fp8_all_gather",
+    )
+    p.add_argument("--export-hf", metavar="DIR", help="at the end, write a transformers from_pretrained directory")
+    p.add_argument(
+        "--init-from-hf", metavar="DIR",
+        help="start from the weights of a transformers safetensors directory (read on rank 0, one bucket at a time)",
     )
     p.add_argument(
         "--check", nargs="?", const=2, type=int, metavar="W",
@@ -249,6 +269,17 @@ def resolve_config(args: argparse.Namespace) -> Config:
     if args.fp8_allgather is not None:
         overrides.append(f"train.fp8_all_gather={json.dumps(args.fp8_allgather)}")
     cfg = load_config(args.config, overrides)
+    for flag, value in (("--export-hf", args.export_hf), ("--init-from-hf", args.init_from_hf)):
+        if value is None:
+            continue
+        if cfg.model.kind not in ("llama", "hf"):
+            raise ValueError(f"{flag} supports model.kind = 'llama' or 'hf', not {cfg.model.kind!r}")
+        if pick_backend(cfg) != "fsdp_optim":
+            raise ValueError(f"{flag} needs the fsdp_optim backend (train.backend)")
+    if args.init_from_hf is not None:
+        src = Path(args.init_from_hf)
+        if not ((src / "model.safetensors.index.json").is_file() or (src / "model.safetensors").is_file()):
+            raise ValueError(f"--init-from-hf {src}: no model.safetensors.index.json or model.safetensors there")
     if cfg.optim.name not in OPTIMIZERS:
         raise ValueError(f"optim.name must be one of {sorted(OPTIMIZERS)}, got {cfg.optim.name!r}")
     if cfg.train.fp8_all_gather not in ("off", *FP8_TILES):
@@ -389,6 +420,10 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.model.meta_init:  # initialize at full shape, one bucket at a time, keeping this rank's piece
         torch.manual_seed(cfg.train.seed)
         init_sharded(model, backend, device)
+    if args.init_from_hf is not None and latest_checkpoint(out) is None:  # (a resume loads its checkpoint)
+        import fsdp_optim
+
+        fsdp_optim.load_hf(model, args.init_from_hf, convert=hf_convert(model, cfg)[1])
 
     # ---- optimizer and LR schedule: linear warmup, cosine to min_lr_ratio ----
     optimizer = build_optimizer(model, cfg, backend)
@@ -513,6 +548,13 @@ def main(argv: list[str] | None = None) -> dict:
             checkpoint(step)
             t_last = time.perf_counter()
     bar.close()
+    if args.export_hf is not None:
+        import fsdp_optim
+
+        config, _, to_hub = hf_convert(model, cfg)
+        fsdp_optim.export_hf(model, args.export_hf, config=config, convert=to_hub)
+        if master:
+            print(f"[pretrain] exported a transformers checkpoint to {args.export_hf}", flush=True)
 
     # ---- the loss curve ----
     records = read_metrics(metrics_path) if master else []

@@ -48,12 +48,19 @@ def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def export_hf(model: nn.Module, path: str | os.PathLike, *, config: object | None = None) -> None:
+def export_hf(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    config: object | None = None,
+    convert: Callable[[str, torch.Tensor], tuple[str, torch.Tensor]] | None = None,
+) -> None:
     """Write a ``transformers.AutoModelForCausalLM.from_pretrained``-loadable directory (collective).
 
-    ``model``: a sharded ``transformers`` model (its ``.config`` is saved) or any sharded module with
-    Hugging Face names, with ``config`` (a ``PretrainedConfig``) given. Every rank calls it; rank 0
-    writes. See [Note: streaming Hugging Face checkpoints].
+    ``model``: a sharded ``transformers`` model (its ``.config`` is saved), or any sharded module with
+    ``config`` (a ``PretrainedConfig``) and ``convert(name, tensor) -> (hf_name, hf_tensor)`` mapping
+    its names and layouts to the Hub's (e.g. the recipes' Llama: ``recipes/model.py``). Every rank
+    calls it; rank 0 writes. See [Note: streaming Hugging Face checkpoints].
     """
     from safetensors.torch import save_file
 
@@ -85,15 +92,20 @@ def export_hf(model: nn.Module, path: str | os.PathLike, *, config: object | Non
         tensors = {}
         for (name, sp), view in zip(mine, b.buffer.full_views(flat)):
             if name is not None:
-                tensors[name] = view.detach().to("cpu", copy=True).contiguous()
+                hf_name, t = convert(name, view.detach()) if convert else (name, view.detach())
+                tensors[hf_name] = t.to("cpu", copy=True).contiguous()
                 written.add(id(sp))
         fname = f"model-{i + 1:05d}-of-{num_files:05d}.safetensors"
         save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in tensors})
         del flat, tensors
     if rank == 0:
-        rest = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in _named_tensors(model)
-                if shard_info(t) is None and id(t) not in written}
+        rest = dict(
+            (convert(n, t.detach()) if convert else (n, t.detach()))
+            for n, t in _named_tensors(model)
+            if shard_info(t) is None and id(t) not in written
+        )
+        rest = {n: t.to("cpu", copy=True).contiguous() for n, t in rest.items()}
         if rest:
             fname = f"model-{num_files:05d}-of-{num_files:05d}.safetensors"
             save_file(rest, os.path.join(path, fname), metadata={"format": "pt"})
@@ -105,16 +117,34 @@ def export_hf(model: nn.Module, path: str | os.PathLike, *, config: object | Non
         dist.barrier()
 
 
-def load_hf(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> None:
+def load_hf(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    strict: bool = True,
+    convert: Callable[[str], tuple[str, Callable[[torch.Tensor], torch.Tensor]]] | None = None,
+) -> None:
     """Load a Hugging Face safetensors directory (single file or sharded with an index) into a sharded
     model (collective), e.g. one built on meta and sharded: rank 0 reads lazily and broadcasts one
-    bucket at a time (see the Note). Tied names missing from the files are fine."""
+    bucket at a time (see the Note). Tied names missing from the files are fine. ``convert(name) ->
+    (hf_name, from_hf)`` maps a model name to the file's name and a function turning the file's tensor
+    into the model's layout (the inverse of ``export_hf``'s ``convert``)."""
     from ._checkpoint import load_full_state_dict
 
     path = os.fspath(path)
     lazy = None
     if _rank() == 0:
         keys, getter, shapes = _lazy_reader(path)
+        if convert is not None:
+            names = [n for n, _ in model.named_parameters(remove_duplicate=False)] + [
+                n for n, _ in model.named_buffers(remove_duplicate=False)
+            ]
+            mapping = {n: convert(n) for n in names}
+            mapping = {n: m for n, m in mapping.items() if m[0] in keys}
+            file_get, file_shape = getter, shapes
+            keys = set(mapping)
+            getter = lambda n: mapping[n][1](file_get(mapping[n][0]))  # noqa: E731
+            shapes = lambda n: file_shape(mapping[n][0])  # noqa: E731 - layouts permute, shapes stay
         lazy = _LazyDict(keys, getter, shapes, tied_names=_tied_aliases(model))
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     load_full_state_dict(model, lazy, strict=strict, broadcast_from_rank0=distributed)
