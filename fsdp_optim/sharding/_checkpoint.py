@@ -614,8 +614,14 @@ def save_checkpoint(
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         err = e
     _agree(err)  # a collective: the temp dir exists before anyone writes
-    # A collective; .metadata is written when it returns.
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    # A collective; .metadata is written when it returns. DCP raises on every rank if any rank fails.
+    try:
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    except CheckpointException as e:
+        raise ValueError(
+            f"save_checkpoint({path}): writing {tmp} failed: {_root_cause(e)}; the previous checkpoint at {path} "
+            "(if any) is untouched"
+        ) from None
     err, sums = None, None
     try:
         sums = _checksums_of(tmp, rank, world_size)
@@ -683,8 +689,14 @@ def _read_checkpoint_meta(path: str) -> tuple[dict[str, Any], Metadata]:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read the checkpoint manifest {mpath}: {e}") from e
-    if manifest.get("format_version") != _FORMAT_VERSION:
-        raise ValueError(f"{mpath}: format version {manifest.get('format_version')} is not {_FORMAT_VERSION}")
+    version = manifest.get("format_version")
+    if isinstance(version, int) and version > _FORMAT_VERSION:
+        raise ValueError(
+            f"{mpath}: checkpoint format version {version} was written by a newer fsdp_optim (this one reads "
+            f"version {_FORMAT_VERSION}); upgrade fsdp_optim to load it"
+        )
+    if version != _FORMAT_VERSION:
+        raise ValueError(f"{mpath}: checkpoint format version {version!r} is not {_FORMAT_VERSION}")
     if manifest.get("checksums") and ".metadata" in manifest["checksums"]:
         _verify_file(path, ".metadata", manifest["checksums"][".metadata"])
     try:
@@ -721,6 +733,11 @@ def _checksums_of(directory: str, rank: int, world_size: int) -> dict[str, list]
     machine. Checksums detect corruption, not tampering: anyone who can write the files can write
     matching checksums.
     """
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"save_checkpoint: {directory} disappeared while saving (removed by another process?); "
+            "the checkpoint was not written and the previous one, if any, is untouched"
+        )
     files = sorted(f for f in os.listdir(directory) if f != MANIFEST)
     mine = {f: list(_crc32_of(os.path.join(directory, f))) for f in files[rank::world_size]}
     if world_size > 1 and dist.is_available() and dist.is_initialized():

@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp_optim
@@ -200,3 +201,54 @@ def test_payload_in_the_metadata_does_not_run(saved, tmp_path):
         pickle.dump(md, f)
     _restamp(bad)
     _expect_refused(bad, r"metadata file .* safely.*refused global", marker)
+
+
+# ---- errors a user meets: one clear line on every rank -------------------------------------------
+def test_a_newer_format_version_asks_for_an_upgrade(saved, tmp_path):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(saved, bad)
+    manifest = json.loads((bad / "fsdp_optim.json").read_text())
+    manifest["format_version"] = 99
+    (bad / "fsdp_optim.json").write_text(json.dumps(manifest))
+    assert _load_expecting(bad, r"format version 99 was written by a newer fsdp_optim.*upgrade") == [True, True]
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_loading(saved):
+    def fn():
+        torch.manual_seed(0)
+        other = TinyTransformer(TinyConfig(vocab_size=101, dim=24, num_heads=2, num_layers=3, mlp_dim=40))
+        for layer in other.layers:
+            fsdp_optim.fully_shard(layer)
+        fsdp_optim.fully_shard(other)
+        before = {k: v.clone() for k, v in fsdp_optim.full_state_dict(other).items()}
+        with pytest.raises(ValueError, match=r"does not match the model.*unexpected keys: model\.layers\.2|missing keys: layers\.2"):
+            fsdp_optim.load_checkpoint(saved, model=other)
+        after = fsdp_optim.full_state_dict(other)
+        return all(torch.equal(before[k], after[k]) for k in before)
+
+    assert run_distributed(fn, world_size=2) == [True, True]
+
+
+def test_temporary_directory_removed_mid_save(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    import fsdp_optim.sharding._checkpoint as ckpt
+
+    real_save = dcp.save
+
+    def sabotaged(sd, *, storage_writer, **kw):
+        out = real_save(sd, storage_writer=storage_writer, **kw)
+        if dist.get_rank() == 0:
+            shutil.rmtree(storage_writer.path)  # (what a cleanup job does)
+        dist.barrier()
+        return out
+
+    monkeypatch.setattr(ckpt.dcp, "save", sabotaged)
+
+    def fn():
+        model, opt = _trained(seed=0)
+        with pytest.raises(FileNotFoundError, match=r"\.tmp disappeared while saving"):
+            fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt)
+        return not (tmp_path / "ckpt").exists()
+
+    assert run_distributed(fn, world_size=2) == [True, True]
