@@ -160,9 +160,15 @@ SHAPES = {
     "layers.0.mlp.w2.weight": (13, 7),
     "layers.0.norm.weight": (10,),
     "layers.0.mlp.b1": (7,),
+    "layers.0.attn.gate.weight": (1, 33),
+    "layers.1.mlp.w1.weight": (7, 13),
+    "layers.1.mlp.w2.weight": (13, 7),
     "lm_head.weight": (9, 6),
 }
-MATRICES = ["layers.0.attn.wq.weight", "layers.0.mlp.w1.weight", "layers.0.mlp.w2.weight"]
+MATRICES = [
+    "layers.0.attn.wq.weight", "layers.0.mlp.w1.weight", "layers.0.mlp.w2.weight", "layers.0.attn.gate.weight",
+    "layers.1.mlp.w1.weight", "layers.1.mlp.w2.weight",
+]  # fmt: skip
 
 
 def _specs(shapes):
@@ -175,6 +181,7 @@ CONFIGS = [
     dict(adjust_lr_fn="match_rms_adamw", nesterov=True, weight_decay=0.0),
     dict(adjust_lr_fn="match_rms_adamw", nesterov=False, weight_decay=0.1),
 ]
+REFERENCE_MODE = dict(adjust_lr_fn="original", nesterov=True, weight_decay=0.1, batched=False)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -185,8 +192,10 @@ def test_whole_matrices_equal_torch_muon(world_size):
     layouts = {}
     for i, (k, s) in enumerate(SHAPES.items()):
         layouts[k] = owner_layout(s, world_size, i % world_size) if specs[k].is_matrix else uneven_layout(s, world_size)
-    results = run_sharded(init, SHAPES, specs, layouts, set(), {}, world_size=world_size, configs=CONFIGS)
-    for kw, (ours, counts) in zip(CONFIGS, results):
+    configs = [*CONFIGS, REFERENCE_MODE]  # batched (default) and the per-matrix reference mode
+    results = run_sharded(init, SHAPES, specs, layouts, set(), {}, world_size=world_size, configs=configs)
+    for kw, (ours, counts) in zip(configs, results):
+        kw = {k: v for k, v in kw.items() if k != "batched"}
         assert_bitwise(ours, reference(init, SHAPES, MATRICES, **kw))
         assert all(c == {} for per_rank in counts for c in per_rank), counts  # zero collectives in step()
 
@@ -211,14 +220,17 @@ def _split_case(world_size):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_split_matrices_equal_torch_muon_with_one_exchange_pair_per_bucket(world_size):
+def test_split_matrices_equal_torch_muon_with_one_exchange_pair(world_size):
+    """Split matrices in two buckets: one all_to_all_single pair per step for all of them."""
     shapes, buckets, specs, layouts, splits = _split_case(world_size)
     assert all(len(set(layouts[k].bounds)) >= 3 for k in splits)  # really cut: pieces on >= 2 ranks
     init = _init(shapes)
-    configs = [CONFIGS[0], CONFIGS[3]]
+    configs = [CONFIGS[0], CONFIGS[3], REFERENCE_MODE]
     results = run_sharded(init, shapes, specs, layouts, splits, buckets, world_size=world_size, configs=configs)
-    want = {"c10d.alltoall_base_": 2 * len({buckets[k] for k in splits})} if splits else {}
+    assert len({buckets[k] for k in splits}) == (2 if splits else 0)
+    want = {"c10d.alltoall_base_": 2} if splits else {}
     for kw, (ours, counts) in zip(configs, results):
+        kw = {k: v for k, v in kw.items() if k != "batched"}
         # Bitwise, not within a tolerance: the owner orthogonalizes the exact full bf16 update.
         assert_bitwise(ours, reference(init, shapes, [k for k in shapes if specs[k].is_matrix], **kw))
         assert all(c == want for per_rank in counts for c in per_rank), counts
@@ -258,10 +270,12 @@ def test_heads_fused_qkv_and_experts_equal_torch_muon_per_sub_matrix(world_size,
     assert splits == (set(shapes) if split else set())
     init = _init(shapes)
     kw = dict(weight_decay=0.1, nesterov=True, adjust_lr_fn="match_rms_adamw")
-    [(ours, counts)] = run_sharded(init, shapes, specs, layouts, splits, {}, world_size=world_size, configs=[kw])
-    assert_bitwise(ours, reference(init, shapes, list(shapes), sub_matrices=subs, **kw))
+    results = run_sharded(init, shapes, specs, layouts, splits, {}, world_size=world_size,
+                          configs=[kw, {**kw, "batched": False}])  # fmt: skip
     want = {"c10d.alltoall_base_": 2} if splits else {}
-    assert all(c == want for per_rank in counts for c in per_rank), counts
+    for ours, counts in results:
+        assert_bitwise(ours, reference(init, shapes, list(shapes), sub_matrices=subs, **kw))
+        assert all(c == want for per_rank in counts for c in per_rank), counts
 
 
 def test_comm_debug_mode_counts_c10d_collectives():
@@ -358,19 +372,64 @@ def test_plain_named_parameters_equal_torch():
 
 
 # ---- pieces ------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", [(5, 7), (7, 5), (16, 16), (33, 65), (65, 33)])
+@pytest.mark.parametrize(
+    "shape", [(1, 33), (33, 1), (5, 7), (7, 5), (16, 16), (33, 65), (65, 33), (96, 128), (200, 72)]
+)
 def test_newton_schulz_same_bits_as_torch(shape):
-    """The premise of bitwise equality: the same ops on the same full matrix, matrix by matrix or
-    batched (experts / heads)."""
-    g = torch.randn(3, *shape)
+    """The premise of bitwise equality and of W-invariance with batching: the same ops on the same
+    full matrix, matrix by matrix or in a stack of any composition (which matrices share a stack
+    depends on W), give each matrix torch.optim.Muon's bits."""
+    g = torch.randn(5, *shape)
     with _one_thread():
-        ref = torch.stack([_zeropower_via_newtonschulz(g[i], DEFAULT_NS_COEFFICIENTS, 5, 1e-7) for i in range(3)])
+        ref = torch.stack([_zeropower_via_newtonschulz(g[i], DEFAULT_NS_COEFFICIENTS, 5, 1e-7) for i in range(5)])
         assert torch.equal(newton_schulz(g[1]), ref[1])
         assert torch.equal(newton_schulz(g), ref)
+        for idx in ([1], [3, 0], [4, 2, 1], [0, 1, 2, 3]):  # stacks of other sizes and members
+            assert torch.equal(newton_schulz(g[idx]), ref[idx]), idx
         assert torch.equal(newton_schulz(g[1].bfloat16()), ref[1])  # the exchanged (bf16) input
     gb = g.bfloat16()
     newton_schulz(gb)
     assert torch.equal(gb, g.bfloat16())  # input untouched
+
+
+def test_one_batched_chain_per_shape_and_reference_mode_one_per_matrix(monkeypatch):
+    """Batched: one Newton–Schulz call per [rows, cols] (across parameters and groups with the same
+    NS settings), stacks capped at _STACK_NUMEL; reference: one 2-D call per matrix. Same bits."""
+    from fsdp_optim.optimizers import _muon
+
+    shapes = {f"l{i}.w": (6, 4) for i in range(4)} | {"l9.w": (4, 6), "moe.w": (3, 6, 4), "x.w": (6, 4)}
+    init = _init(shapes)
+    calls: list[tuple[int, ...]] = []
+    real = _muon.newton_schulz
+    monkeypatch.setattr(_muon, "newton_schulz", lambda g, **kw: calls.append(tuple(g.shape)) or real(g, **kw))
+
+    def run(batched, groups_ns=(5, 5)):
+        with _one_thread():
+            params = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
+            names = list(params)
+            opt = Muon([{"params": [(k, params[k]) for k in names[:4]], "ns_steps": groups_ns[0]},
+                        {"params": [(k, params[k]) for k in names[4:]], "ns_steps": groups_ns[1], "lr": 0.03}],
+                       lr=0.02, batched=batched)  # fmt: skip
+            for s in range(2):
+                g = _grads(shapes, s)
+                for k, p in params.items():
+                    p.grad = g[k].clone()
+                calls.clear()
+                opt.step()
+        return {k: p.detach() for k, p in params.items()}, sorted(calls)
+
+    batched, calls_b = run(True)
+    assert calls_b == sorted([(8, 6, 4), (1, 4, 6)]), calls_b
+    ref, calls_r = run(False)
+    assert calls_r == sorted([(6, 4)] * 8 + [(4, 6)]), calls_r
+    assert_bitwise(batched, ref)
+    _, calls_g = run(True, groups_ns=(5, 4))  # different NS settings never share a stack
+    assert calls_g == sorted([(4, 6, 4), (4, 6, 4), (1, 4, 6)]), calls_g
+    monkeypatch.setattr(_muon, "_STACK_NUMEL", 3 * 24)  # stacks of at most 3 matrices
+    capped, calls_c = run(True)
+    tall = [c for c in calls_c if c[1:] == (6, 4)]
+    assert all(c[0] <= 3 for c in tall) and sum(c[0] for c in tall) == 8 and len(tall) < 8, calls_c
+    assert_bitwise(capped, ref)
 
 
 def test_assign_owners_balances_and_is_deterministic():
@@ -497,3 +556,17 @@ def test_param_groups_with_own_hyperparameters_share_a_split_bucket(world_size):
             for o in (m1, m2, aw):
                 o.step()
     assert_bitwise(ours, {k: p.detach() for k, p in full.items()})
+
+
+def test_pieces_match_brute_force():
+    """The exchange plan finds the ranks holding a split matrix by bisection (no loop over all W)."""
+    from fsdp_optim.optimizers._muon import _pieces
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        w = int(torch.randint(1, 9, (1,), generator=gen))
+        bounds = [0, *sorted(torch.randint(0, 60, (w - 1,), generator=gen).tolist()), 60]
+        off = int(torch.randint(0, 50, (1,), generator=gen))
+        n = int(torch.randint(1, 60 - off + 1, (1,), generator=gen))
+        brute = [(q, max(bounds[q], off) - off, min(bounds[q + 1], off + n) - off) for q in range(w)]
+        assert _pieces(bounds, off, n) == [x for x in brute if x[2] > x[1]], (bounds, off, n)
