@@ -385,6 +385,8 @@ class Muon(torch.optim.Optimizer):
             elif not plain and not info.spec.is_matrix:  # the rule given here would make it a matrix
                 if self._rule(info.fqn, torch.empty(info.shape, device="meta"), None).is_matrix:
                     unexpected.append(info.fqn or f"<shape {info.shape}>")
+        if any(shard_info(p) is not None and shard_info(p).spec.is_matrix for _, p in named):
+            unexpected = []  # sharded with a Muon rule: its element-wise specs were decided (nn.Embedding by type)
         if unexpected:
             warnings.warn(
                 f"Muon: {len(unexpected)} sharded matrix parameter(s) (e.g. {unexpected[0]}) carry element-wise "
