@@ -28,7 +28,9 @@ as one owned whole.
 [Note: batched Newton–Schulz]
 By default (``batched=True``) every matrix a rank orthogonalizes in a step (local ones and split
 ones it owns) is stacked with the others of the same ``[rows, cols]`` and Newton–Schulz settings,
-and each stack runs one batched chain (``baddbmm``; stacks capped at ``_STACK_NUMEL`` elements).
+and each stack runs one batched chain (``baddbmm``; stacks capped at ``_STACK_NUMEL`` elements;
+on CPU only matrices of at most ``_CPU_STACK_MAX_NUMEL`` elements are stacked, larger ones run one
+at a time, a choice made by shape alone).
 Which matrices share a stack depends on which ones a rank owns, hence on W and the plan, so the
 result is W-invariant only if a batched matmul gives each matrix the bits it gives it alone. On
 the CPUs tested here (AVX-512, torch 2.13, 1 and 2 threads) the batched chain equals
@@ -67,6 +69,17 @@ DEFAULT_EPS = 1e-7
 _STACK_NUMEL = 1 << 25
 """Most elements in one batched Newton–Schulz stack (64 MiB of bf16; the chain's transients are a
 few times that). Larger sets of same-shape matrices run as several stacks."""
+
+_CPU_STACK_MAX_NUMEL = 1 << 17
+"""On CPU, matrices of more elements run one at a time even when batched: there BLAS is already
+efficient per matrix and a bf16 ``baddbmm`` stack measured slower (512x512: 0.74-0.85x; see
+benchmarks/bench_muon.py). The choice depends on the shape only, never on W."""
+
+
+def _stacks_well(rows: int, cols: int, device: torch.device) -> bool:
+    """Whether ``[rows, cols]`` matrices are worth stacking on ``device`` (a function of shape only)."""
+    return device.type != "cpu" or rows * cols <= _CPU_STACK_MAX_NUMEL
+
 
 _MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
 _ADAMW_KEYS = ("adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay")
@@ -649,7 +662,8 @@ class Muon(torch.optim.Optimizer):
             u, flat = upd.reshape(-1), p.view(-1)
             for run in self._plans[p].runs:
                 rc = run.rows * run.cols
-                per = max(1, _STACK_NUMEL // rc) if self.batched else 1  # reference: one matrix a job
+                stack = self.batched and _stacks_well(run.rows, run.cols, p.device)
+                per = max(1, _STACK_NUMEL // rc) if stack else 1  # else one matrix a job, torch's 2-D ops
                 for i in range(0, run.count, per):  # runs longer than a stack: several jobs
                     k = min(per, run.count - i)
                     lo = run.local_offset + i * rc
@@ -662,16 +676,18 @@ class Muon(torch.optim.Optimizer):
         """Newton–Schulz of every job: ``[count, rows, cols]`` bf16 per job (an owned split matrix
         arrives assembled in ``job.source``). Batched: one chain per stack of same-key matrices."""
         out: list[Tensor | None] = [None] * len(jobs)
-        if not self.batched:
-            for i, job in enumerate(jobs):
+        stacked = []
+        for i, job in enumerate(jobs):
+            if self.batched and _stacks_well(job.rows, job.cols, job.source.device):
+                stacked.append(i)
+            else:
                 if job.count != 1:
                     raise AssertionError(f"Muon: a reference-mode job holds {job.count} matrices")
                 ns = dict(coefficients=job.key[2], steps=job.key[3], eps=job.key[4])
                 out[i] = newton_schulz(job.source[0], **ns).unsqueeze(0)  # torch.optim.Muon's 2-D ops
-            return out
         by_key: dict[tuple, list[int]] = {}
-        for i, job in enumerate(jobs):
-            by_key.setdefault(job.key, []).append(i)
+        for i in stacked:
+            by_key.setdefault(jobs[i].key, []).append(i)
         for key, idx in by_key.items():
             rows, cols, coefficients, steps, eps = key
             chunk: list[int] = []

@@ -431,6 +431,10 @@ def test_one_batched_chain_per_shape_and_reference_mode_one_per_matrix(monkeypat
     tall = [c for c in calls_c if c[1:] == (6, 4)]
     assert all(c[0] <= 3 for c in tall) and sum(c[0] for c in tall) == 8 and len(tall) < 8, calls_c
     assert_bitwise(capped, ref)
+    monkeypatch.setattr(_muon, "_CPU_STACK_MAX_NUMEL", 23)  # on CPU, larger matrices go one at a time
+    big, calls_big = run(True)
+    assert calls_big == calls_r and _muon._stacks_well(6, 4, torch.device("cuda")), calls_big
+    assert_bitwise(big, ref)
 
 
 def test_assign_owners_balances_and_is_deterministic():
