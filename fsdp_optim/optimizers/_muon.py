@@ -46,7 +46,7 @@ from __future__ import annotations
 import bisect
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -622,35 +622,48 @@ class Muon(torch.optim.Optimizer):
             updates.update(zip(params, upd))
         if not updates and not self._exchanges:
             return loss
-        group_of = {p: g for g in self.param_groups if g["use_muon"] for p in g["params"]}
-        jobs = self._local_jobs(updates, group_of)
-        recvs = [self._exchange_out(ex, updates, group_of, jobs) for ex in self._exchanges]
-        results = self._orthogonalize(jobs)
-        backs = [self._exchange_back(ex, recv, jobs, results) for ex, recv in zip(self._exchanges, recvs)]
-        # element-wise tail, as torch.optim.Muon: param *= 1 - lr * wd, then param -= adjusted lr * update
+        # as torch.optim.Muon: param *= 1 - lr * wd, then param -= adjusted lr * NS(update); weight decay
+        # first (Newton-Schulz reads the updates, not the parameters), so each stack's result is added
+        # as soon as it exists and only one stack's transients are alive at a time
         for group in self.param_groups:
             params = [p for p in group["params"] if p in updates] if group["use_muon"] else []
             if params and group["weight_decay"] != 0:  # x * 1.0 == x: skipping it changes no bits
                 torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-        adds: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
-        for job, res in zip(jobs, results):
-            if job.dest is not None:
+        group_of = {p: g for g in self.param_groups if g["use_muon"] for p in g["params"]}
+        jobs = self._local_jobs(updates, group_of)
+        recvs = [self._exchange_out(ex, updates, group_of, jobs) for ex in self._exchanges]
+        backs = [torch.empty_like(recv) for recv in recvs]  # owned results, in the receive layout
+        back_of = {id(om): back for ex, back in zip(self._exchanges, backs) for om in ex.owned}
+        for done in self._orthogonalize(jobs):
+            adds: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+            for i, res in done:
+                job = jobs[i]
+                if job.dest is None:  # an owned split matrix: its pieces go back to their ranks
+                    flat = res.reshape(-1)
+                    for a, n, at in job.owned.pieces:
+                        back_of[id(job.owned)][at : at + n].copy_(flat[a : a + n])
+                    continue
                 alpha = -adjust_lr(job.group["lr"], job.group["adjust_lr_fn"], job.rows, job.cols)
                 dst, src = adds.setdefault(alpha, ([], []))
                 dst.append(job.dest)
                 src.append(res)
-        for ex, recv in zip(self._exchanges, backs):
+            for alpha, (dst, src) in adds.items():
+                torch._foreach_add_(dst, src, alpha=alpha)
+        for ex, back in zip(self._exchanges, backs):
+            mine = torch.empty(sum(ex.send_sizes), dtype=torch.bfloat16, device=ex.device)
+            dist.all_to_all_single(mine, back, list(ex.send_sizes), list(ex.recv_sizes), group=ex.group)
+            adds = {}
             pos = 0
-            for sp in ex.sends:
+            for sp in ex.sends:  # my pieces of NS(split matrix), in the order I sent them
                 if sp.param in updates:
                     g = group_of[sp.param]
                     alpha = -adjust_lr(g["lr"], g["adjust_lr_fn"], sp.rows, sp.cols)
                     dst, src = adds.setdefault(alpha, ([], []))
                     dst.append(sp.param.view(-1)[sp.local_offset : sp.local_offset + sp.n])
-                    src.append(recv[pos : pos + sp.n])
+                    src.append(mine[pos : pos + sp.n])
                 pos += sp.n
-        for alpha, (dst, src) in adds.items():
-            torch._foreach_add_(dst, src, alpha=alpha)
+            for alpha, (dst, src) in adds.items():
+                torch._foreach_add_(dst, src, alpha=alpha)
         return loss
 
     def _local_jobs(self, updates: dict[Tensor, Tensor], group_of: dict[Tensor, dict]) -> list[_Job]:
@@ -672,42 +685,40 @@ class Muon(torch.optim.Optimizer):
                                      u[lo : lo + k * rc].view(shape), flat[lo : lo + k * rc].view(shape), None))  # fmt: skip
         return jobs
 
-    def _orthogonalize(self, jobs: list[_Job]) -> list[Tensor]:
-        """Newton–Schulz of every job: ``[count, rows, cols]`` bf16 per job (an owned split matrix
-        arrives assembled in ``job.source``). Batched: one chain per stack of same-key matrices."""
-        out: list[Tensor | None] = [None] * len(jobs)
-        stacked = []
+    def _orthogonalize(self, jobs: list[_Job]) -> Iterator[list[tuple[int, Tensor]]]:
+        """Newton–Schulz of every job, yielded stack by stack as ``[(job index, [count, rows, cols]
+        bf16 result)]`` (an owned split matrix arrives assembled in ``job.source``). Batched: one
+        chain per stack of same-key matrices; otherwise torch.optim.Muon's 2-D ops, matrix by matrix."""
+        by_key: dict[tuple, list[int]] = {}
         for i, job in enumerate(jobs):
             if self.batched and _stacks_well(job.rows, job.cols, job.source.device):
-                stacked.append(i)
-            else:
-                if job.count != 1:
-                    raise AssertionError(f"Muon: a reference-mode job holds {job.count} matrices")
-                ns = dict(coefficients=job.key[2], steps=job.key[3], eps=job.key[4])
-                out[i] = newton_schulz(job.source[0], **ns).unsqueeze(0)  # torch.optim.Muon's 2-D ops
-        by_key: dict[tuple, list[int]] = {}
-        for i in stacked:
-            by_key.setdefault(jobs[i].key, []).append(i)
+                by_key.setdefault(job.key, []).append(i)
+                continue
+            if job.count != 1:
+                raise AssertionError(f"Muon: a per-matrix job holds {job.count} matrices")
+            ns = dict(coefficients=job.key[2], steps=job.key[3], eps=job.key[4])
+            yield [(i, newton_schulz(job.source[0], **ns).unsqueeze(0))]
         for key, idx in by_key.items():
             rows, cols, coefficients, steps, eps = key
             chunk: list[int] = []
             for n, i in enumerate(idx):
                 chunk.append(i)
                 total = sum(jobs[j].count for j in chunk)
-                if n + 1 == len(idx) or (total + jobs[idx[n + 1]].count) * rows * cols > _STACK_NUMEL:
-                    device = jobs[chunk[0]].source.device
-                    stack = torch.empty(total, rows, cols, dtype=torch.bfloat16, device=device)
-                    pos = 0
-                    for j in chunk:
-                        stack[pos : pos + jobs[j].count].copy_(jobs[j].source)  # the cast NS starts with
-                        pos += jobs[j].count
-                    res = newton_schulz(stack, coefficients=coefficients, steps=steps, eps=eps)
-                    pos = 0
-                    for j in chunk:
-                        out[j] = res[pos : pos + jobs[j].count]
-                        pos += jobs[j].count
-                    chunk = []
-        return out
+                if n + 1 < len(idx) and (total + jobs[idx[n + 1]].count) * rows * cols <= _STACK_NUMEL:
+                    continue
+                stack = torch.empty(total, rows, cols, dtype=torch.bfloat16, device=jobs[chunk[0]].source.device)
+                pos = 0
+                for j in chunk:
+                    stack[pos : pos + jobs[j].count].copy_(jobs[j].source)  # the cast NS starts with
+                    pos += jobs[j].count
+                res = newton_schulz(stack, coefficients=coefficients, steps=steps, eps=eps)
+                del stack
+                done, pos = [], 0
+                for j in chunk:
+                    done.append((j, res[pos : pos + jobs[j].count]))
+                    pos += jobs[j].count
+                yield done
+                chunk = []
 
     def _exchange_out(
         self, ex: _Exchange, updates: dict[Tensor, Tensor], group_of: dict[Tensor, dict], jobs: list[_Job]
@@ -734,19 +745,6 @@ class Muon(torch.optim.Optimizer):
             key = (om.rows, om.cols, tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
             jobs.append(_Job(key, g, 1, om.rows, om.cols, full.view(1, om.rows, om.cols), None, om))
         return recv
-
-    def _exchange_back(self, ex: _Exchange, recv: Tensor, jobs: list[_Job], results: list[Tensor]) -> Tensor:
-        """Second all_to_all: the pieces of the owned matrices' results back to the ranks holding
-        them (the first exchange's layouts, swapped). Returns my pieces, ordered as ``ex.sends``."""
-        send = torch.empty_like(recv)
-        result_of = {id(job.owned): res for job, res in zip(jobs, results) if job.owned is not None}
-        for om in ex.owned:
-            flat = result_of[id(om)].reshape(-1)
-            for a, n, at in om.pieces:
-                send[at : at + n].copy_(flat[a : a + n])
-        back = torch.empty(sum(ex.send_sizes), dtype=torch.bfloat16, device=ex.device)
-        dist.all_to_all_single(back, send, list(ex.send_sizes), list(ex.recv_sizes), group=ex.group)
-        return back
 
     # ---- non-finite gradients ------------------------------------------------------------
     def _skip_for_nonfinite(self) -> bool:
