@@ -14,7 +14,9 @@ full tensors outside any timed region, are fed to every optimizer, so all see th
 - ``ours even-split``: our ``Muon`` on FSDP2's even row layout (every matrix cut across ranks,
   recorded as split, one bucket): one all_to_all_single pair per step;
 - ``torch.Muon unsharded``: ``torch.optim.Muon`` on full replicas, every rank doing all of it;
-  its time / W is the physical limit of a sharded step (``x_limit`` = step / (that / W)).
+  its time / W is the physical limit of a sharded step (``x limit`` = step / (that / W)); the
+  summary gives it as a ratio of medians and as the median of per-step ratios (both sides timed
+  in the same step, so under the same load).
 
 Per side: the optimizer step time (the slowest rank's, median over the steps after ``--warmup``;
 each step times the sides in rotating order so a load spike on the shared machine hits all

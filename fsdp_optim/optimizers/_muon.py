@@ -231,6 +231,21 @@ class _Exchange(NamedTuple):
     owned: tuple[_Owned, ...]
 
 
+class _Update(NamedTuple):
+    """A Muon parameter's update, computed piece by piece when needed (so the fp32 Nesterov update
+    of all parameters never exists at once): ``grad.lerp(buf, momentum)``, or ``buf`` itself."""
+
+    grad: Tensor
+    buf: Tensor
+    nesterov_momentum: float | None
+
+    def piece(self, lo: int, hi: int) -> Tensor:
+        """Flat elements ``[lo, hi)`` of this rank's piece of the update (fp32)."""
+        if self.nesterov_momentum is None:
+            return self.buf[lo:hi]
+        return self.grad[lo:hi].lerp(self.buf[lo:hi], self.nesterov_momentum)  # element-wise: same bits
+
+
 class _Job(NamedTuple):
     """``count`` ``[rows, cols]`` matrices to orthogonalize with one group's settings."""
 
@@ -239,11 +254,25 @@ class _Job(NamedTuple):
     count: int
     rows: int
     cols: int
+    update: _Update | None
+    """Local matrices: the parameter's update; they start at ``offset`` of this rank's piece."""
+    offset: int
     source: Tensor | None
-    """Local matrices: a ``[count, rows, cols]`` view of the update; ``None`` for an owned split one."""
+    """An owned split matrix: the ``[1, rows, cols]`` bf16 matrix assembled from received pieces."""
     dest: Tensor | None
-    """Local matrices: the matching view of the parameter; ``None`` for an owned split one."""
+    """Local matrices: the matching ``[count, rows, cols]`` view of the parameter."""
     owned: _Owned | None
+
+    def matrices(self) -> Tensor:
+        """The ``[count, rows, cols]`` input to Newton–Schulz."""
+        if self.update is None:
+            return self.source
+        n = self.count * self.rows * self.cols
+        return self.update.piece(self.offset, self.offset + n).view(self.count, self.rows, self.cols)
+
+    @property
+    def device(self) -> torch.device:
+        return (self.source if self.update is None else self.update.buf).device
 
 
 def _cut(m: tuple[int, int, int], bounds: Sequence[int]) -> bool:
@@ -603,7 +632,7 @@ class Muon(torch.optim.Optimizer):
             self._exchanges = self._plan_exchanges()
         if self.nonfinite != "ignore" and self._skip_for_nonfinite():
             return loss
-        updates: dict[Tensor, Tensor] = {}
+        updates: dict[Tensor, _Update] = {}
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adamw_group(group)
@@ -618,8 +647,8 @@ class Muon(torch.optim.Optimizer):
             bufs = [self.state[p]["momentum_buffer"] for p in params]
             mom = group["momentum"]
             torch._foreach_lerp_(bufs, grads, 1 - mom)
-            upd = torch._foreach_lerp(grads, bufs, mom) if group["nesterov"] else bufs
-            updates.update(zip(params, upd))
+            nesterov = mom if group["nesterov"] else None
+            updates.update((p, _Update(g.view(-1), b.view(-1), nesterov)) for p, g, b in zip(params, grads, bufs))
         if not updates and not self._exchanges:
             return loss
         # as torch.optim.Muon: param *= 1 - lr * wd, then param -= adjusted lr * NS(update); weight decay
@@ -666,13 +695,13 @@ class Muon(torch.optim.Optimizer):
                 torch._foreach_add_(dst, src, alpha=alpha)
         return loss
 
-    def _local_jobs(self, updates: dict[Tensor, Tensor], group_of: dict[Tensor, dict]) -> list[_Job]:
-        """The matrices lying wholly in this rank's pieces, as views of the updates and parameters."""
+    def _local_jobs(self, updates: dict[Tensor, _Update], group_of: dict[Tensor, dict]) -> list[_Job]:
+        """The matrices lying wholly in this rank's pieces (their updates are computed when used)."""
         jobs = []
         for p, upd in updates.items():
             g = group_of[p]
             key = (tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
-            u, flat = upd.reshape(-1), p.view(-1)
+            flat = p.view(-1)
             for run in self._plans[p].runs:
                 rc = run.rows * run.cols
                 stack = self.batched and _stacks_well(run.rows, run.cols, p.device)
@@ -681,23 +710,23 @@ class Muon(torch.optim.Optimizer):
                     k = min(per, run.count - i)
                     lo = run.local_offset + i * rc
                     shape = (k, run.rows, run.cols)
-                    jobs.append(_Job((run.rows, run.cols, *key), g, k, run.rows, run.cols,
-                                     u[lo : lo + k * rc].view(shape), flat[lo : lo + k * rc].view(shape), None))  # fmt: skip
+                    jobs.append(_Job((run.rows, run.cols, *key), g, k, run.rows, run.cols, upd, lo, None,
+                                     flat[lo : lo + k * rc].view(shape), None))  # fmt: skip
         return jobs
 
     def _orthogonalize(self, jobs: list[_Job]) -> Iterator[list[tuple[int, Tensor]]]:
         """Newton–Schulz of every job, yielded stack by stack as ``[(job index, [count, rows, cols]
-        bf16 result)]`` (an owned split matrix arrives assembled in ``job.source``). Batched: one
+        bf16 result)]``. Batched: one
         chain per stack of same-key matrices; otherwise torch.optim.Muon's 2-D ops, matrix by matrix."""
         by_key: dict[tuple, list[int]] = {}
         for i, job in enumerate(jobs):
-            if self.batched and _stacks_well(job.rows, job.cols, job.source.device):
+            if self.batched and _stacks_well(job.rows, job.cols, job.device):
                 by_key.setdefault(job.key, []).append(i)
                 continue
             if job.count != 1:
                 raise AssertionError(f"Muon: a per-matrix job holds {job.count} matrices")
             ns = dict(coefficients=job.key[2], steps=job.key[3], eps=job.key[4])
-            yield [(i, newton_schulz(job.source[0], **ns).unsqueeze(0))]
+            yield [(i, newton_schulz(job.matrices()[0], **ns).unsqueeze(0))]
         for key, idx in by_key.items():
             rows, cols, coefficients, steps, eps = key
             chunk: list[int] = []
@@ -706,10 +735,10 @@ class Muon(torch.optim.Optimizer):
                 total = sum(jobs[j].count for j in chunk)
                 if n + 1 < len(idx) and (total + jobs[idx[n + 1]].count) * rows * cols <= _STACK_NUMEL:
                     continue
-                stack = torch.empty(total, rows, cols, dtype=torch.bfloat16, device=jobs[chunk[0]].source.device)
+                stack = torch.empty(total, rows, cols, dtype=torch.bfloat16, device=jobs[chunk[0]].device)
                 pos = 0
                 for j in chunk:
-                    stack[pos : pos + jobs[j].count].copy_(jobs[j].source)  # the cast NS starts with
+                    stack[pos : pos + jobs[j].count].copy_(jobs[j].matrices())  # the cast NS starts with
                     pos += jobs[j].count
                 res = newton_schulz(stack, coefficients=coefficients, steps=steps, eps=eps)
                 del stack
@@ -721,7 +750,7 @@ class Muon(torch.optim.Optimizer):
                 chunk = []
 
     def _exchange_out(
-        self, ex: _Exchange, updates: dict[Tensor, Tensor], group_of: dict[Tensor, dict], jobs: list[_Job]
+        self, ex: _Exchange, updates: dict[Tensor, _Update], group_of: dict[Tensor, dict], jobs: list[_Job]
     ) -> Tensor:
         """First all_to_all: my pieces of split matrices to their owners (bf16: Newton–Schulz's first
         op is the same cast); appends one job per matrix I own, assembled from the pieces."""
@@ -733,7 +762,7 @@ class Muon(torch.optim.Optimizer):
             if u is None:  # no gradient here: take part in the exchange, contribute zeros
                 piece.zero_()
             else:
-                piece.copy_(u.reshape(-1)[sp.local_offset : sp.local_offset + sp.n])
+                piece.copy_(u.piece(sp.local_offset, sp.local_offset + sp.n))
             pos += sp.n
         recv = torch.empty(sum(ex.recv_sizes), dtype=torch.bfloat16, device=ex.device)
         dist.all_to_all_single(recv, send, list(ex.recv_sizes), list(ex.send_sizes), group=ex.group)
@@ -743,7 +772,7 @@ class Muon(torch.optim.Optimizer):
                 full[a : a + n].copy_(recv[at : at + n])
             g = group_of[om.param]
             key = (om.rows, om.cols, tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
-            jobs.append(_Job(key, g, 1, om.rows, om.cols, full.view(1, om.rows, om.cols), None, om))
+            jobs.append(_Job(key, g, 1, om.rows, om.cols, None, 0, full.view(1, om.rows, om.cols), None, om))
         return recv
 
     # ---- non-finite gradients ------------------------------------------------------------
