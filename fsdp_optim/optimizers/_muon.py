@@ -4,44 +4,60 @@
 Muon's update of a matrix is ``NS(momentum-updated gradient)``, a function of the *whole*
 matrix. The spec recorded on each parameter (``ShardInfo.spec``) says what a matrix is:
 ``whole()`` (the parameter), ``whole(row_splits=...)`` (per-head / fused-QKV sub-matrices,
-each orthogonalized on its own) and ``expert()`` (``[E, r, c]``: E matrices, one batched
-Newton–Schulz). Every other parameter (embeddings, output head, norms, biases: specs that are
-not matrix blocks) goes to the AdamW fallback, which is element-wise and hence exact on any shard.
+each orthogonalized on its own) and ``expert()`` (``[E, r, c]``: E matrices). Every other
+parameter (embeddings, output head, norms, biases: specs that are not matrix blocks), and every
+parameter of a group with ``use_muon=False``, goes to the AdamW fallback, which is element-wise
+and hence exact on any shard.
 
 Everything but Newton–Schulz is element-wise (momentum ``lerp``, weight decay, the final
-``add``), so each rank applies it to its own flat piece. Newton–Schulz runs where the matrix is:
+``add``), so each rank applies it to its own flat piece, with foreach ops. Newton–Schulz runs
+where the matrix is:
 - a matrix lying wholly in this rank's range (what ragged plans give every matrix) is
   orthogonalized locally: no communication;
 - a matrix the planner had to cut (``ShardInfo.split``; cut on row boundaries) is sent to one
-  *owner* rank, orthogonalized there and its pieces sent back: per bucket with split matrices
-  exactly one ``all_to_all_single`` pair, every rank taking part (empty pieces included), buckets
-  in ascending order. Owners are fixed at construction by a longest-first assignment on
-  Newton–Schulz flops over all ranks, starting from each rank's whole-matrix load.
+  *owner* rank, orthogonalized there and its pieces sent back: per shard group with split
+  matrices exactly one ``all_to_all_single`` pair per step (all buckets together), every rank
+  taking part (empty pieces included). Owners are fixed at construction by a longest-first
+  assignment on Newton–Schulz flops over all ranks, starting from each rank's whole-matrix load;
+  the send/receive layouts are precomputed then, so a step does O(pieces it touches) work.
 
 Both exchanges carry bf16: torch.optim.Muon casts the update to bf16 as the first thing Newton–
 Schulz does, and its output is bf16, so the exchange is exact and a split matrix gets the same bits
-as one owned whole. Newton–Schulz here uses the same ops, in the same order and on the same
-layouts, as ``torch.optim._muon._zeropower_via_newtonschulz`` (torch 2.13), so a sharded run equals
-``torch.optim.Muon`` bitwise on CPU (tested; the batched form for experts / heads uses
-``baddbmm``, which matched ``addmm`` per matrix bitwise on the CPUs tested here).
+as one owned whole.
+
+[Note: batched Newton–Schulz]
+By default (``batched=True``) every matrix a rank orthogonalizes in a step (local ones and split
+ones it owns) is stacked with the others of the same ``[rows, cols]`` and Newton–Schulz settings,
+and each stack runs one batched chain (``baddbmm``; stacks capped at ``_STACK_NUMEL`` elements;
+on CPU only matrices of at most ``_CPU_STACK_MAX_NUMEL`` elements are stacked, larger ones run one
+at a time, a choice made by shape alone).
+Which matrices share a stack depends on which ones a rank owns, hence on W and the plan, so the
+result is W-invariant only if a batched matmul gives each matrix the bits it gives it alone. On
+the CPUs tested here (AVX-512, torch 2.13, 1 and 2 threads) the batched chain equals
+``torch.optim._muon._zeropower_via_newtonschulz`` matrix by matrix, for any stack composition
+(tests/optimizers/test_muon.py checks shapes from 1x33 to 300x1100 and stacks of 1..5). A GPU BLAS
+may pick a different kernel for a batch (or a batch count) than for one matrix; there, and
+wherever bits matter more than speed, ``batched=False`` is the reference mode: each matrix goes
+through torch.optim.Muon's own 2-D ops, one at a time, whatever W.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..sharding._blocks import BlockRule
+from ..sharding._blocks import BlockRule, expert, whole
 from ..sharding._shard_info import ShardInfo, shard_info
 from ._adamw import adamw_update
 from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec
-from ._rules import is_embedding_or_head, muon_rule
+from ._rules import ambiguous_name_guess, muon_rule
 
 __all__ = ["Muon", "newton_schulz", "adjust_lr"]
 
@@ -50,8 +66,25 @@ DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 DEFAULT_NS_STEPS = 5
 DEFAULT_EPS = 1e-7
 
+_STACK_NUMEL = 1 << 25
+"""Most elements in one batched Newton–Schulz stack (64 MiB of bf16; the chain's transients are a
+few times that). Larger sets of same-shape matrices run as several stacks."""
+
+_CPU_STACK_MAX_NUMEL = 1 << 17
+"""On CPU, matrices of more elements run one at a time even when batched: there BLAS is already
+efficient per matrix and a bf16 ``baddbmm`` stack measured slower (512x512: 0.74-0.85x; see
+benchmarks/bench_muon.py). The choice depends on the shape only, never on W."""
+
+
+def _stacks_well(rows: int, cols: int, device: torch.device) -> bool:
+    """Whether ``[rows, cols]`` matrices are worth stacking on ``device`` (a function of shape only)."""
+    return device.type != "cpu" or rows * cols <= _CPU_STACK_MAX_NUMEL
+
+
 _MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
 _ADAMW_KEYS = ("adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay")
+_ADAMW_GROUP_KEYS = {"lr": "adamw_lr", "betas": "adamw_betas", "eps": "adamw_eps", "weight_decay": "adamw_weight_decay"}
+_NONFINITE = ("ignore", "error", "skip")
 
 
 # ---- math (pure) ----------------------------------------------------------------------
@@ -66,7 +99,8 @@ def newton_schulz(
 
     The same ops and layouts as torch.optim.Muon (transpose tall matrices, divide by the
     Frobenius norm clamped at ``eps``, ``steps`` iterations of ``X <- aX + (bA + cA^2)X`` with
-    ``A = XX^T``), so the same input gives the same bits. ``g`` is not modified.
+    ``A = XX^T``), so the same input gives the same bits (a batch: see [Note: batched
+    Newton–Schulz]). ``g`` is not modified.
     """
     if g.ndim not in (2, 3):
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(g.shape)}")
@@ -132,7 +166,20 @@ def assign_owners(
     return owners
 
 
-# ---- plan of one parameter / one bucket ---------------------------------------------------
+def _pieces(bounds: Sequence[int], offset: int, numel: int) -> list[tuple[int, int, int]]:
+    """``(rank, a, b)`` for every rank holding a non-empty part ``[a, b)`` (matrix-local flat
+    offsets) of the matrix at ``[offset, offset + numel)``; O(log W + ranks spanned)."""
+    out = []
+    q = bisect.bisect_right(bounds, offset) - 1
+    while q < len(bounds) - 1 and bounds[q] < offset + numel:
+        a, b = max(bounds[q], offset) - offset, min(bounds[q + 1], offset + numel) - offset
+        if b > a:
+            out.append((q, a, b))
+        q += 1
+    return out
+
+
+# ---- plan of one parameter / one exchange -------------------------------------------------
 class _Run(NamedTuple):
     """``count`` consecutive ``[rows, cols]`` matrices at ``local_offset`` of this rank's piece."""
 
@@ -151,24 +198,86 @@ class _ParamPlan(NamedTuple):
     """Matrices ``(global_offset, rows, cols)`` cut across ranks."""
 
 
-class _SplitMatrix(NamedTuple):
+class _SendPiece(NamedTuple):
+    """This rank's part of a split matrix: ``n`` elements at ``local_offset`` of ``param``'s piece."""
+
     param: Tensor
-    offset: int
+    local_offset: int
+    n: int
     rows: int
     cols: int
-    pieces: tuple[tuple[int, int], ...]
-    """Per rank ``[a, b)``: the part of the matrix (matrix-local flat offsets) the rank holds."""
-    owner: int
+
+
+class _Owned(NamedTuple):
+    """A split matrix this rank orthogonalizes; ``pieces``: ``(a, n, pos)`` -- its elements
+    ``[a, a + n)`` are at ``pos`` of the receive buffer (and go back from ``pos`` of the send one)."""
+
+    param: Tensor
+    rows: int
+    cols: int
+    pieces: tuple[tuple[int, int, int], ...]
 
 
 class _Exchange(NamedTuple):
-    bucket: int
+    """One all_to_all_single pair per step over ``group``. Out: ``sends`` (ordered by owner, then
+    matrix) with ``send_sizes``; in: ``recv_sizes`` (ordered by source rank, then matrix). The way
+    back uses the same two layouts swapped."""
+
     group: dist.ProcessGroup | None
-    matrices: tuple[_SplitMatrix, ...]
+    device: torch.device
+    sends: tuple[_SendPiece, ...]
+    send_sizes: tuple[int, ...]
+    recv_sizes: tuple[int, ...]
+    owned: tuple[_Owned, ...]
+
+
+class _Update(NamedTuple):
+    """A Muon parameter's update, computed piece by piece when needed (so the fp32 Nesterov update
+    of all parameters never exists at once): ``grad.lerp(buf, momentum)``, or ``buf`` itself."""
+
+    grad: Tensor
+    buf: Tensor
+    nesterov_momentum: float | None
+
+    def piece(self, lo: int, hi: int) -> Tensor:
+        """Flat elements ``[lo, hi)`` of this rank's piece of the update (fp32)."""
+        if self.nesterov_momentum is None:
+            return self.buf[lo:hi]
+        return self.grad[lo:hi].lerp(self.buf[lo:hi], self.nesterov_momentum)  # element-wise: same bits
+
+
+class _Job(NamedTuple):
+    """``count`` ``[rows, cols]`` matrices to orthogonalize with one group's settings."""
+
+    key: tuple
+    group: dict
+    count: int
+    rows: int
+    cols: int
+    update: _Update | None
+    """Local matrices: the parameter's update; they start at ``offset`` of this rank's piece."""
+    offset: int
+    source: Tensor | None
+    """An owned split matrix: the ``[1, rows, cols]`` bf16 matrix assembled from received pieces."""
+    dest: Tensor | None
+    """Local matrices: the matching ``[count, rows, cols]`` view of the parameter."""
+    owned: _Owned | None
+
+    def matrices(self) -> Tensor:
+        """The ``[count, rows, cols]`` input to Newton–Schulz."""
+        if self.update is None:
+            return self.source
+        n = self.count * self.rows * self.cols
+        return self.update.piece(self.offset, self.offset + n).view(self.count, self.rows, self.cols)
+
+    @property
+    def device(self) -> torch.device:
+        return (self.source if self.update is None else self.update.buf).device
 
 
 def _cut(m: tuple[int, int, int], bounds: Sequence[int]) -> bool:
-    return any(m[0] < b < m[0] + m[1] * m[2] for b in bounds[1:-1])
+    i = bisect.bisect_right(bounds, m[0])
+    return i < len(bounds) - 1 and bounds[i] < m[0] + m[1] * m[2]
 
 
 def _plan_param(info: ShardInfo, *, use_muon: bool) -> _ParamPlan:
@@ -198,9 +307,15 @@ class Muon(torch.optim.Optimizer):
     Equals ``torch.optim.Muon`` (matrices) + ``torch.optim.AdamW`` (the rest) run unsharded on
     the same gradients. Which parameters are matrices is read from each parameter's block spec
     (see [Note: Muon on shards]); pass ``Muon.blocks`` (or ``Muon.rule(head_dims=...,
-    row_splits=...)``) to ``fully_shard(..., blocks=...)``. Plain (unsharded) parameters get their
-    spec from ``blocks``; pass ``model.named_parameters()`` so that embeddings and the output
-    head are recognised by name.
+    row_splits=..., embedding_and_head=...)``) to ``fully_shard(..., blocks=...)``. Plain
+    (unsharded) parameters get their spec from ``blocks``; pass ``model.named_parameters()`` so
+    that embeddings and the output head are recognised by name.
+
+    Explicit sets (docs/muon.md): a parameter group with ``use_muon=False`` goes to AdamW whatever
+    its shape or name (``lr``, ``betas``, ``eps``, ``weight_decay`` there are AdamW's, defaulting
+    to ``adamw_*``), as in Keller Jordan's ``MuonWithAuxAdam``; ``use_muon=True`` asks for
+    Newton–Schulz (a plain 2-D / 3-D parameter is then a matrix / experts whatever its name).
+    Groups without the flag are split by spec, and a guess from names that looks ambiguous warns.
 
     Each parameter group is split into a Muon group (``group["use_muon"] is True``: ``lr``,
     ``weight_decay``, ``momentum``, ...) and an AdamW group (``lr`` = ``adamw_lr``, ``betas``,
@@ -213,17 +328,29 @@ class Muon(torch.optim.Optimizer):
     part, an expert ``[r, c]``), which is torch.optim.Muon applied to that sub-matrix.
     ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``: the AdamW fallback.
     ``blocks``: the rule giving plain parameters their spec (default ``Muon.blocks``).
+    ``batched``: Newton–Schulz over stacks of same-shape matrices (default); ``False`` is the
+    per-matrix reference mode (see [Note: batched Newton–Schulz]).
+    ``nonfinite``: what a non-finite gradient does. ``"ignore"`` (default; torch.optim.Muon's
+    behaviour, no check, zero collectives); ``"error"``: ``FloatingPointError`` naming the
+    parameters on every rank; ``"skip"``: the whole step (AdamW part included) is skipped on every
+    rank, with a warning naming them. Both agree across the shard group with one small all_reduce
+    per step, before any state changes or split-matrix exchange, so no rank is left waiting.
     """
 
     blocks = staticmethod(muon_rule())
 
     @classmethod
     def rule(
-        cls, *, head_dims: dict[str, int] | None = None, row_splits: dict[str, Sequence[int]] | None = None
+        cls,
+        *,
+        head_dims: dict[str, int] | None = None,
+        row_splits: dict[str, Sequence[int]] | None = None,
+        embedding_and_head: Iterable[str] | None = None,
     ) -> BlockRule:
         """The block rule for ``fully_shard``: per-head (``head_dims``) and fused-QKV (``row_splits``)
-        sub-matrices by parameter-name suffix; see ``muon_rule``."""
-        return muon_rule(head_dims=head_dims, row_splits=row_splits)
+        sub-matrices by parameter-name suffix; ``embedding_and_head``: the names (or name suffixes)
+        left to AdamW, replacing the guess from names; see ``muon_rule``."""
+        return muon_rule(head_dims=head_dims, row_splits=row_splits, embedding_and_head=embedding_and_head)
 
     def __init__(
         self,
@@ -242,6 +369,8 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 1e-2,
         blocks: BlockRule | None = None,
+        batched: bool = True,
+        nonfinite: str = "ignore",
     ) -> None:
         if not lr >= 0.0 or not adamw_lr >= 0.0:
             raise ValueError(f"learning rates must be >= 0, got lr={lr}, adamw_lr={adamw_lr}")
@@ -255,39 +384,51 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"adamw_betas must be in [0, 1), got {adamw_betas}")
         if ns_steps >= 100:
             raise ValueError(f"ns_steps must be < 100, got {ns_steps}")
+        if nonfinite not in _NONFINITE:
+            raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
         self._rule: BlockRule = blocks if blocks is not None else Muon.blocks
         self._plans: dict[Tensor, _ParamPlan] = {}
         self._exchanges: tuple[_Exchange, ...] | None = None
+        self.batched = bool(batched)
+        self.nonfinite = nonfinite
+        self.num_skipped_steps = 0
+        """Steps skipped for non-finite gradients (``nonfinite="skip"``)."""
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
             adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
-            adamw_weight_decay=adamw_weight_decay, use_muon=True,
+            adamw_weight_decay=adamw_weight_decay,
         )  # fmt: skip
         super().__init__(params, defaults)
-        if blocks is not None and self._plans and all(shard_info(t) is not None for t in self._plans):
-            warnings.warn("Muon: blocks= is ignored: every parameter is sharded and its recorded spec is used",
-                          stacklevel=2)  # fmt: skip
         self._exchanges = self._plan_exchanges()
         make_dcp_ready(self)
 
     # ---- groups and state ---------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Split ``param_group`` into its Muon part and its AdamW part (see the class docstring)."""
-        if "use_muon" in param_group:  # an already split group (load_state_dict, copies)
-            self._add_split_group(param_group)
+        """Split ``param_group`` into its Muon part and its AdamW part (see the class docstring);
+        a group with ``use_muon`` is taken as it is."""
+        if "use_muon" in param_group:
+            self._add_explicit_group(param_group)
             return
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         named = [x if isinstance(x, tuple) else (None, x) for x in params]
-        muon, adamw, unexpected, unnamed = [], [], [], 0
+        muon, adamw, unexpected, unnamed, ambiguous = [], [], [], 0, []
+        guesses = getattr(self._rule, "guesses_names", False)
         for name, p in named:
             info = self._info(p, name)
             (muon if info.spec.is_matrix else adamw).append((name, p) if name is not None else p)
-            unnamed += shard_info(p) is None and name is None and info.spec.is_matrix
-            if shard_info(p) is not None and not info.spec.is_matrix and len(info.shape) in (2, 3):
-                if not is_embedding_or_head(info.fqn, None):
+            plain = shard_info(p) is None
+            unnamed += plain and name is None and info.spec.is_matrix
+            if len(info.shape) not in (2, 3):
+                continue
+            if guesses and info.fqn and ambiguous_name_guess(info.fqn, is_matrix=info.spec.is_matrix):
+                ambiguous.append((info.fqn, info.spec.is_matrix))
+            elif not plain and not info.spec.is_matrix:  # the rule given here would make it a matrix
+                if self._rule(info.fqn, torch.empty(info.shape, device="meta"), None).is_matrix:
                     unexpected.append(info.fqn or f"<shape {info.shape}>")
+        if any(shard_info(p) is not None and shard_info(p).spec.is_matrix for _, p in named):
+            unexpected = []  # sharded with a Muon rule: its element-wise specs were decided (nn.Embedding by type)
         if unexpected:
             warnings.warn(
                 f"Muon: {len(unexpected)} sharded matrix parameter(s) (e.g. {unexpected[0]}) carry element-wise "
@@ -299,10 +440,19 @@ class Muon(torch.optim.Optimizer):
             warnings.warn(
                 f"Muon: {unnamed} plain (unsharded) matrix parameter(s) came without names, so embeddings and "
                 "the output head cannot be told apart and every matrix gets Newton-Schulz; pass "
-                "model.named_parameters() (or shard with fully_shard) to give embeddings and the head AdamW",
+                "model.named_parameters() (or shard with fully_shard) to give embeddings and the head AdamW, "
+                "or pass them in a group with use_muon=False",
                 stacklevel=3,
             )
-        opts = {k: v for k, v in param_group.items() if k != "params"}
+        if ambiguous:
+            desc = ", ".join(f"{n} -> {'Newton-Schulz' if m else 'AdamW'}" for n, m in ambiguous[:4])
+            warnings.warn(
+                f"Muon: guessed from names only, and the names are ambiguous: {desc}"
+                f"{' ...' if len(ambiguous) > 4 else ''}. Say it explicitly: a param group with use_muon=False "
+                "(embeddings, output head) / use_muon=True (hidden matrices), or Muon.rule(embedding_and_head=[...])",
+                stacklevel=3,
+            )
+        opts = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
         get = lambda k: opts.get(k, self.defaults[k])  # noqa: E731
         if muon or not adamw:
             self._add_split_group({"params": muon, "use_muon": True, **{k: get(k) for k in _MUON_KEYS}})
@@ -311,6 +461,31 @@ class Muon(torch.optim.Optimizer):
                 "params": adamw, "use_muon": False, "lr": get("adamw_lr"), "betas": tuple(get("adamw_betas")),
                 "eps": get("adamw_eps"), "weight_decay": get("adamw_weight_decay"),
             })  # fmt: skip
+
+    def _add_explicit_group(self, param_group: dict[str, Any]) -> None:
+        """A group the user (or a copy of our own groups) marked ``use_muon``: fill its defaults."""
+        group = dict(param_group)
+        use_muon = group["use_muon"]
+        if not isinstance(use_muon, bool):
+            raise ValueError(f"Muon: use_muon must be True or False, got {use_muon!r}")
+        if use_muon:
+            ignored = [k for k in group if k in _ADAMW_KEYS or k == "betas"]
+            for k in _MUON_KEYS:
+                group.setdefault(k, self.defaults[k])
+        else:
+            ignored = [k for k in group if k in _MUON_KEYS and k not in _ADAMW_GROUP_KEYS]
+            for k, dk in _ADAMW_GROUP_KEYS.items():
+                if k in group and dk in group:
+                    raise ValueError(f"Muon: a use_muon=False group sets both {k} and {dk}; its {k} is AdamW's, "
+                                     f"pass only one")  # fmt: skip
+                group[k] = group.pop(dk) if dk in group else group.get(k, self.defaults[dk])
+            group["betas"] = tuple(group["betas"])
+        if ignored:
+            warnings.warn(f"Muon: {sorted(ignored)} ignored in a use_muon={use_muon} group (they configure the "
+                          f"{'AdamW' if use_muon else 'Muon'} part)", stacklevel=4)  # fmt: skip
+            for k in ignored:
+                del group[k]
+        self._add_split_group(group)
 
     def _add_split_group(self, group: dict[str, Any]) -> None:
         super().add_param_group(group)
@@ -322,15 +497,28 @@ class Muon(torch.optim.Optimizer):
         names = group.get("param_names", [None] * len(group["params"]))
         for name, p in zip(names, group["params"]):
             info = self._info(p, name)
-            if group["use_muon"] != info.spec.is_matrix:
-                raise ValueError(
-                    f"Muon: parameter {info.fqn or '<unnamed>'} with {info.spec} blocks cannot be in a "
-                    f"group with use_muon={group['use_muon']}"
-                )
-            self._check_layout(info)
+            if group["use_muon"] and not info.spec.is_matrix:
+                info = self._as_matrix(info, plain=shard_info(p) is None)
+            if group["use_muon"]:
+                self._check_layout(info)
             self._plans[p] = _plan_param(info, use_muon=group["use_muon"])
             self._init_state(p, group["use_muon"])
         self._exchanges = None
+
+    def _as_matrix(self, info: ShardInfo, *, plain: bool) -> ShardInfo:
+        """A parameter put in a ``use_muon=True`` group whose spec is not a matrix block."""
+        if plain and len(info.shape) in (2, 3):
+            spec = whole() if len(info.shape) == 2 else expert()
+            return ShardInfo(fqn=info.fqn, shape=info.shape, spec=spec, layout=info.layout, rank=0, group=None)
+        where = ("it is a plain tensor of that shape" if plain else
+                 "fully_shard recorded an element-wise spec (the block rule took it for an embedding, a head, a "
+                 "bias or a vector)")  # fmt: skip
+        raise ValueError(
+            f"Muon: parameter {info.fqn or '<unnamed>'} (shape {info.shape}, {info.spec} blocks, world size "
+            f"{info.world_size}) is in a use_muon=True group, but {where}; Newton-Schulz needs a whole matrix: "
+            "shard with fully_shard(..., blocks=Muon.rule(embedding_and_head=[...])) naming the real embeddings "
+            "and head, or move it to a use_muon=False group"
+        )
 
     def _info(self, p: Tensor, name: str | None) -> ShardInfo:
         return checked_param_info(
@@ -374,170 +562,265 @@ class Muon(torch.optim.Optimizer):
 
     # ---- split-matrix exchange plan -------------------------------------------------------
     def _plan_exchanges(self) -> tuple[_Exchange, ...]:
-        """One exchange per bucket holding split matrices; owners balanced over all ranks."""
+        """One exchange per shard group holding split matrices; owners balanced over its ranks."""
         params = [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
+        by_group: dict[Any, list[Tensor]] = {}
+        for p in params:
+            info = self._plans[p].info
+            if info.world_size > 1:
+                by_group.setdefault(info.group, []).append(p)
+        return tuple(ex for ps in by_group.values() if (ex := self._plan_exchange(ps)) is not None)
+
+    def _plan_exchange(self, params: list[Tensor]) -> _Exchange | None:
         splits = [(p, m) for p in params for m in self._plans[p].split]
         if not splits:
-            return ()
-        w = self._plans[splits[0][0]].info.world_size
+            return None
+        info0 = self._plans[splits[0][0]].info
+        w, me = info0.world_size, info0.rank
         loads = [0] * w
         for p in params:
             info = self._plans[p].info
             if info.world_size != w:
-                continue
+                raise ValueError(
+                    f"Muon: {info.fqn or '<unnamed>'} is sharded over {info.world_size} ranks and "
+                    f"{info0.fqn or '<unnamed>'} over {w} in the same process group; one group has one world size"
+                )
             for m in info.spec.matrices(info.shape):
                 if not _cut(m, info.layout.bounds):
-                    owner = next(r for r in range(w) if info.layout.bounds[r + 1] > m[0])
-                    loads[owner] += _ns_cost(m[1], m[2])
-        pieces = []
+                    loads[bisect.bisect_right(info.layout.bounds, m[0]) - 1] += _ns_cost(m[1], m[2])
+        pieces = []  # per split matrix: [(rank, a, b)]
         for p, (off, r, c) in splits:
-            info = self._plans[p].info
-            if info.world_size != w:
-                raise ValueError(
-                    f"Muon: split matrices of {info.fqn or '<unnamed>'} live on a group of {info.world_size} "
-                    f"ranks, others on {w}; all split matrices must share one shard group"
-                )
-            b = info.layout.bounds
-            pieces.append(tuple((min(max(b[q] - off, 0), r * c), min(max(b[q + 1] - off, 0), r * c)) for q in range(w)))
+            pieces.append(_pieces(self._plans[p].info.layout.bounds, off, r * c))
         costs = [_ns_cost(m[1], m[2]) for _, m in splits]
-        owners = assign_owners(costs, [[e - s for s, e in pc] for pc in pieces], loads)
-        by_bucket: dict[int, list[_SplitMatrix]] = {}
-        groups: dict[int, dist.ProcessGroup | None] = {}
-        for (p, (off, r, c)), pc, o in zip(splits, pieces, owners):
-            info = self._plans[p].info
-            by_bucket.setdefault(info.bucket, []).append(_SplitMatrix(p, off, r, c, pc, o))
-            groups.setdefault(info.bucket, info.group)
-        return tuple(_Exchange(b, groups[b], tuple(by_bucket[b])) for b in sorted(by_bucket))
+        sizes = []
+        for pc in pieces:
+            row = [0] * w
+            for q, a, b in pc:
+                row[q] = b - a
+            sizes.append(row)
+        owners = assign_owners(costs, sizes, loads)
+        # out: my pieces, ordered by owner, then matrix
+        sends, send_sizes = [], [0] * w
+        for j in sorted(range(len(splits)), key=lambda j: (owners[j], j)):
+            (p, (off, r, c)), mine = splits[j], [x for x in pieces[j] if x[0] == me]
+            if mine:
+                _, a, b = mine[0]
+                sends.append(_SendPiece(p, off + a - self._plans[p].info.start, b - a, r, c))
+                send_sizes[owners[j]] += b - a
+        # in: pieces of the matrices I own, ordered by source rank, then matrix
+        entries = sorted((q, j, a, b) for j in range(len(splits)) if owners[j] == me for q, a, b in pieces[j])
+        recv_sizes, pos, by_matrix = [0] * w, 0, {}
+        for q, j, a, b in entries:
+            by_matrix.setdefault(j, []).append((a, b - a, pos))
+            recv_sizes[q] += b - a
+            pos += b - a
+        owned = tuple(
+            _Owned(splits[j][0], splits[j][1][1], splits[j][1][2], tuple(sorted(by_matrix[j]))) for j in sorted(by_matrix)
+        )
+        return _Exchange(info0.group, splits[0][0].device, tuple(sends), tuple(send_sizes), tuple(recv_sizes), owned)
 
     # ---- step -------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch.optim signature
-        """One step: momentum, Newton–Schulz (local, or one exchange pair per bucket with split
-        matrices), decoupled weight decay, shape-scaled update; AdamW for the fallback groups."""
+        """One step: momentum, Newton–Schulz (local, or one exchange pair per shard group with
+        split matrices), decoupled weight decay, shape-scaled update; AdamW for the fallback groups."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self._exchanges is None:
             self._exchanges = self._plan_exchanges()
-        group_of: dict[Tensor, dict[str, Any]] = {}
-        updates: dict[Tensor, Tensor] = {}
+        if self.nonfinite != "ignore" and self._skip_for_nonfinite():
+            return loss
+        updates: dict[Tensor, _Update] = {}
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adamw_group(group)
                 continue
-            mom = group["momentum"]
-            for p in group["params"]:
-                group_of[p] = group
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
                 if p.grad.is_sparse or torch.is_complex(p):
                     raise RuntimeError("Muon does not support sparse gradients or complex parameters")
-                buf = self.state[p]["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - mom)
-                updates[p] = p.grad.lerp(buf, mom) if group["nesterov"] else buf
-        split_results = self._exchange_all(updates, group_of)
+            grads = [p.grad for p in params]
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            mom = group["momentum"]
+            torch._foreach_lerp_(bufs, grads, 1 - mom)
+            nesterov = mom if group["nesterov"] else None
+            updates.update((p, _Update(g.view(-1), b.view(-1), nesterov)) for p, g, b in zip(params, grads, bufs))
+        if not updates and not self._exchanges:
+            return loss
+        # as torch.optim.Muon: param *= 1 - lr * wd, then param -= adjusted lr * NS(update); weight decay
+        # first (Newton-Schulz reads the updates, not the parameters), so each stack's result is added
+        # as soon as it exists and only one stack's transients are alive at a time
         for group in self.param_groups:
-            if not group["use_muon"]:
-                continue
-            lr, fn = group["lr"], group["adjust_lr_fn"]
-            ns = dict(coefficients=group["ns_coefficients"], steps=group["ns_steps"], eps=group["eps"])
-            for p in group["params"]:
-                if p not in updates:
+            params = [p for p in group["params"] if p in updates] if group["use_muon"] else []
+            if params and group["weight_decay"] != 0:  # x * 1.0 == x: skipping it changes no bits
+                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        group_of = {p: g for g in self.param_groups if g["use_muon"] for p in g["params"]}
+        jobs = self._local_jobs(updates, group_of)
+        recvs = [self._exchange_out(ex, updates, group_of, jobs) for ex in self._exchanges]
+        backs = [torch.empty_like(recv) for recv in recvs]  # owned results, in the receive layout
+        back_of = {id(om): back for ex, back in zip(self._exchanges, backs) for om in ex.owned}
+        for done in self._orthogonalize(jobs):
+            adds: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+            for i, res in done:
+                job = jobs[i]
+                if job.dest is None:  # an owned split matrix: its pieces go back to their ranks
+                    flat = res.reshape(-1)
+                    for a, n, at in job.owned.pieces:
+                        back_of[id(job.owned)][at : at + n].copy_(flat[a : a + n])
                     continue
-                plan = self._plans[p]
-                upd = updates[p].reshape(-1)
-                flat = p.view(-1)
-                p.mul_(1 - lr * group["weight_decay"])
-                for run in plan.runs:
-                    n = run.count * run.rows * run.cols
-                    g = upd[run.local_offset : run.local_offset + n]
-                    g = g.view(run.rows, run.cols) if run.count == 1 else g.view(run.count, run.rows, run.cols)
-                    o = newton_schulz(g, **ns)
-                    flat[run.local_offset : run.local_offset + n].add_(
-                        o.reshape(-1), alpha=-adjust_lr(lr, fn, run.rows, run.cols)
-                    )
-                for (off, r, c), (a, piece) in split_results.get(p, {}).items():
-                    lo = off + a - plan.info.start
-                    flat[lo : lo + piece.numel()].add_(piece, alpha=-adjust_lr(lr, fn, r, c))
+                alpha = -adjust_lr(job.group["lr"], job.group["adjust_lr_fn"], job.rows, job.cols)
+                dst, src = adds.setdefault(alpha, ([], []))
+                dst.append(job.dest)
+                src.append(res)
+            for alpha, (dst, src) in adds.items():
+                torch._foreach_add_(dst, src, alpha=alpha)
+        for ex, back in zip(self._exchanges, backs):
+            mine = torch.empty(sum(ex.send_sizes), dtype=torch.bfloat16, device=ex.device)
+            dist.all_to_all_single(mine, back, list(ex.send_sizes), list(ex.recv_sizes), group=ex.group)
+            adds = {}
+            pos = 0
+            for sp in ex.sends:  # my pieces of NS(split matrix), in the order I sent them
+                if sp.param in updates:
+                    g = group_of[sp.param]
+                    alpha = -adjust_lr(g["lr"], g["adjust_lr_fn"], sp.rows, sp.cols)
+                    dst, src = adds.setdefault(alpha, ([], []))
+                    dst.append(sp.param.view(-1)[sp.local_offset : sp.local_offset + sp.n])
+                    src.append(mine[pos : pos + sp.n])
+                pos += sp.n
+            for alpha, (dst, src) in adds.items():
+                torch._foreach_add_(dst, src, alpha=alpha)
         return loss
 
-    def _exchange_all(
-        self, updates: dict[Tensor, Tensor], group_of: dict[Tensor, dict[str, Any]]
-    ) -> dict[Tensor, dict[tuple[int, int, int], tuple[int, Tensor]]]:
-        """Newton–Schulz of every split matrix: per bucket one all_to_all_single to the owners and
-        one back. Returns, per parameter and split matrix, ``(a, this rank's piece of NS(update))``."""
-        out: dict[Tensor, dict[tuple[int, int, int], tuple[int, Tensor]]] = {}
-        for ex in self._exchanges:
-            info0 = self._plans[ex.matrices[0].param].info
-            me, w = info0.rank, info0.world_size
-            mine = [sm for sm in ex.matrices if sm.owner == me]
-            # 1. my pieces to their owners (bf16: Newton–Schulz's first op is the same cast)
-            send, send_sizes = [], [0] * w
-            for q in range(w):
-                for sm in ex.matrices:
-                    if sm.owner != q:
-                        continue
-                    a, b = sm.pieces[me]
-                    if b > a:
-                        send.append(self._local_update(sm, a, b, updates))
-                        send_sizes[q] += b - a
-            recv_sizes = [sum(sm.pieces[q][1] - sm.pieces[q][0] for sm in mine) for q in range(w)]
-            recv = torch.empty(sum(recv_sizes), dtype=torch.bfloat16, device=self._device(ex))
-            dist.all_to_all_single(recv, self._cat(send, ex), recv_sizes, send_sizes, group=ex.group)
-            # 2. assemble and orthogonalize the matrices I own
-            parts: dict[int, list[Tensor]] = {i: [] for i in range(len(mine))}
-            pos = 0
-            for q in range(w):
-                for i, sm in enumerate(mine):
-                    n = sm.pieces[q][1] - sm.pieces[q][0]
-                    if n:
-                        parts[i].append(recv[pos : pos + n])
-                        pos += n
-            results = []
-            for i, sm in enumerate(mine):
-                g = group_of[sm.param]
-                full = torch.cat(parts[i]).view(sm.rows, sm.cols)
-                o = newton_schulz(full, coefficients=g["ns_coefficients"], steps=g["ns_steps"], eps=g["eps"])
-                results.append(o.reshape(-1))
-            # 3. pieces of the results back to the ranks holding them
-            send, send_sizes = [], [0] * w
-            for q in range(w):
-                for i, sm in enumerate(mine):
-                    a, b = sm.pieces[q]
-                    if b > a:
-                        send.append(results[i][a:b])
-                        send_sizes[q] += b - a
-            recv_sizes = [0] * w
-            for sm in ex.matrices:
-                a, b = sm.pieces[me]
-                recv_sizes[sm.owner] += b - a
-            recv = torch.empty(sum(recv_sizes), dtype=torch.bfloat16, device=self._device(ex))
-            dist.all_to_all_single(recv, self._cat(send, ex), recv_sizes, send_sizes, group=ex.group)
-            offsets = [sum(recv_sizes[:q]) for q in range(w)]
-            for sm in ex.matrices:
-                a, b = sm.pieces[me]
-                if b > a:
-                    q = sm.owner
-                    piece = recv[offsets[q] : offsets[q] + b - a]
-                    out.setdefault(sm.param, {})[(sm.offset, sm.rows, sm.cols)] = (a, piece)
-                    offsets[q] += b - a
-        return out
+    def _local_jobs(self, updates: dict[Tensor, _Update], group_of: dict[Tensor, dict]) -> list[_Job]:
+        """The matrices lying wholly in this rank's pieces (their updates are computed when used)."""
+        jobs = []
+        for p, upd in updates.items():
+            g = group_of[p]
+            key = (tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
+            flat = p.view(-1)
+            for run in self._plans[p].runs:
+                rc = run.rows * run.cols
+                stack = self.batched and _stacks_well(run.rows, run.cols, p.device)
+                per = max(1, _STACK_NUMEL // rc) if stack else 1  # else one matrix a job, torch's 2-D ops
+                for i in range(0, run.count, per):  # runs longer than a stack: several jobs
+                    k = min(per, run.count - i)
+                    lo = run.local_offset + i * rc
+                    shape = (k, run.rows, run.cols)
+                    jobs.append(_Job((run.rows, run.cols, *key), g, k, run.rows, run.cols, upd, lo, None,
+                                     flat[lo : lo + k * rc].view(shape), None))  # fmt: skip
+        return jobs
 
-    def _local_update(self, sm: _SplitMatrix, a: int, b: int, updates: dict[Tensor, Tensor]) -> Tensor:
-        lo = sm.offset + a - self._plans[sm.param].info.start
-        u = updates.get(sm.param)
-        if u is None:  # no gradient here: take part in the exchange, contribute zeros
-            return torch.zeros(b - a, dtype=torch.bfloat16, device=sm.param.device)
-        return u.reshape(-1)[lo : lo + b - a].bfloat16()
+    def _orthogonalize(self, jobs: list[_Job]) -> Iterator[list[tuple[int, Tensor]]]:
+        """Newton–Schulz of every job, yielded stack by stack as ``[(job index, [count, rows, cols]
+        bf16 result)]``. Batched: one
+        chain per stack of same-key matrices; otherwise torch.optim.Muon's 2-D ops, matrix by matrix."""
+        by_key: dict[tuple, list[int]] = {}
+        for i, job in enumerate(jobs):
+            if self.batched and _stacks_well(job.rows, job.cols, job.device):
+                by_key.setdefault(job.key, []).append(i)
+                continue
+            if job.count != 1:
+                raise AssertionError(f"Muon: a per-matrix job holds {job.count} matrices")
+            ns = dict(coefficients=job.key[2], steps=job.key[3], eps=job.key[4])
+            yield [(i, newton_schulz(job.matrices()[0], **ns).unsqueeze(0))]
+        for key, idx in by_key.items():
+            rows, cols, coefficients, steps, eps = key
+            chunk: list[int] = []
+            for n, i in enumerate(idx):
+                chunk.append(i)
+                total = sum(jobs[j].count for j in chunk)
+                if n + 1 < len(idx) and (total + jobs[idx[n + 1]].count) * rows * cols <= _STACK_NUMEL:
+                    continue
+                stack = torch.empty(total, rows, cols, dtype=torch.bfloat16, device=jobs[chunk[0]].device)
+                pos = 0
+                for j in chunk:
+                    stack[pos : pos + jobs[j].count].copy_(jobs[j].matrices())  # the cast NS starts with
+                    pos += jobs[j].count
+                res = newton_schulz(stack, coefficients=coefficients, steps=steps, eps=eps)
+                del stack
+                done, pos = [], 0
+                for j in chunk:
+                    done.append((j, res[pos : pos + jobs[j].count]))
+                    pos += jobs[j].count
+                yield done
+                chunk = []
 
-    def _device(self, ex: _Exchange) -> torch.device:
-        return ex.matrices[0].param.device
+    def _exchange_out(
+        self, ex: _Exchange, updates: dict[Tensor, _Update], group_of: dict[Tensor, dict], jobs: list[_Job]
+    ) -> Tensor:
+        """First all_to_all: my pieces of split matrices to their owners (bf16: Newton–Schulz's first
+        op is the same cast); appends one job per matrix I own, assembled from the pieces."""
+        send = torch.empty(sum(ex.send_sizes), dtype=torch.bfloat16, device=ex.device)
+        pos = 0
+        for sp in ex.sends:
+            u = updates.get(sp.param)
+            piece = send[pos : pos + sp.n]
+            if u is None:  # no gradient here: take part in the exchange, contribute zeros
+                piece.zero_()
+            else:
+                piece.copy_(u.piece(sp.local_offset, sp.local_offset + sp.n))
+            pos += sp.n
+        recv = torch.empty(sum(ex.recv_sizes), dtype=torch.bfloat16, device=ex.device)
+        dist.all_to_all_single(recv, send, list(ex.recv_sizes), list(ex.send_sizes), group=ex.group)
+        for om in ex.owned:
+            full = torch.empty(om.rows * om.cols, dtype=torch.bfloat16, device=ex.device)
+            for a, n, at in om.pieces:
+                full[a : a + n].copy_(recv[at : at + n])
+            g = group_of[om.param]
+            key = (om.rows, om.cols, tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
+            jobs.append(_Job(key, g, 1, om.rows, om.cols, None, 0, full.view(1, om.rows, om.cols), None, om))
+        return recv
 
-    def _cat(self, chunks: list[Tensor], ex: _Exchange) -> Tensor:
-        if not chunks:
-            return torch.empty(0, dtype=torch.bfloat16, device=self._device(ex))
-        return torch.cat(chunks)
+    # ---- non-finite gradients ------------------------------------------------------------
+    def _skip_for_nonfinite(self) -> bool:
+        """Find parameters with a non-finite gradient, agreed over every shard group (one all_reduce
+        of one flag per parameter each), before anything changes; raise or skip on every rank."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        with_grad = [(i, p) for i, p in enumerate(params) if p.grad is not None and p.grad.numel()]
+        device = params[0].device if params else torch.device("cpu")
+        flags = torch.zeros(len(params), dtype=torch.int32, device=device)
+        if with_grad:
+            norms = torch._foreach_norm([p.grad for _, p in with_grad], float("inf"))  # NaN/inf survive max|g|
+            idx = torch.tensor([i for i, _ in with_grad], device=device)
+            flags[idx] = (~torch.isfinite(torch.stack(norms))).int()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        flags *= rank + 1  # after MAX: the highest rank that saw it
+        groups: list[Any] = []
+        for p in params:
+            info = self._plans[p].info
+            if shard_info(p) is not None and info.world_size > 1 and not any(info.group is g for g in groups):
+                groups.append(info.group)
+        for g in groups:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=g)
+        bad = [(params[i], r - 1) for i, r in enumerate(flags.tolist()) if r]
+        if not bad:
+            return False
+        names = [self._name(p) for p, _ in bad]
+        desc = ", ".join(f"{n} (shape {self._plans[p].info.shape}, rank {r})" for n, (p, r) in zip(names[:4], bad))
+        desc += f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+        if self.nonfinite == "error":
+            raise FloatingPointError(
+                f"Muon: non-finite gradient in {desc}; every rank raises this before changing anything. "
+                "Pass Muon(..., nonfinite='skip') to skip such steps on every rank, or find the cause "
+                "(learning rate, loss scale, data)"
+            )
+        self.num_skipped_steps += 1
+        warnings.warn(f"Muon: step skipped on every rank: non-finite gradient in {desc}", stacklevel=3)
+        return True
+
+    def _name(self, p: Tensor) -> str:
+        if self._plans[p].info.fqn:
+            return self._plans[p].info.fqn
+        for g in self.param_groups:
+            for i, q in enumerate(g["params"]):
+                if q is p:
+                    names = g.get("param_names")
+                    return names[i] if names else f"<unnamed parameter {i} of group {self.param_groups.index(g)}>"
+        return "<unnamed>"
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
         """The element-wise AdamW fallback: torch.optim.AdamW's math on local pieces (``adamw_update``)."""

@@ -9,7 +9,7 @@ optimizer treats it (e.g. Muon: matrix blocks get Newton-Schulz, the rest AdamW)
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from ..sharding._blocks import BlockRule, BlockSpec, elements, expert, merge_sma
 
 __all__ = [
     "is_embedding_or_head",
+    "ambiguous_name_guess",
     "adamw_rule",
     "adamw8bit_rule",
     "muon_rule",
@@ -38,6 +39,33 @@ def is_embedding_or_head(fqn: str, module: nn.Module | None) -> bool:
     return any(p in _EMBED_OR_HEAD_TOKENS for p in parts[:-1])
 
 
+_HEAD_LIKE_MODULES = frozenset({"out", "output_layer", "classifier", "score", "logits", "readout", "fc_out", "decoder"})
+
+
+def ambiguous_name_guess(fqn: str, *, is_matrix: bool) -> bool:
+    """Whether the name-based guess of ``is_embedding_or_head`` is doubtful for ``fqn``.
+
+    Doubtful: a token of an embedding/head matched inside a repeated block (a numeric path part
+    before it, e.g. ``layers.0.attention.output.dense.weight``: probably a hidden layer), or a
+    matrix whose owning module has a head-like name the tokens do not cover (``out``,
+    ``classifier``, ``score``, ...: probably an output head that will get Newton-Schulz).
+    """
+    parts = fqn.split(".")
+    if is_matrix:
+        return len(parts) >= 2 and parts[-2] in _HEAD_LIKE_MODULES and not any(q.isdigit() for q in parts[:-2])
+    for i, q in enumerate(parts[:-1]):
+        if q in _EMBED_OR_HEAD_TOKENS:
+            return any(x.isdigit() for x in parts[:i])
+    return False
+
+
+def _matches(fqn: str, names: frozenset[str]) -> bool:
+    """``fqn`` equals a name, or ends with it on a ``.`` boundary (``"out"`` matches ``out.weight``)."""
+    parts = fqn.split(".")
+    return any(".".join(parts[i:j]) in names for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)
+               if j == len(parts) or j == len(parts) - 1)  # fmt: skip
+
+
 def adamw_rule(fqn: str, param: torch.Tensor, module: nn.Module | None) -> BlockSpec:
     """Element-wise: any split works (plain FSDP)."""
     return elements(1)
@@ -53,18 +81,32 @@ def adamw8bit_rule(block_size: int = 256) -> BlockRule:
 
 
 def muon_rule(
-    *, head_dims: Mapping[str, int] | None = None, row_splits: Mapping[str, Sequence[int]] | None = None
+    *,
+    head_dims: Mapping[str, int] | None = None,
+    row_splits: Mapping[str, Sequence[int]] | None = None,
+    embedding_and_head: Iterable[str] | None = None,
 ) -> BlockRule:
     """Whole hidden matrices, one matrix per expert of 3-D weights, element-wise for the rest.
 
     ``head_dims`` maps a name suffix (e.g. ``"attn.wq.weight"``) to a head dim: that projection is
     orthogonalized per head. ``row_splits`` maps a suffix to row counts (fused QKV).
+    ``embedding_and_head``: the parameters left to AdamW, by name (``"out.weight"``) or module name
+    (``"out"``, matching ``out.weight`` and ``out.bias``), given explicitly: the guess from names
+    (``is_embedding_or_head``) is then off; ``nn.Embedding`` modules are still recognised by type.
     """
     head_dims = dict(head_dims or {})
     row_splits = {k: tuple(v) for k, v in (row_splits or {}).items()}
+    if isinstance(embedding_and_head, str):
+        raise ValueError(f"embedding_and_head must be a collection of names, got the string {embedding_and_head!r}")
+    explicit = None if embedding_and_head is None else frozenset(embedding_and_head)
+
+    def is_adamw(fqn: str, module: nn.Module | None) -> bool:
+        if explicit is None:
+            return is_embedding_or_head(fqn, module)
+        return isinstance(module, nn.Embedding) or _matches(fqn, explicit)
 
     def rule(fqn: str, param: torch.Tensor, module: nn.Module | None) -> BlockSpec:
-        if param.ndim < 2 or is_embedding_or_head(fqn, module) or fqn.endswith("bias"):
+        if param.ndim < 2 or is_adamw(fqn, module) or fqn.endswith("bias"):
             return elements(1)  # torch.optim.Muon: only hidden weight matrices; the rest is AdamW's
         if param.ndim == 3:
             return expert()
@@ -83,6 +125,7 @@ def muon_rule(
                 return whole(row_splits=splits)
         return whole()
 
+    rule.guesses_names = explicit is None  # type: ignore[attr-defined]  # read by Muon's warnings
     return rule
 
 

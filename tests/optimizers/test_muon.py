@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -160,9 +161,15 @@ SHAPES = {
     "layers.0.mlp.w2.weight": (13, 7),
     "layers.0.norm.weight": (10,),
     "layers.0.mlp.b1": (7,),
+    "layers.0.attn.gate.weight": (1, 33),
+    "layers.1.mlp.w1.weight": (7, 13),
+    "layers.1.mlp.w2.weight": (13, 7),
     "lm_head.weight": (9, 6),
 }
-MATRICES = ["layers.0.attn.wq.weight", "layers.0.mlp.w1.weight", "layers.0.mlp.w2.weight"]
+MATRICES = [
+    "layers.0.attn.wq.weight", "layers.0.mlp.w1.weight", "layers.0.mlp.w2.weight", "layers.0.attn.gate.weight",
+    "layers.1.mlp.w1.weight", "layers.1.mlp.w2.weight",
+]  # fmt: skip
 
 
 def _specs(shapes):
@@ -175,6 +182,7 @@ CONFIGS = [
     dict(adjust_lr_fn="match_rms_adamw", nesterov=True, weight_decay=0.0),
     dict(adjust_lr_fn="match_rms_adamw", nesterov=False, weight_decay=0.1),
 ]
+REFERENCE_MODE = dict(adjust_lr_fn="original", nesterov=True, weight_decay=0.1, batched=False)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -185,8 +193,10 @@ def test_whole_matrices_equal_torch_muon(world_size):
     layouts = {}
     for i, (k, s) in enumerate(SHAPES.items()):
         layouts[k] = owner_layout(s, world_size, i % world_size) if specs[k].is_matrix else uneven_layout(s, world_size)
-    results = run_sharded(init, SHAPES, specs, layouts, set(), {}, world_size=world_size, configs=CONFIGS)
-    for kw, (ours, counts) in zip(CONFIGS, results):
+    configs = [*CONFIGS, REFERENCE_MODE]  # batched (default) and the per-matrix reference mode
+    results = run_sharded(init, SHAPES, specs, layouts, set(), {}, world_size=world_size, configs=configs)
+    for kw, (ours, counts) in zip(configs, results):
+        kw = {k: v for k, v in kw.items() if k != "batched"}
         assert_bitwise(ours, reference(init, SHAPES, MATRICES, **kw))
         assert all(c == {} for per_rank in counts for c in per_rank), counts  # zero collectives in step()
 
@@ -211,14 +221,17 @@ def _split_case(world_size):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_split_matrices_equal_torch_muon_with_one_exchange_pair_per_bucket(world_size):
+def test_split_matrices_equal_torch_muon_with_one_exchange_pair(world_size):
+    """Split matrices in two buckets: one all_to_all_single pair per step for all of them."""
     shapes, buckets, specs, layouts, splits = _split_case(world_size)
     assert all(len(set(layouts[k].bounds)) >= 3 for k in splits)  # really cut: pieces on >= 2 ranks
     init = _init(shapes)
-    configs = [CONFIGS[0], CONFIGS[3]]
+    configs = [CONFIGS[0], CONFIGS[3], REFERENCE_MODE]
     results = run_sharded(init, shapes, specs, layouts, splits, buckets, world_size=world_size, configs=configs)
-    want = {"c10d.alltoall_base_": 2 * len({buckets[k] for k in splits})} if splits else {}
+    assert len({buckets[k] for k in splits}) == (2 if splits else 0)
+    want = {"c10d.alltoall_base_": 2} if splits else {}
     for kw, (ours, counts) in zip(configs, results):
+        kw = {k: v for k, v in kw.items() if k != "batched"}
         # Bitwise, not within a tolerance: the owner orthogonalizes the exact full bf16 update.
         assert_bitwise(ours, reference(init, shapes, [k for k in shapes if specs[k].is_matrix], **kw))
         assert all(c == want for per_rank in counts for c in per_rank), counts
@@ -258,10 +271,12 @@ def test_heads_fused_qkv_and_experts_equal_torch_muon_per_sub_matrix(world_size,
     assert splits == (set(shapes) if split else set())
     init = _init(shapes)
     kw = dict(weight_decay=0.1, nesterov=True, adjust_lr_fn="match_rms_adamw")
-    [(ours, counts)] = run_sharded(init, shapes, specs, layouts, splits, {}, world_size=world_size, configs=[kw])
-    assert_bitwise(ours, reference(init, shapes, list(shapes), sub_matrices=subs, **kw))
+    results = run_sharded(init, shapes, specs, layouts, splits, {}, world_size=world_size,
+                          configs=[kw, {**kw, "batched": False}])  # fmt: skip
     want = {"c10d.alltoall_base_": 2} if splits else {}
-    assert all(c == want for per_rank in counts for c in per_rank), counts
+    for ours, counts in results:
+        assert_bitwise(ours, reference(init, shapes, list(shapes), sub_matrices=subs, **kw))
+        assert all(c == want for per_rank in counts for c in per_rank), counts
 
 
 def test_comm_debug_mode_counts_c10d_collectives():
@@ -358,19 +373,68 @@ def test_plain_named_parameters_equal_torch():
 
 
 # ---- pieces ------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", [(5, 7), (7, 5), (16, 16), (33, 65), (65, 33)])
+@pytest.mark.parametrize(
+    "shape", [(1, 33), (33, 1), (5, 7), (7, 5), (16, 16), (33, 65), (65, 33), (96, 128), (200, 72)]
+)
 def test_newton_schulz_same_bits_as_torch(shape):
-    """The premise of bitwise equality: the same ops on the same full matrix, matrix by matrix or
-    batched (experts / heads)."""
-    g = torch.randn(3, *shape)
+    """The premise of bitwise equality and of W-invariance with batching: the same ops on the same
+    full matrix, matrix by matrix or in a stack of any composition (which matrices share a stack
+    depends on W), give each matrix torch.optim.Muon's bits."""
+    g = torch.randn(5, *shape)
     with _one_thread():
-        ref = torch.stack([_zeropower_via_newtonschulz(g[i], DEFAULT_NS_COEFFICIENTS, 5, 1e-7) for i in range(3)])
+        ref = torch.stack([_zeropower_via_newtonschulz(g[i], DEFAULT_NS_COEFFICIENTS, 5, 1e-7) for i in range(5)])
         assert torch.equal(newton_schulz(g[1]), ref[1])
         assert torch.equal(newton_schulz(g), ref)
+        for idx in ([1], [3, 0], [4, 2, 1], [0, 1, 2, 3]):  # stacks of other sizes and members
+            assert torch.equal(newton_schulz(g[idx]), ref[idx]), idx
         assert torch.equal(newton_schulz(g[1].bfloat16()), ref[1])  # the exchanged (bf16) input
     gb = g.bfloat16()
     newton_schulz(gb)
     assert torch.equal(gb, g.bfloat16())  # input untouched
+
+
+def test_one_batched_chain_per_shape_and_reference_mode_one_per_matrix(monkeypatch):
+    """Batched: one Newton–Schulz call per [rows, cols] (across parameters and groups with the same
+    NS settings), stacks capped at _STACK_NUMEL; reference: one 2-D call per matrix. Same bits."""
+    from fsdp_optim.optimizers import _muon
+
+    shapes = {f"l{i}.w": (6, 4) for i in range(4)} | {"l9.w": (4, 6), "moe.w": (3, 6, 4), "x.w": (6, 4)}
+    init = _init(shapes)
+    calls: list[tuple[int, ...]] = []
+    real = _muon.newton_schulz
+    monkeypatch.setattr(_muon, "newton_schulz", lambda g, **kw: calls.append(tuple(g.shape)) or real(g, **kw))
+
+    def run(batched, groups_ns=(5, 5)):
+        with _one_thread():
+            params = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
+            names = list(params)
+            opt = Muon([{"params": [(k, params[k]) for k in names[:4]], "ns_steps": groups_ns[0]},
+                        {"params": [(k, params[k]) for k in names[4:]], "ns_steps": groups_ns[1], "lr": 0.03}],
+                       lr=0.02, batched=batched)  # fmt: skip
+            for s in range(2):
+                g = _grads(shapes, s)
+                for k, p in params.items():
+                    p.grad = g[k].clone()
+                calls.clear()
+                opt.step()
+        return {k: p.detach() for k, p in params.items()}, sorted(calls)
+
+    batched, calls_b = run(True)
+    assert calls_b == sorted([(8, 6, 4), (1, 4, 6)]), calls_b
+    ref, calls_r = run(False)
+    assert calls_r == sorted([(6, 4)] * 8 + [(4, 6)]), calls_r
+    assert_bitwise(batched, ref)
+    _, calls_g = run(True, groups_ns=(5, 4))  # different NS settings never share a stack
+    assert calls_g == sorted([(4, 6, 4), (4, 6, 4), (1, 4, 6)]), calls_g
+    monkeypatch.setattr(_muon, "_STACK_NUMEL", 3 * 24)  # stacks of at most 3 matrices
+    capped, calls_c = run(True)
+    tall = [c for c in calls_c if c[1:] == (6, 4)]
+    assert all(c[0] <= 3 for c in tall) and sum(c[0] for c in tall) == 8 and len(tall) < 8, calls_c
+    assert_bitwise(capped, ref)
+    monkeypatch.setattr(_muon, "_CPU_STACK_MAX_NUMEL", 23)  # on CPU, larger matrices go one at a time
+    big, calls_big = run(True)
+    assert calls_big == calls_r and _muon._stacks_well(6, 4, torch.device("cuda")), calls_big
+    assert_bitwise(big, ref)
 
 
 def test_assign_owners_balances_and_is_deterministic():
@@ -497,3 +561,238 @@ def test_param_groups_with_own_hyperparameters_share_a_split_bucket(world_size):
             for o in (m1, m2, aw):
                 o.step()
     assert_bitwise(ours, {k: p.detach() for k, p in full.items()})
+
+
+def test_pieces_match_brute_force():
+    """The exchange plan finds the ranks holding a split matrix by bisection (no loop over all W)."""
+    from fsdp_optim.optimizers._muon import _pieces
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        w = int(torch.randint(1, 9, (1,), generator=gen))
+        bounds = [0, *sorted(torch.randint(0, 60, (w - 1,), generator=gen).tolist()), 60]
+        off = int(torch.randint(0, 50, (1,), generator=gen))
+        n = int(torch.randint(1, 60 - off + 1, (1,), generator=gen))
+        brute = [(q, max(bounds[q], off) - off, min(bounds[q + 1], off + n) - off) for q in range(w)]
+        assert _pieces(bounds, off, n) == [x for x in brute if x[2] > x[1]], (bounds, off, n)
+
+
+# ---- explicit Newton-Schulz / AdamW sets (issue 15) --------------------------------------------
+class _OutHead(torch.nn.Module):
+    """An embedding, a hidden matrix and an output head named ``out`` (no name token says "head")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = torch.nn.Embedding(11, 6)
+        self.hidden = torch.nn.Linear(6, 8, bias=False)
+        self.out = torch.nn.Linear(8, 11, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(self.tok(x))))
+
+
+def _out_head_reference(steps: int = 3) -> dict[str, torch.Tensor]:
+    """torch.optim.Muon on ``hidden`` only, torch.optim.AdamW on ``tok`` and ``out``."""
+    with _one_thread():
+        ref = _OutHead()
+        muon = torch.optim.Muon([ref.hidden.weight], lr=0.02, weight_decay=0.1)
+        adamw = torch.optim.AdamW([ref.tok.weight, ref.out.weight], lr=1e-3, weight_decay=1e-2)
+        for s in range(steps):
+            ref(torch.arange(s, s + 5) % 11).square().sum().backward()
+            for o in (muon, adamw):
+                o.step()
+                o.zero_grad()
+    return {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+def _train_out_head(model, opt, steps: int = 3) -> None:
+    for s in range(steps):
+        model(torch.arange(s, s + 5) % 11).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_head_named_out_guessed_by_name_warns_and_gets_newton_schulz():
+    """The trap issue 15 names: ``out.weight`` looks like a hidden matrix to the name guess (and a
+    plain ``tok.weight`` too: without its module the guess cannot see it is an nn.Embedding)."""
+    model = _OutHead()
+    with pytest.warns(UserWarning, match=r"ambiguous: out\.weight -> Newton-Schulz.*use_muon=False"):
+        opt = Muon(model.named_parameters(), lr=0.02)
+    assert [n for g in opt.param_groups if g["use_muon"] for n in g["param_names"]] == [
+        "tok.weight", "hidden.weight", "out.weight"]
+
+
+def test_hidden_layer_named_like_a_head_inside_a_block_warns():
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.warns(UserWarning, match=r"ambiguous: layers\.0\.attention\.output\.dense\.weight -> AdamW"):
+        Muon([("layers.0.attention.output.dense.weight", w)])
+
+
+@pytest.mark.parametrize("how", ["groups", "rule"])
+def test_head_named_out_passed_explicitly_equals_torch(how, recwarn):
+    """use_muon=False groups (Keller Jordan's MuonWithAuxAdam convention), or the rule's
+    embedding_and_head names: ``out`` goes to AdamW, no warning, bitwise equal to torch."""
+    with _one_thread():
+        model = _OutHead()
+        if how == "groups":
+            opt = Muon([{"params": [model.hidden.weight], "use_muon": True},
+                        {"params": [model.tok.weight, model.out.weight], "use_muon": False}],
+                       lr=0.02, adamw_lr=1e-3)  # fmt: skip
+        else:
+            opt = Muon(model.named_parameters(), lr=0.02, blocks=Muon.rule(embedding_and_head=["tok", "out"]))
+        assert [g["use_muon"] for g in opt.param_groups] == [True, False]
+        assert opt.param_groups[1]["lr"] == 1e-3 and opt.param_groups[1]["betas"] == (0.9, 0.999)
+        _train_out_head(model, opt)
+    assert not [w for w in recwarn if "Muon" in str(w.message)], [str(w.message) for w in recwarn]
+    assert_bitwise({n: p.detach() for n, p in model.named_parameters()}, _out_head_reference())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fully_shard_with_explicit_embedding_and_head_equals_torch(world_size):
+    """fully_shard(..., blocks=Muon.rule(embedding_and_head=["out"])) and the same rule given to
+    Muon: ``out`` is element-wise (AdamW, any layout), ``tok`` an nn.Embedding by type, no
+    warning. Every rank sees the same batch, so at W=2 the result is bitwise; at W=3 the mean of
+    3 equal gradients may round, so there within 1e-6 relative."""
+    fully_shard = _fully_shard()
+    ref = _out_head_reference()
+
+    def fn():
+        model = _OutHead()
+        rule = Muon.rule(embedding_and_head=["out"])
+        fully_shard(model, blocks=rule)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt = Muon(model.parameters(), lr=0.02, blocks=rule)
+        assert [g["use_muon"] for g in opt.param_groups] == [True, False]
+        _train_out_head(model, opt)
+        from fsdp_optim.sharding._shard_info import shard_info
+
+        return {n: (p.detach().clone(), shard_info(p).layout) for n, p in model.named_parameters()}
+
+    outs = run_distributed(fn, world_size=world_size)
+    for n, want in ref.items():
+        got = outs[0][n][1].unshard([o[n][0] for o in outs])
+        if world_size == 2:
+            assert torch.equal(got, want), n
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_explicit_group_errors_and_ignored_settings():
+    full = torch.randn(6, 4)
+    p = make_sharded_param(full, spec=elements(1), layout=RaggedShard((6, 4), (0, 24)), fqn="model.out.weight")
+    with pytest.raises(ValueError, match=r"model\.out\.weight.*use_muon=True.*embedding_and_head"):
+        Muon([{"params": [p], "use_muon": True}])
+    q = torch.nn.Parameter(torch.randn(5))
+    with pytest.raises(ValueError, match=r"<unnamed>.*plain tensor"):
+        Muon([{"params": [q], "use_muon": True}])
+    with pytest.raises(ValueError, match=r"both lr and adamw_lr"):
+        Muon([{"params": [q], "use_muon": False, "lr": 1e-3, "adamw_lr": 1e-3}])
+    with pytest.warns(UserWarning, match=r"\['momentum'\] ignored in a use_muon=False group"):
+        Muon([{"params": [q], "use_muon": False, "momentum": 0.9}])
+    with pytest.warns(UserWarning, match=r"\['adamw_lr'\] ignored in a use_muon=True group"):
+        Muon([{"params": [torch.nn.Parameter(torch.randn(3, 3))], "use_muon": True, "adamw_lr": 1e-3}])
+    # a plain matrix named like an embedding, put in a use_muon=True group: Newton-Schulz it is
+    opt = Muon([{"params": [("embed.weight", torch.nn.Parameter(torch.randn(3, 3)))], "use_muon": True}])
+    assert opt.param_groups[0]["use_muon"] and opt._plans[opt.param_groups[0]["params"][0]].runs
+
+
+# ---- non-finite gradients (issue 12 item 7) -----------------------------------------------------
+def _nonfinite_run(world_size, nonfinite, *, split: bool, bad_rank: int, bad_step: int = 1):
+    """W ranks, whole or split matrices; at ``bad_step`` rank ``bad_rank`` gets a NaN in its piece of
+    ``a.weight`` (an inf in ``e.bias`` too). Returns per rank: params, counts, skipped, warnings."""
+    shapes, buckets, specs, layouts, splits = _split_case(world_size)
+    if not split:
+        layouts = {k: owner_layout(s, world_size, bad_rank) if specs[k].is_matrix else layouts[k]
+                   for k, s in shapes.items()}  # fmt: skip
+        splits = set()
+    init = _init(shapes)
+
+    def fn():
+        params = {k: make_sharded_param(init[k], spec=specs[k], layout=layouts[k], fqn=k, bucket=buckets[k],
+                                        split=k in splits) for k in shapes}  # fmt: skip
+        opt = Muon(list(params.values()), **MUON_KW, **ADAMW_KW, nonfinite=nonfinite)
+        counts, caught = [], []
+        for s in range(STEPS):
+            g = _grads(shapes, s)
+            for k, p in params.items():
+                p.grad = layouts[k].shard(g[k], dist.get_rank()).clone()
+            if s == bad_step and dist.get_rank() == bad_rank:
+                params["a.weight"].grad[0] = float("nan")
+                params["e.bias"].grad.view(-1)[-1:] = float("inf")
+            with CommDebugMode() as mode, warnings.catch_warnings(record=True) as ws:
+                warnings.simplefilter("always")
+                opt.step()
+            caught += [str(w.message) for w in ws]
+            counts.append({str(op): n for op, n in mode.get_comm_counts().items() if n})
+        return {k: p.detach().clone() for k, p in params.items()}, counts, opt.num_skipped_steps, caught
+
+    return shapes, layouts, init, run_distributed(fn, world_size=world_size)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_nonfinite_error_on_every_rank_no_hang(split):
+    """A NaN on one rank only: every rank raises, naming the parameter, before the split-matrix
+    exchange (a rank raising after the other entered it would leave that one blocked)."""
+    with pytest.raises(DistributedTestError, match=r"(?s)ranks with errors: \[0, 1\].*non-finite gradient in a\.weight"):
+        _nonfinite_run(2, "error", split=split, bad_rank=1 if not split else 0)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_nonfinite_skip_skips_the_step_on_every_rank(split):
+    """``nonfinite="skip"``: the bad step changes nothing on any rank (AdamW part included); the run
+    equals torch's with that step left out. One all_reduce per step (the agreement), plus the
+    exchange pair where matrices are split."""
+    world_size = 2
+    shapes, layouts, init, outs = _nonfinite_run(world_size, "skip", split=split, bad_rank=1)
+    ours = {k: layouts[k].unshard([o[0][k] for o in outs]) for k in shapes}
+    for _, counts, skipped, caught in outs:
+        assert skipped == 1 and any("skipped on every rank" in m and "a.weight" in m and "e.bias" in m for m in caught)
+        want = {"c10d.allreduce_": 1, **({"c10d.alltoall_base_": 2} if split else {})}
+        assert counts[0] == counts[2] == want and counts[1] == {"c10d.allreduce_": 1}, counts
+    with _one_thread():  # torch, steps 0 and 2 only
+        full = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
+        muon = torch.optim.Muon([full[k] for k in shapes if k != "e.bias"], lr=0.02, momentum=0.9, weight_decay=0.1)
+        aw = torch.optim.AdamW([full["e.bias"]], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
+        for s in (0, 2):
+            g = _grads(shapes, s)
+            for k, p in full.items():
+                p.grad = g[k].clone()
+            muon.step()
+            aw.step()
+    assert_bitwise(ours, {k: p.detach() for k, p in full.items()})
+
+
+def test_nonfinite_default_ignores_with_zero_collectives():
+    shapes, layouts, init, outs = _nonfinite_run(2, "ignore", split=False, bad_rank=1)
+    for params, counts, skipped, _ in outs:
+        assert skipped == 0 and all(c == {} for c in counts), counts
+    assert torch.isnan(layouts["a.weight"].unshard([o[0]["a.weight"] for o in outs])).all()  # torch's behaviour
+    with pytest.raises(ValueError, match=r"nonfinite must be one of"):
+        Muon([torch.nn.Parameter(torch.randn(3, 3))], nonfinite="raise")
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_batched_step_memory_is_one_stack_at_a_time(monkeypatch, nesterov):
+    """Live bytes a step allocates beyond params and state (fsdp_optim._testing.LiveBytes): one
+    stack's Newton–Schulz transients (each stack's input, Nesterov's fp32 update included, is made
+    when the stack is built, and its result added before the next one is). Stacks capped at 4
+    matrices: bounded whatever the number of matrices."""
+    from fsdp_optim._testing import LiveBytes
+    from fsdp_optim.optimizers import _muon
+
+    ps = [(f"l{i}.w", torch.nn.Parameter(torch.randn(16, 16))) for i in range(64)]
+    extra = {}
+    for cap in (None, 4 * 256):
+        if cap:
+            monkeypatch.setattr(_muon, "_STACK_NUMEL", cap)
+        opt = Muon(ps, lr=0.02, nesterov=nesterov)
+        for _, p in ps:
+            p.grad = torch.randn(16, 16)
+        with _one_thread(), LiveBytes() as m:
+            opt.step()
+        extra[cap] = m.peak - m.current  # current: what outlives the step (params, state)
+    stack_bytes = 4 * 256 * 2  # 4 bf16 matrices
+    assert 0 < extra[4 * 256] <= 8 * stack_bytes, extra
+    assert extra[None] >= 4 * extra[4 * 256], extra  # one stack of all 64: the cap is what bounds it
