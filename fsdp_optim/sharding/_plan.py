@@ -54,7 +54,7 @@ class TensorSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class PlanConfig:
-    """Knobs of the planner (see DESIGN.md, Planner)."""
+    """Knobs of the planner (see docs/architecture.md, Planner)."""
 
     layout: str = "auto"
     """``"even"``, ``"ragged"`` or ``"auto"`` (the cost model picks per bucket)."""

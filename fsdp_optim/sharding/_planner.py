@@ -48,7 +48,7 @@ else RAGGED. Why: on NCCL the ring ``all_gather_into_tensor`` / ``reduce_scatter
 (extra bytes moved and stored, <= cap) is small. A split matrix costs one extra exchange of that
 matrix per optimizer step (about twice its bytes), more than the padding cap allows, so any
 bucket that would need a split goes ragged, where no block is ever cut. Gloo (measured, see
-DESIGN.md) runs the uneven forms no slower, so the rule never loses there.
+docs/architecture.md) runs the uneven forms no slower, so the rule never loses there.
 """
 
 from __future__ import annotations
