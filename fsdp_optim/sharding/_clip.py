@@ -55,15 +55,16 @@ def clip_grad_norm_(
     inf = norm_type == math.inf
 
     def partial(grads: list[torch.Tensor]) -> torch.Tensor:
+        # One foreach norm per (device, dtype) group, accumulated in ``dtype`` (no per-tensor loop;
+        # torch.nn.utils.get_total_norm does the same per group, in the gradients' own dtype).
         acc = torch.zeros((), dtype=dtype, device=device)
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in grads:
-            if g.numel() == 0:
-                continue
-            g = g.detach().to(dtype)
-            if inf:
-                acc = torch.maximum(acc, g.abs().max())
-            else:
-                acc = acc + torch.linalg.vector_norm(g, norm_type) ** norm_type
+            if g.numel():
+                groups.setdefault((g.device, g.dtype), []).append(g.detach())
+        for gs in groups.values():
+            norms = torch.stack(torch._foreach_norm(gs, norm_type, dtype=dtype)).to(device)
+            acc = torch.maximum(acc, norms.max()) if inf else acc + (norms**norm_type).sum()
         return acc
 
     total = partial(grads_sh)
@@ -78,6 +79,9 @@ def clip_grad_norm_(
             "`error_if_nonfinite=False`"
         )
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in all_grads:
-        g.detach().mul_(clip_coef.to(g.dtype))
+        by_dtype.setdefault((g.device, g.dtype), []).append(g.detach())
+    for (dev, dt), gs in by_dtype.items():
+        torch._foreach_mul_(gs, clip_coef.to(device=dev, dtype=dt))
     return total
