@@ -7,8 +7,6 @@ only the step is under test (``step()`` issues no collectives: checked on real r
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
 import warnings
 
@@ -24,6 +22,7 @@ from fsdp_optim.optimizers import AdamW4bit, AdamW8bit
 from fsdp_optim.optimizers._quantized_adamw import FORMAT_4BIT, dequantize_blockwise, quantize_blockwise
 from fsdp_optim.sharding import RaggedShard, elements
 from fsdp_optim.sharding._shard_info import ShardInfo, set_shard_info, shard_info
+from tests.optimizers.test_adamw8bit import dynamo_disabled  # (TORCHDYNAMO_DISABLE=1 for torchao's step)
 
 warnings.filterwarnings("ignore", message=".*KernelPreference.*")
 torchao_optim = pytest.importorskip("torchao.optim")
@@ -33,19 +32,6 @@ BS = 128
 TORCHAO_SHAPES = [(64, 64), (33, 128), (4224,), (7, 5)]
 # >= 4096 but not a multiple of 128 (torchao keeps fp32; we quantize): odd and even tails.
 ODD_SHAPES = [(4097,), (17, 243), (35, 130)]
-
-
-@contextlib.contextmanager
-def dynamo_disabled():
-    old = os.environ.get("TORCHDYNAMO_DISABLE")
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TORCHDYNAMO_DISABLE"]
-        else:
-            os.environ["TORCHDYNAMO_DISABLE"] = old
 
 
 def random_block_layout(shape, world_size: int, seed: int) -> RaggedShard:
