@@ -16,10 +16,12 @@ flat 1-D piece of the global tensor, a view into the bucket's segment, with a ``
 [Note: which call is the root]
 Balance is global, so the planner must see every bucket of a model at once. Every call shards
 what it is given right away, and a call on a module that contains modules sharded by earlier calls
-*absorbs* them: their parameters are gathered back to full tensors (one all-gather per absorbed
-bucket, at setup only), and everything under the new call is planned again, at once, with
-``plan_model``, into new ``nn.Parameter`` objects. Build the optimizer after the outermost call:
-one built earlier holds the absorbed (orphaned) parameters and would train nothing. The outermost call is
+*absorbs* them: everything under the new call is planned again, at once, with ``plan_model``, into
+new ``nn.Parameter`` objects, and the absorbed parameters' pieces move shard to shard into them (one
+``all_to_all_single`` per bucket; never the whole model on a rank: [Note: absorbing without the full
+model]). Build the optimizer after the outermost call: one built earlier holds the replaced
+parameters, which would train nothing, so its first step raises (a guard through torch's global
+optimizer hooks; ours check at construction). The outermost call is
 therefore the root: in the usage above ``layers.0`` is provisionally a root until
 ``fully_shard(model)`` absorbs every layer. Calls on two disjoint modules make two independent
 roots (e.g. a student and a teacher model). Inner calls' settings (``blocks``, ``mp_policy``,
@@ -861,9 +863,10 @@ def _move_pieces(bucket: _Bucket, old: list[nn.Parameter | None]) -> None:
     gathering those parameters back to full tensors (the whole model on every rank at once), each
     rank sends every other rank the part of its old piece that falls in that rank's new range: one
     ``all_to_all_single`` per new bucket, with split sizes computed from the old and new layouts
-    alone (the same on every rank). Peak memory: the old and the new shards plus one bucket's send
-    and receive buffers. Meta-built models move their (uninitialized) zeros the same way, so every
-    rank issues the same collectives whatever the values.
+    alone (the same on every rank). Each absorbed bucket is freed once all of its pieces have moved,
+    and gathered buffers are made at a bucket's first gather, so the peak is about one shard plus a
+    few buckets (tests/sharding/test_setup_memory.py). Meta-built models move their (uninitialized)
+    zeros the same way, so every rank issues the same collectives whatever the values.
     """
     rank, world = bucket.rank, bucket.buffer.world_size
     new_views = bucket.buffer.local_views()
@@ -888,7 +891,8 @@ def _move_pieces(bucket: _Bucket, old: list[nn.Parameter | None]) -> None:
     dtype, device = bucket.buffer.dtype, bucket.buffer.device
     in_sizes = [sum(t.numel() for t in ts) for ts in send]
     out_sizes = [sum(n for _, _, n in rs) for rs in recv]
-    inp = torch.cat([t.to(device=device, dtype=dtype) for ts in send for t in ts]) if sum(in_sizes) else torch.empty(0, dtype=dtype, device=device)
+    pieces = [t.to(device=device, dtype=dtype) for ts in send for t in ts]
+    inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
     out = torch.empty(sum(out_sizes), dtype=dtype, device=device)
     if world > 1:
         dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=bucket.buffer.group)
