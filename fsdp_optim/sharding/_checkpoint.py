@@ -488,10 +488,14 @@ _METADATA_GLOBALS = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem") or (
-            (module, name) in _METADATA_GLOBALS
-        ):
+        if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
+        if module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"):
+            # Only the classes DCP defines there (dataclasses and enums), never a function or a module
+            # those modules happen to import.
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refused global {module}.{name} (not a DCP metadata class)")
