@@ -1368,9 +1368,11 @@ _CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if _CHECKED_OPTIMIZERS.get(optimizer) == len(params):
+    # Checked once per optimizer (again after add_param_group): O(number of groups) per later step.
+    num_params = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _CHECKED_OPTIMIZERS.get(optimizer) == num_params:
         return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     check_not_replaced(params, owner=f"{type(optimizer).__name__} (at its first step)")
     sharded = [shard_info(p) for p in params]
     multi = [i for i in sharded if i is not None and i.world_size > 1]
@@ -1385,7 +1387,7 @@ def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                 "too (it shards every parameter the inner calls did not)",
                 stacklevel=3,
             )
-    _CHECKED_OPTIMIZERS[optimizer] = len(params)
+    _CHECKED_OPTIMIZERS[optimizer] = num_params
 
 
 def _optimizer_post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
