@@ -132,9 +132,19 @@ def load_hf(
     from ._checkpoint import load_full_state_dict
 
     path = os.fspath(path)
-    lazy = None
+    lazy, err = None, None
     if _rank() == 0:
-        keys, getter, shapes = _lazy_reader(path)
+        try:
+            keys, getter, shapes = _lazy_reader(path)
+        except Exception as e:  # noqa: BLE001 - told to every rank below, so none waits for rank 0
+            err = f"{type(e).__name__}: {e}"
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [err]
+        dist.broadcast_object_list(box, src=0)
+        err = box[0]
+    if err is not None:
+        raise ValueError(f"load_hf({path}): rank 0 cannot read the checkpoint: {err}")
+    if _rank() == 0:
         if convert is not None:
             names = [n for n, _ in model.named_parameters(remove_duplicate=False)] + [
                 n for n, _ in model.named_buffers(remove_duplicate=False)

@@ -71,3 +71,13 @@ def test_load_hf_into_a_meta_built_sharded_model_round_trips_bitwise(tmp_path):
     a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a").state_dict()
     b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if "rotary" not in k)
+
+
+def test_load_hf_from_a_missing_directory_raises_on_every_rank(tmp_path):
+    def fn():
+        model = _sharded(_config(True))
+        with pytest.raises(ValueError, match=r"rank 0 cannot read the checkpoint: FileNotFoundError"):
+            fsdp_optim.load_hf(model, tmp_path / "nowhere")
+        return True
+
+    assert run_distributed(fn, world_size=2, timeout=60) == [True, True]
