@@ -615,6 +615,9 @@ def cli(argv: list[str] | None = None) -> int:
     except ValueError as e:  # user errors: one clear line, on rank 0 only (every rank raises the same)
         if _rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            # torchrun kills the other ranks as soon as one exits: let rank 0 print (and exit) first.
+            time.sleep(3.0)
         return 2
     finally:
         if dist.is_initialized():
