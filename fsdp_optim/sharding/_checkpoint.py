@@ -73,6 +73,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint._traverse import set_element
 
+from ._runtime import _runtimes_under, reshard_all
 from ._shard_info import ShardInfo, shard_info
 
 __all__ = [
@@ -310,11 +311,7 @@ def _wrap_param(p: torch.Tensor, info: ShardInfo) -> FlatShardTensor:
 def _ensure_sharded(model: nn.Module) -> None:
     """Swap the sharded parameters back in where ``fully_shard`` left a bucket gathered (e.g. the
     root's after a forward without backward), as FSDP2 does before a state dict."""
-    from ._fully_shard import ShardedModule
-
-    for m in model.modules():
-        if isinstance(m, ShardedModule):
-            m.reshard()
+    reshard_all(model)
 
 
 def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -1113,8 +1110,6 @@ def _broadcast_full_state(
     Which keys rank 0 sends is agreed first (strict=False may skip some), so every rank joins the
     same broadcasts in the same order.
     """
-    from ._fully_shard import _runtimes_under
-
     keys = [pair_keys]
     dist.broadcast_object_list(keys, src=0)
     present = set(keys[0])
@@ -1127,7 +1122,7 @@ def _broadcast_full_state(
         if not any(names):
             return
         flat = torch.zeros(b.buffer.total_numel, dtype=b.buffer.dtype, device=b.buffer.device)
-        views = b.buffer.full_views(flat)
+        views = b.full_views(flat)
         if rank == 0:
             for view, name in zip(views, names):
                 if name is not None:
@@ -1142,6 +1137,7 @@ def _broadcast_full_state(
     with torch.no_grad():
         for rt in _runtimes_under(model):
             for b in rt.buckets:
+                b.settle()
                 one_bucket(b)
         for key in keys[0]:
             if key in done:

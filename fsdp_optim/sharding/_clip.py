@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from ._fully_shard import _same_group
+from ._runtime import _same_group
 from ._shard_info import shard_info
 
 __all__ = ["clip_grad_norm_"]

@@ -21,7 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._checkpoint import load_full_state_dict
+from ._runtime import buckets_of
 from ._shard_info import shard_info
+from ._state_dict import _gather_to_group_rank0
 
 __all__ = ["export_hf", "load_hf"]
 
@@ -64,8 +67,6 @@ def export_hf(
     """
     from safetensors.torch import save_file
 
-    from ._state_dict import _gather_to_group_rank0, _relevant_buckets
-
     path = os.fspath(path)
     config = config if config is not None else getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
@@ -79,18 +80,18 @@ def export_hf(
     names = {id(t): n for n, t in _named_tensors(model)}
     weight_map: dict[str, str] = {}
     written: set[int] = set()
-    buckets = _relevant_buckets(model)
+    buckets = buckets_of(model)
     num_files = len(buckets) + 1
     for i, b in enumerate(buckets):
         mine = [(names.get(id(sp)), sp) for sp in b.sharded]
         if not any(n for n, _ in mine):
             continue
-        b.wait_reduces()
+        b.settle()
         flat = _gather_to_group_rank0(b)
         if rank != 0 or flat is None:
             continue
         tensors = {}
-        for (name, sp), view in zip(mine, b.buffer.full_views(flat)):
+        for (name, sp), view in zip(mine, b.full_views(flat)):
             if name is not None:
                 hf_name, t = convert(name, view.detach()) if convert else (name, view.detach())
                 tensors[hf_name] = t.to("cpu", copy=True).contiguous()
@@ -129,8 +130,6 @@ def load_hf(
     bucket at a time (see the Note). Tied names missing from the files are fine. ``convert(name) ->
     (hf_name, from_hf)`` maps a model name to the file's name and a function turning the file's tensor
     into the model's layout (the inverse of ``export_hf``'s ``convert``)."""
-    from ._checkpoint import load_full_state_dict
-
     path = os.fspath(path)
     lazy, err = None, None
     if _rank() == 0:

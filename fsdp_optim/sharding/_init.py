@@ -7,7 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ._fully_shard import _Bucket, _runtime_of, _runtimes_under
+from ._bucket import _Bucket
+from ._runtime import buckets_of
 
 __all__ = ["init_weights"]
 
@@ -33,19 +34,18 @@ def init_weights(module: nn.Module, init_fn: Callable[[nn.Module], None] | None 
     its last).
     """
     init_fn = init_fn or _default_init
-    rts = _runtimes_under(module) or [_runtime_of(module)]
+    buckets = buckets_of(module)
     owner: dict[int, tuple[_Bucket, int]] = {}
-    for rt in rts:
-        for b in rt.buckets:
-            for i, sp in enumerate(b.sharded):
-                owner[id(sp)] = (b, i)
+    for b in buckets:
+        for i, sp in enumerate(b.sharded):
+            owner[id(sp)] = (b, i)
     mods = list(module.modules())
     last_use: dict[int, int] = {}
     for k, m in enumerate(mods):
         for p in m._parameters.values():
             if p is not None and id(p) in owner:
                 last_use[id(owner[id(p)][0])] = k
-    device = rts[0].device
+    device = buckets[0].buffer.device if buckets else torch.device("cpu")
     gathered: dict[int, list[torch.Tensor]] = {}
     with torch.no_grad():
         for k, m in enumerate(mods):
@@ -58,8 +58,7 @@ def init_weights(module: nn.Module, init_fn: Callable[[nn.Module], None] | None 
                     continue
                 b, i = owner[id(p)]
                 if id(b) not in gathered:
-                    b.wait_reduces()
-                    gathered[id(b)] = b.buffer.full_views(b.buffer.all_gather())
+                    gathered[id(b)] = b.full_views(b.gather_full())
                 full = gathered[id(b)][i]
                 m._parameters[name] = nn.Parameter(full, requires_grad=p.requires_grad)
                 mine.append((name, p, b, i))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ._blocks import BlockSpec
 from ._ragged import RaggedShard
+from ._report import plan_report, plan_stats
 
 __all__ = ["Layout", "TensorSpec", "Placement", "BucketPlan", "Plan", "PlanConfig", "LocalPiece"]
 
@@ -203,13 +204,9 @@ class Plan:
 
     def stats(self):
         """Whole-model figures (padding, splits, per-rank bytes and cost balance): a ``PlanStats``."""
-        from ._planner import plan_stats
-
         return plan_stats(self)
 
     def report(self) -> str:
         """Layout per bucket, padding %, split blocks and their bytes, per-rank bytes and cost
         max/mean, bytes per collective."""
-        from ._planner import plan_report
-
         return plan_report(self)

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ._fully_shard import _Bucket, _runtimes_under, _runtime_of
+from ._bucket import _Bucket
+from ._runtime import buckets_of
 
 __all__ = ["full_state_dict"]
-
-
-def _relevant_buckets(module: nn.Module) -> list[_Bucket]:
-    rts = _runtimes_under(module) or [_runtime_of(module)]
-    return [b for rt in rts for b in rt.buckets]
 
 
 def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
@@ -26,8 +23,6 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload:
     the CPU as each bucket arrives (else they stay on the mesh's device). As FSDP2's
     ``get_model_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))``.
     """
-    import torch.distributed as dist
-
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     names: list[tuple[str, torch.Tensor]] = []
     for prefix, m in module.named_modules(remove_duplicate=False):
@@ -44,15 +39,14 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload:
         return t.detach().to("cpu" if cpu_offload else t.device, copy=True)
 
     full: dict[int, torch.Tensor] = {}
-    for b in _relevant_buckets(module):
+    for b in buckets_of(module):
         ups = b.unsharded if b.unsharded is not None else [None] * len(b.sharded)  # never gathered yet
         ids = [(sp, up) for sp, up in zip(b.sharded, ups) if id(sp) in wanted or id(up) in wanted]
         if not ids:
             continue
-        b.wait_reduces()
-        flat = _gather_to_group_rank0(b) if rank0_only else b.buffer.all_gather()
+        flat = _gather_to_group_rank0(b) if rank0_only else b.gather_full()
         if keep:
-            for (sp, up), view in zip(zip(b.sharded, ups), b.buffer.full_views(flat)):
+            for (sp, up), view in zip(zip(b.sharded, ups), b.full_views(flat)):
                 if id(sp) in wanted or id(up) in wanted:
                     full[id(sp)] = out_of(view)
                     if up is not None:
@@ -68,6 +62,7 @@ def _gather_to_group_rank0(b: _Bucket) -> torch.Tensor | None:
     of segments padded to the largest, so the other ranks hold only their own (padded) segment."""
     import torch.distributed as dist
 
+    b.settle()
     buf = b.buffer
     if buf.backend is None or buf.world_size == 1:
         return buf.all_gather()

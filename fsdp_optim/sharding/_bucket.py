@@ -1,0 +1,548 @@
+"""One bucket: a flat buffer (``DistributedBuffer``), its parameters, its collectives, its lifecycle.
+
+A bucket is what one ``fully_shard`` call manages: the sharded parameters (views into this rank's
+segment), the gathered buffer in the compute dtype with the unsharded parameters as views into it,
+and the gradient reduction into the segment. The runtime (``_runtime.py``) decides *when*; this
+file does *what* and keeps the state explicit.
+
+[Note: bucket lifecycle]
+Three enums, checked and moved at every entry point (an unexpected state is an internal error,
+``AssertionError``, never a silent continue):
+
+* ``TrainingState`` (per root): ``IDLE`` between iterations, ``FORWARD`` from the root's pre-forward
+  to its post-forward, ``PRE_BACKWARD`` from the first pre-backward hook to the end of backward (a
+  forward seen then is activation-checkpoint recomputation).
+* ``BucketState`` (per bucket: where the values are)::
+
+      SHARDED --unshard()--> GATHERING --wait_unshard()--> UNSHARDED --reshard()--> SHARDED
+      GATHERING --reshard()--> SHARDED                      (waits for the gather first)
+      UNSHARDED --post_backward(), synced--> REDUCING --wait_reduces()--> SHARDED
+      REDUCING --unshard()--> (wait_reduces) SHARDED --> GATHERING
+      any --release()--> RELEASED                           (absorbed by a newer root; final)
+
+  The gathered buffer's storage exists only in GATHERING and UNSHARDED (it is resized to 0 in
+  every other state); the modules show the unsharded parameters only while UNSHARDED and the
+  module computes (between passes they show the sharded ones).
+* ``BucketPhase`` (per bucket: where it is in the iteration)::
+
+      IDLE --pre_forward (grad enabled)--> FORWARD --pre-backward hook--> BACKWARD
+      BACKWARD --post_backward--> REDUCED --end of backward--> IDLE
+      FORWARD|BACKWARD --end of backward--> (post_backward) REDUCED --> IDLE
+
+  The end of backward (a callback queued on the autograd engine) runs ``post_backward`` for every
+  bucket not yet REDUCED, in bucket order, so every rank issues the same reductions even for a
+  bucket whose module did not run; then waits for all reductions and moves every bucket to
+  SHARDED / IDLE. A grad-enabled forward whose backward never runs (an evaluation forward without
+  ``no_grad``) leaves buckets in FORWARD and possibly UNSHARDED: the next root pre-forward frees
+  them and gathers again ([Note: stale gathers] in ``_runtime.py``), and ``_PendingCall`` returns
+  the dropped graph's pending count, so the next backward reduces each bucket as soon as it is done.
+
+[Note: FP8 all-gather]
+``fully_shard(..., fp8_all_gather=Float8AllGather(tile="128x128" | "1x128"))`` (opt-in; default off,
+nothing changes without it). Eligible parameters (2-D, >= ``min_numel`` elements, decided on the
+global shape) are planned with ``TensorSpec.align_rows`` = the tile height, so no quantization tile
+crosses a rank boundary; in the forward pre-hook each rank quantizes its fp32 master pieces locally
+(``float8_e4m3fn`` codes, one fp32 scale per tile), packs them with the bucket's other pieces (in
+``param_dtype``) into one byte region, and the bucket moves in ONE collective (the byte regions,
+gathered by a ``uint8`` ``DistributedBuffer``); on wait every rank dequantizes into the
+``param_dtype`` gathered buffer. Invariant: the gathered parameters equal quantizing each full
+tensor unsharded with the same tiles and dequantizing, bitwise, for every world size and plan
+(see ``_float8.py``). Master weights, gradients, the reduce-scatter and checkpoints are unchanged.
+Matrices that a forced even layout splits are cut on tile rows too (the split unit is coarsened
+alike); a parameter whose shard would still cut a tile is sent in ``param_dtype`` (a pure check
+of its placement, the same on every rank).
+
+Internal API used outside the runtime (``_init``, ``_state_dict``, ``_checkpoint``, ``_hf``):
+``sharded`` (this rank's parameters, bucket order), ``plan``, ``rank``, ``settle()`` (finish any
+pending reduction), ``gather_full()`` (the full flat buffer in the master dtype, on every rank),
+``full_views(flat)`` and ``reshard()``.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from ._buffer import CollectiveHandle, DistributedBuffer, _zero_ranges
+from ._float8 import Float8Gather, tile_aligned
+from ._mixed_precision import MixedPrecisionPolicy
+from ._plan import BucketPlan
+from ._shard_info import ShardInfo, mark_replaced, set_shard_info, shard_info
+
+if TYPE_CHECKING:
+    from ._runtime import _ModuleState, _Runtime
+    from ._setup import _Entry
+
+
+class TrainingState(enum.Enum):
+    """Per root: where the iteration is (see [Note: bucket lifecycle])."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+
+
+class BucketState(enum.Enum):
+    """Per bucket: where its values are (see [Note: bucket lifecycle])."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    UNSHARDED = "unsharded"
+    REDUCING = "reducing"
+    RELEASED = "released"
+
+
+class BucketPhase(enum.Enum):
+    """Per bucket: where it is in the iteration (see [Note: bucket lifecycle])."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    REDUCED = "reduced"
+
+
+def _invariant(ok: bool, what: str) -> None:
+    if not ok:
+        raise AssertionError(f"fully_shard internal error: {what}")
+
+
+class _Bucket:
+    """One flat buffer: sharded parameters (views into the segment), the gathered buffer and the
+    unsharded parameters (views into it), and the gradient reduction."""
+
+    def __init__(
+        self, *, index: int, state: _ModuleState, plan: BucketPlan, entries: list[_Entry], root: _ModuleState
+    ) -> None:
+        self.index = index
+        self.state = state
+        self.plan = plan
+        self.entries = entries
+        self.is_root = state is root
+        self.runtime: _Runtime | None = None
+        mp = state.mp_policy or root.mp_policy or MixedPrecisionPolicy()
+        master = entries[0].dtype
+        self.param_dtype = mp.param_dtype or master
+        self.reduce_dtype = mp.reduce_dtype or master
+        self.reshard_after_forward = state.reshard_after_forward and not self.is_root
+        self.requires_sync = True
+        self.buffer = DistributedBuffer(plan, group=root.group, device=root.device, dtype=master)
+        self.rank = self.buffer.rank
+        # HSDP: the replicas of this rank's segment (see [Note: HSDP]).
+        self.num_replicas = root.num_replicas
+        self.replicate_group = root.replicate_group if root.num_replicas > 1 else None
+        self._native_avg = self.replicate_group is not None and "nccl" in str(dist.get_backend(self.replicate_group))
+        # Sharded parameters: flat views into the segment.
+        self.sharded: list[nn.Parameter] = []
+        with torch.no_grad():
+            for e, pl, view in zip(entries, plan.placements, self.buffer.local_views()):
+                if e.full is not None:
+                    a, b = pl.shard.range(self.rank)
+                    view.copy_(e.full.detach().reshape(-1)[a:b])
+                sp = nn.Parameter(view, requires_grad=e.requires_grad)
+                set_shard_info(
+                    sp,
+                    ShardInfo(
+                        fqn=e.fqn, shape=pl.shape, spec=pl.spec, layout=pl.shard, rank=self.rank,
+                        group=root.group, bucket=index, split=pl.split,
+                    ),
+                )
+                self.sharded.append(sp)
+                e.full = None
+                if e.param is not sp:
+                    mark_replaced(e.param, e.fqn)
+                e.param = sp  # drop the original (full) tensor: it is not kept alive by the runtime
+        self.expected_ptrs = [sp.data_ptr() for sp in self.sharded]
+        # Gathered buffer (compute dtype) and unsharded parameters: views into its ``.data``, so the
+        # collective's writes do not bump the version counter autograd saved for backward. Both are
+        # made at the first gather (setup never allocates a bucket at full size); afterwards the
+        # storage is freed (resized to 0) and re-allocated in place, so the views stay valid.
+        self.gathered: torch.Tensor | None = None
+        self.unsharded: list[nn.Parameter] | None = None
+        self._gathered_nbytes = self.buffer.total_numel * self.param_dtype.itemsize
+        self._device = root.device
+        # FP8 all-gather (opt-in): which parameters travel as codes + scales (see [Note: FP8 all-gather]).
+        fp8 = state.fp8_all_gather or root.fp8_all_gather
+        self.fp8_gather: Float8Gather | None = None
+        if fp8 is not None:
+            flags = [fp8.eligible(pl.shape) and tile_aligned(pl, fp8.tile_shape[0]) for pl in plan.placements]
+            if any(flags):
+                self.fp8_gather = Float8Gather(
+                    plan=plan, fp8=flags, config=fp8, param_dtype=self.param_dtype, group=root.group,
+                    device=root.device, even=self.buffer.is_even,
+                )
+        self.num_trainable = sum(1 for e in entries if e.requires_grad)
+        self.trainable_local = [i for i, e in enumerate(entries) if e.requires_grad]
+        self._range_name = f"{index}:{plan.name}"
+        # Lifecycle (see [Note: bucket lifecycle]).
+        self.where = BucketState.SHARDED
+        self.phase = BucketPhase.IDLE
+        self.gather_handle: CollectiveHandle | None = None
+        self.reduce_handle: CollectiveHandle | None = None
+        self.flat_grad: torch.Tensor | None = None  # unsharded gradients, flat, in reduce_dtype
+        self.flat_views: list[torch.Tensor] | None = None
+        self.attached = [False] * len(entries)
+        self.grad_seg: torch.Tensor | None = None  # the segment a pending reduction writes
+        self.replica_work: dist.Work | None = None  # HSDP: the pending all-reduce across replicas
+        self._replica_out: tuple[torch.Tensor, bool] | None = None  # (reduced shard, add it to grad_seg)
+        self._grad_seg_ref: weakref.ref | None = None  # see [Note: gradient segment lifetime]
+        self.used = False  # ran forward in this iteration
+        self.explicit_unshard = False  # gathered by ShardedModule.unshard(), not by a forward
+        self.gathered_at_step = -1  # the runtime's optimizer step count when the last gather was issued
+        self.num_pending_calls = 0
+        self._set_params(self.sharded)
+
+    def __repr__(self) -> str:
+        return f"_Bucket({self.plan.name!r}, {self.where.value}, {self.phase.value})"
+
+    @property
+    def is_gathered(self) -> bool:
+        """The gathered buffer holds (or is receiving) the parameters."""
+        return self.where in (BucketState.GATHERING, BucketState.UNSHARDED)
+
+    def release(self) -> None:
+        """Drop this (absorbed) bucket's storage. Its modules already hold the new root's parameters
+        (it was resharded at the start of the new root's build), so nothing is re-registered."""
+        if self.where is BucketState.RELEASED:
+            return
+        self.settle()
+        if self.gather_handle is not None:
+            self.gather_handle.wait()
+            self.gather_handle = None
+        for sp in self.sharded:
+            mark_replaced(sp, shard_info(sp).fqn)
+            sp.data = sp.data.new_empty(0)  # the segment is freed even if someone holds the parameter
+        self.buffer = self.gathered = self.flat_grad = self.flat_views = self.grad_seg = self.fp8_gather = None
+        self.sharded, self.unsharded, self.entries = [], [], []
+        self.where = BucketState.RELEASED
+
+    # ---- internal API for _init / _state_dict / _checkpoint / _hf -----------------------------
+    def settle(self) -> None:
+        """Finish a pending gradient reduction (its ``.grad`` views are set)."""
+        if self.where is BucketState.REDUCING:
+            self.wait_reduces()
+
+    def gather_full(self) -> torch.Tensor:
+        """The bucket's full flat buffer in the master dtype on every rank (a collective)."""
+        _invariant(self.where is not BucketState.RELEASED, f"gather of released bucket {self.plan.name}")
+        self.settle()
+        return self.buffer.all_gather()
+
+    def full_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Global-shape views of ``flat`` (a full flat buffer of this bucket), one per parameter."""
+        return self.buffer.full_views(flat)
+
+    # ---- parameters -------------------------------------------------------------------------
+    def _set_params(self, params: list[nn.Parameter]) -> None:
+        for e, p in zip(self.entries, params):
+            for m, name in e.owners:
+                m._parameters[name] = p
+
+    def _free_gathered(self) -> None:
+        if self.gathered is not None:
+            self.gathered.untyped_storage().resize_(0)
+
+    @torch._dynamo.disable  # runs eagerly even inside a compiled module's hooks (it makes Parameters)
+    def _alloc_gathered(self) -> None:
+        if self.gathered is None:
+            self.gathered = torch.empty(self.buffer.total_numel, dtype=self.param_dtype, device=self._device)
+            self.unsharded = [
+                nn.Parameter(view, requires_grad=e.requires_grad)
+                for e, view in zip(self.entries, self.buffer.full_views(self.gathered.data))
+            ]
+        elif self.gathered.untyped_storage().nbytes() == 0:
+            self.gathered.untyped_storage().resize_(self._gathered_nbytes)
+
+    def rebind(self) -> None:
+        """Re-point sharded parameters whose ``.data`` was replaced (``module.to_empty`` / ``.to``)."""
+        for i, (sp, ptr) in enumerate(zip(self.sharded, self.expected_ptrs)):
+            if sp.data_ptr() != ptr and sp.numel() > 0:
+                view = self.buffer.local_views()[i]
+                with torch.no_grad():
+                    if sp.data.device.type != "meta":
+                        view.copy_(sp.data.reshape(-1))
+                sp.data = view
+
+    # ---- gather / free ---------------------------------------------------------------------
+    def unshard(self) -> None:
+        """SHARDED (or REDUCING, after waiting) -> GATHERING: issue the all-gather (async). No-op
+        when already gathering or gathered."""
+        _invariant(self.where is not BucketState.RELEASED, f"unshard of released bucket {self.plan.name}")
+        if self.is_gathered:
+            return
+        self.settle()
+        self.runtime.check_collective(self, "all_gather")
+        self._alloc_gathered()
+        self.gathered_at_step = self.runtime.num_optimizer_steps
+        seg = self.buffer.segment
+        with record_function(f"fsdp_optim::all_gather({self._range_name})"):
+            if self.fp8_gather is not None:
+                inner = self.fp8_gather.buffer.all_gather(src=self.fp8_gather.pack(seg), async_op=True)
+                self.gather_handle = _Float8Handle(self.fp8_gather, inner, self.gathered, self.buffer._full_padding)
+            else:
+                src = seg if seg.dtype == self.param_dtype else seg.to(self.param_dtype)
+                self.gather_handle = self.buffer.all_gather(src=src, out=self.gathered, async_op=True)
+        self.where = BucketState.GATHERING
+
+    def _finish_gather(self) -> None:
+        if self.where is BucketState.GATHERING:
+            with record_function(f"fsdp_optim::all_gather_wait({self._range_name})"):
+                self.gather_handle.wait()
+            self.gather_handle = None
+            self.where = BucketState.UNSHARDED
+
+    def wait_unshard(self) -> None:
+        """GATHERING -> UNSHARDED; the modules now show the unsharded parameters."""
+        self._finish_gather()
+        _invariant(self.where is BucketState.UNSHARDED, f"{self!r}: wait_unshard without unshard")
+        self._set_params(self.unsharded)
+
+    def reshard(self) -> None:
+        """GATHERING / UNSHARDED -> SHARDED: free the gathered buffer; the modules show the sharded
+        parameters. (REDUCING and SHARDED stay as they are.)"""
+        self._finish_gather()
+        if self.where is BucketState.RELEASED:
+            return
+        self._set_params(self.sharded)
+        self.explicit_unshard = False
+        if self.where is BucketState.UNSHARDED:
+            self._free_gathered()
+            self.where = BucketState.SHARDED
+
+    # ---- forward ----------------------------------------------------------------------------
+    def pre_forward(self) -> None:
+        rt = self.runtime
+        if rt.state is TrainingState.PRE_BACKWARD:  # recomputation (activation checkpointing)
+            self.unshard()
+            self.wait_unshard()
+            return
+        self.used = True
+        if torch.is_grad_enabled():
+            self.phase = BucketPhase.FORWARD
+        rt.forward_order.append(self)
+        self.unshard()
+        nxt = rt.next_in_forward(self)
+        if nxt is not None:
+            nxt.unshard()  # prefetch: issued before this bucket computes
+        self.wait_unshard()
+
+    def post_forward(self) -> None:
+        rt = self.runtime
+        if rt.state is TrainingState.PRE_BACKWARD:
+            return
+        rt.post_forward_order.append(self)
+        if self.reshard_after_forward:
+            self.reshard()
+        else:
+            self._set_params(self.sharded)  # the module shows its sharded parameters between passes
+
+    # ---- backward ---------------------------------------------------------------------------
+    def pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        rt = self.runtime
+        rt.queue_final_callback()
+        if self.phase in (BucketPhase.BACKWARD, BucketPhase.REDUCED):
+            return grad
+        self.phase = BucketPhase.BACKWARD
+        rt.state = TrainingState.PRE_BACKWARD
+        self.unshard()
+        nxt = rt.next_in_backward(self)
+        if nxt is not None:
+            nxt.unshard()  # prefetch the bucket whose backward runs next
+        self.wait_unshard()
+        self._attach_grad_views()
+        return grad
+
+    def _ensure_flat_grad(self) -> None:
+        if self.flat_grad is None:
+            self.flat_grad = torch.zeros(self.buffer.total_numel, dtype=self.reduce_dtype, device=self.buffer.device)
+            self.flat_views = self.buffer.full_views(self.flat_grad)
+
+    def _attach_grad_views(self) -> None:
+        """Zero copy: make each unsharded parameter's ``.grad`` a view into the flat reduction buffer,
+        so autograd accumulates into it in place and the bucket reduces without a copy-in (and
+        without the unsharded gradients and the flat buffer both alive). Only where the compute
+        and reduction dtypes agree; otherwise ``post_backward`` copies (casting) instead. Not for the
+        root's bucket: its gradients arrive across the whole backward (head first, embedding last),
+        so a flat buffer held from the start would outweigh the copy at the end."""
+        if self.num_trainable == 0 or self.param_dtype != self.reduce_dtype or self.is_root:
+            return
+        self._ensure_flat_grad()
+        for i, up in enumerate(self.unsharded):
+            if up.requires_grad and up.grad is None:
+                up.grad = self.flat_views[i]
+                self.attached[i] = True
+
+    def _copy_in_grads(self) -> None:
+        """Move the unsharded gradients into the flat reduction buffer: one ``_foreach_copy_`` for
+        those autograd accumulated out of place (``g = view + new``) and one ``_foreach_add_`` for
+        the others (a cast under mixed precision, or gradients we did not attach). No per-parameter
+        Python op on the hot path; the same per-element arithmetic, so the same bits."""
+        copy_dst, copy_src, add_dst, add_src = [], [], [], []
+        for i, up in enumerate(self.unsharded or ()):
+            g = up.grad
+            if g is None:
+                continue
+            view = self.flat_views[i]
+            if not _same_view(g, view):
+                if self.attached[i]:
+                    copy_dst.append(view)
+                    copy_src.append(g)
+                else:
+                    add_dst.append(view)
+                    add_src.append(g)
+            up.grad = None
+        with torch.no_grad(), record_function(f"fsdp_optim::copy_in({self._range_name})"):
+            if copy_dst:
+                torch._foreach_copy_(copy_dst, copy_src)
+            if add_dst:
+                torch._foreach_add_(add_dst, add_src)
+        self.attached = [False] * len(self.entries)
+
+    def post_backward(self) -> None:
+        """Reduce-scatter this bucket's gradients (or accumulate them without sync) and reshard:
+        phase -> REDUCED; UNSHARDED -> REDUCING (synced) or SHARDED."""
+        _invariant(self.phase is not BucketPhase.REDUCED, f"{self!r}: post_backward twice in one backward")
+        self.phase = BucketPhase.REDUCED
+        if self.num_trainable == 0:
+            self.reshard()
+            return
+        self._ensure_flat_grad()
+        flat = self.flat_grad
+        self._copy_in_grads()
+        self.reshard()
+        if not self.requires_sync:
+            return  # keep summing into flat_grad (gradient accumulation without sync)
+        self.flat_grad = self.flat_views = None
+        self.settle()  # a second synced backward before the previous reduction was waited for
+        self.runtime.check_collective(self, "reduce_scatter")
+        accumulate = self._prepare_grad_segment()
+        out = self.grad_seg
+        if self.replicate_group is not None and (accumulate or self.reduce_dtype != self.buffer.dtype):
+            # The replicas all-reduce only this backward's reduced shard, in reduce_dtype; it is added
+            # to (or cast into) the gradient segment afterwards.
+            out = torch.empty(self.buffer.segment_numel, dtype=self.reduce_dtype, device=self.buffer.device)
+        with record_function(f"fsdp_optim::reduce_scatter({self._range_name})"):
+            self.reduce_handle = self.buffer.reduce_scatter(
+                flat, out=out, op=dist.ReduceOp.AVG, accumulate=accumulate and out is self.grad_seg, async_op=True
+            )
+        self._replica_out = (out, accumulate) if self.replicate_group is not None else None
+        self.where = BucketState.REDUCING
+        self.runtime.issue_reduce(self)
+
+    def _prepare_grad_segment(self) -> bool:
+        """Choose the gradient segment the reduction writes; returns whether it adds to it.
+
+        [Note: gradient segment lifetime]
+        The runtime keeps only a weak reference to the gradient segment once the sharded ``.grad``
+        views are set, so ``zero_grad(set_to_none=True)`` frees it, as it frees gradients in plain
+        PyTorch. If the parameters' ``.grad`` are still our views (``set_to_none=False``, or no
+        ``zero_grad``), the reduction adds into that segment; if all are ``None`` a new segment is
+        allocated and overwritten (a segment someone else still references is never reused)."""
+        seg = self._grad_seg_ref() if self._grad_seg_ref is not None else None
+        grads = [self.sharded[i].grad for i in self.trainable_local]
+        if all(g is None for g in grads):
+            self.grad_seg = torch.empty(self.buffer.segment_numel, dtype=self.buffer.dtype, device=self.buffer.device)
+            return False
+        views = self.buffer.local_views(seg) if seg is not None else None
+        if views is None or not any(g is not None and _same_view(g, views[i]) for i, g in zip(self.trainable_local, grads)):
+            seg = torch.zeros(self.buffer.segment_numel, dtype=self.buffer.dtype, device=self.buffer.device)
+            views = self.buffer.local_views(seg)
+        with torch.no_grad():
+            for i, g in zip(self.trainable_local, grads):
+                view = views[i]
+                if view.numel() == 0 or (g is not None and _same_view(g, view)):
+                    continue
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g.reshape(-1))
+        self.grad_seg = seg
+        return True
+
+    def start_replica_reduce(self) -> None:
+        """HSDP: once the reduce-scatter is done, issue the all-reduce of the reduced shard across the
+        replicas (async; no-op without replicas, or when already issued or done)."""
+        if self.reduce_handle is None or self._replica_out is None or self.replica_work is not None:
+            return
+        self.reduce_handle.wait()
+        out = self._replica_out[0]
+        if out.numel() == 0:  # every replica of this shard rank holds the same (empty) segment
+            self.replica_work = _DONE
+            return
+        op = dist.ReduceOp.AVG if self._native_avg else dist.ReduceOp.SUM
+        with record_function(f"fsdp_optim::all_reduce({self._range_name})"):
+            self.replica_work = dist.all_reduce(out, op=op, group=self.replicate_group, async_op=True)
+
+    def wait_reduces(self) -> None:
+        """REDUCING -> SHARDED: the sharded parameters' ``.grad`` are views into the reduced segment."""
+        if self.where is not BucketState.REDUCING:
+            return
+        with record_function(f"fsdp_optim::reduce_wait({self._range_name})"):
+            self.reduce_handle.wait()
+            if self._replica_out is not None:
+                self.start_replica_reduce()
+                self.replica_work.wait()
+                out, accumulate = self._replica_out
+                if not self._native_avg and out.numel():
+                    out.div_(self.num_replicas)
+                if out is not self.grad_seg:
+                    if accumulate:
+                        self.grad_seg.add_(out)
+                    else:
+                        self.grad_seg.copy_(out)
+                self.replica_work = self._replica_out = None
+        self.reduce_handle = None
+        seg, self.grad_seg = self.grad_seg, None
+        views = self.buffer.local_views(seg)
+        for i in self.trainable_local:
+            sp = self.sharded[i]
+            if sp.grad is None or not _same_view(sp.grad, views[i]):
+                sp.grad = views[i]
+        self._grad_seg_ref = weakref.ref(seg)
+        self.where = BucketState.SHARDED
+
+    def end_of_backward(self) -> None:
+        """The end-of-backward callback, after every reduction was waited for: -> SHARDED / IDLE."""
+        self.reshard()
+        _invariant(self.where is BucketState.SHARDED, f"{self!r} at the end of backward")
+        self.phase = BucketPhase.IDLE
+        self.num_pending_calls = 0
+
+
+class _Float8Handle:
+    """A pending FP8 all-gather: ``wait()`` waits for the byte collective, then dequantizes every
+    rank's region into the compute-dtype gathered buffer (padding zeroed) and returns it."""
+
+    def __init__(self, fp8: Float8Gather, inner: CollectiveHandle, out: torch.Tensor, padding) -> None:
+        self._fp8, self._inner, self._out, self._padding = fp8, inner, out, padding
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            recv = self._inner.wait()
+            self._fp8.unpack(recv, self._out)
+            _zero_ranges(self._out, self._padding)
+            self._done, self._inner = True, None
+        return self._out
+
+    def is_completed(self) -> bool:
+        return self._done or self._inner.is_completed()
+
+
+class _Done:
+    """A completed ``dist.Work`` stand-in (a collective every peer skips too)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device

@@ -1,0 +1,470 @@
+"""The runtime of one root: per-iteration hooks, ordering, reductions in flight, guards.
+
+``_setup.py`` builds a ``_Runtime`` (one per root) and its ``_Bucket`` s; this file runs them: the
+module hooks (``_ModuleState``), the root's pre/post-forward, the end-of-backward callback, the
+post-backward autograd Function and the guards through torch's global optimizer hooks.
+
+[Note: runtime]
+- Forward pre-hook: all-gather the bucket (one collective, in ``param_dtype``) into a persistent
+  flat buffer and swap the owners' parameters to global-shape views into it; issue the all-gather
+  of the next bucket in the previous iteration's forward order before this bucket computes.
+- Forward post-hook: free the gathered buffer (``reshard_after_forward=True``; the root's bucket is
+  kept, as FSDP2 does, since backward needs it at once) and hook the outputs for backward.
+- Pre-backward (a hook on the outputs): re-gather if freed, prefetch the bucket whose backward
+  comes next (reverse post-forward order).
+- Unsharded gradients land in one flat buffer in ``reduce_dtype``: when it equals ``param_dtype``
+  the unsharded parameters' ``.grad`` are views into it before the bucket's backward (autograd
+  accumulates in place: no copy-in), otherwise, and for the root's bucket, they are copied into it.
+- Post-backward (an identity autograd Function on the module's inputs, whose backward runs once the
+  module's backward is done, as FSDP2 does; or the end of backward): reduce-scatter the flat buffer
+  (one collective, AVG over ranks, so a per-rank mean loss gives the gradient of the mean over the
+  global batch) straight into the gradient segment; each sharded parameter's ``.grad`` becomes its
+  view into it. The previous bucket's reduction is waited for when the next one is issued.
+- A callback queued on the autograd engine at the end of backward runs what did not run yet
+  (bucket order, the same on every rank), waits for the reductions and reshards everything.
+- ``set_requires_gradient_sync(False)``: unsharded gradients are summed locally into the bucket's
+  flat reduction buffer (no collective); the next synced backward reduces the sum once.
+
+[Note: HSDP]
+``mesh`` may be a 2-D ``DeviceMesh`` ``(replicate, shard)`` (``init_device_mesh(device, (R, S),
+mesh_dim_names=("replicate", "shard"))``; dims found by those names, else dim 0 replicates and dim 1
+shards). Invariant: *every replica holds the same layout and the same values*. The planner runs
+over the shard axis only (plan world size S; ``ShardInfo.group`` / ``.rank`` are the shard group and
+the shard rank), identically on every replica (the plan fingerprint is agreed across replicas at
+setup), so shard rank s of every replica stores the same segment. All-gathers and the
+reduce-scatter stay inside the shard group; after the reduce-scatter (AVG over S) each rank
+all-reduces its reduced segment, 1/S of the bucket, with the ranks holding the same segment in
+the other replicas (AVG over R, one collective per bucket; skipped where the segment is empty, on
+every replica alike): the result is the mean over all R * S ranks, bit-identical on every replica,
+so the optimizers, which see only ``ShardInfo`` (the shard group), run unchanged, without
+communication, and keep the replicas equal. With gradient accumulation without sync neither
+collective runs until the synced backward. The all-reduce of bucket i is issued once its
+reduce-scatter is done, when bucket i+1's reduce-scatter is issued, and waited for one bucket
+later. ``clip_grad_norm_`` reduces over ``ShardInfo.group`` only (replicas hold equal gradients);
+checkpoints write one copy because every replica offers DCP the same chunks under the same keys
+and DCP keeps one of each (``dedup_save_plans``); a load reads this rank's range whatever the
+mesh.
+
+Collective order is the same on every rank because it follows the autograd graph, which is the
+same on every rank (same model, same code); a data-dependent graph (e.g. a rank skipping an expert)
+is not supported.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._bucket import BucketPhase, BucketState, TrainingState, _Bucket
+from ._float8 import Float8AllGather
+from ._mixed_precision import MixedPrecisionPolicy
+from ._plan import Plan, PlanConfig
+from ._shard_info import check_not_replaced, shard_info
+
+if TYPE_CHECKING:
+    from ._blocks import BlockRule
+
+_STATE = "_fsdp_optim_state"
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-module state: the hooks of one fully_shard call
+# ---------------------------------------------------------------------------------------------
+@dataclass(kw_only=True, eq=False)
+class _ModuleState:
+    """What ``fully_shard`` recorded for one module (one bucket)."""
+
+    module: nn.Module
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    device: torch.device
+    replicate_group: dist.ProcessGroup | None = None
+    num_replicas: int = 1
+    blocks: BlockRule | None
+    reshard_after_forward: bool
+    mp_policy: MixedPrecisionPolicy | None
+    plan_config: PlanConfig | None
+    fp8_all_gather: Float8AllGather | None = None
+    runtime: _Runtime | None = None
+    bucket: _Bucket | None = None
+    handles: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        setattr(self.module, _STATE, self)
+        self.handles = [
+            self.module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+            self.module.register_forward_hook(self._post_forward, prepend=False),
+        ]
+
+    def remove(self) -> None:
+        """Undo ``__post_init__`` (a ``fully_shard`` call that failed validation leaves no trace)."""
+        for h in self.handles:
+            h.remove()
+        self.module.__dict__.pop(_STATE, None)
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        rt = self.runtime
+        if rt is None:
+            return args, kwargs
+        if rt.root_state is self:
+            rt.root_pre_forward()
+        if self.bucket is not None:
+            self.bucket.pre_forward()
+        mp = self.effective_mp
+        if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
+            args, kwargs = _cast_tensors((args, kwargs), mp.param_dtype)
+        if self.bucket is not None and torch.is_grad_enabled() and rt.state is TrainingState.FORWARD:
+            args, kwargs = _register_post_backward(self.bucket, args, kwargs)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        rt = self.runtime
+        if rt is None:
+            return output
+        if self.bucket is not None:
+            self.bucket.post_forward()
+            if torch.is_grad_enabled():
+                output = _register_on_tensors(output, self.bucket.pre_backward_hook)
+        if rt.root_state is self:
+            rt.root_post_forward()
+        mp = self.effective_mp
+        if mp is not None and mp.output_dtype is not None:
+            output = _cast_tensors(output, mp.output_dtype)
+        return output
+
+    @property
+    def effective_mp(self) -> MixedPrecisionPolicy | None:
+        if self.mp_policy is not None or self.runtime is None:
+            return self.mp_policy
+        return self.runtime.root_state.mp_policy
+
+
+def _buckets_under(module: nn.Module, recurse: bool) -> list[_Bucket]:
+    mods = module.modules() if recurse else [module]
+    out = []
+    for m in mods:
+        st = getattr(m, _STATE, None)
+        if st is not None and st.bucket is not None:
+            out.append(st.bucket)
+    return out
+
+
+def _runtime_of(module: nn.Module) -> _Runtime:
+    st = getattr(module, _STATE, None)
+    if st is not None and st.runtime is not None:
+        return st.runtime
+    for m in module.modules():
+        st = getattr(m, _STATE, None)
+        if st is not None and st.runtime is not None:
+            return st.runtime
+    raise ValueError(f"module {type(module).__name__} is not sharded: call fsdp_optim.fully_shard on it first")
+
+
+def _runtimes_under(module: nn.Module) -> list[_Runtime]:
+    out: list[_Runtime] = []
+    for m in module.modules():
+        st = getattr(m, _STATE, None)
+        if st is not None and st.runtime is not None and not any(st.runtime is r for r in out):
+            out.append(st.runtime)
+    return out
+
+
+def buckets_of(module: nn.Module) -> list[_Bucket]:
+    """Every bucket of every root under ``module`` (or of the root managing it): the buckets a
+    state dict, checkpoint or initialization of ``module`` touches."""
+    rts = _runtimes_under(module) or [_runtime_of(module)]
+    return [b for rt in rts for b in rt.buckets]
+
+
+def reshard_all(module: nn.Module) -> None:
+    """Free every gathered bucket under ``module`` (local; before its parameters are read or replaced)."""
+    for m in module.modules():
+        st = getattr(m, _STATE, None)
+        if st is not None and st.bucket is not None:
+            st.bucket.reshard()
+
+
+def _same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
+    if a is b:
+        return True
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return (a if a is not None else world) is (b if b is not None else world)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime of one root
+# ---------------------------------------------------------------------------------------------
+class _Runtime:
+    """Everything one root manages: its plan, one ``_Bucket`` per bucket, per-iteration state."""
+
+    def __init__(self, root: _ModuleState, plan: Plan, buckets: list[_Bucket]) -> None:
+        self.root_state = root
+        self.plan = plan
+        self.buckets = buckets
+        self.group = root.group
+        self.rank = root.rank
+        self.world_size = root.world_size
+        self.device = root.device
+        self.state = TrainingState.IDLE
+        self.prev_forward_order: list[_Bucket] = []
+        self.forward_order: list[_Bucket] = []
+        self.post_forward_order: list[_Bucket] = []
+        self.callback_queued = False
+        self.pending_reduces: list[_Bucket] = []
+        self.generation = 0  # bumped at the end of every backward (see _PendingCall)
+        self.num_optimizer_steps = 0  # steps of any optimizer since setup (see [Note: stale gathers])
+        self.debug = os.environ.get("FSDP_OPTIM_DEBUG", "0") not in ("", "0")
+        self.num_collectives = 0
+        _LIVE_RUNTIMES.add(self)
+        _install_optimizer_hooks()
+
+    def _detach(self) -> None:
+        """Drop this (absorbed) runtime's storage now rather than at the next cyclic GC."""
+        _LIVE_RUNTIMES.discard(self)
+        for b in self.buckets:
+            b.release()
+        self.buckets = []
+
+    # ---- per-iteration hooks --------------------------------------------------------------
+    def root_pre_forward(self) -> None:
+        if self.state is TrainingState.PRE_BACKWARD:
+            return  # recomputation inside backward
+        self.finish_reduces()
+        self.prev_forward_order = self.forward_order
+        self.forward_order, self.post_forward_order = [], []
+        for b in self.buckets:
+            b.rebind()
+            b.used = False
+            # [Note: stale gathers] A bucket still gathered here was gathered by a forward whose
+            # backward never ran (an evaluation forward with grad enabled, or a dropped graph), or by
+            # an explicit ``unshard()``. Its values may predate an optimizer step, so it is freed and
+            # gathered again by this forward: always for the former, and for an explicit gather if
+            # an optimizer stepped after it was issued. Steps are counted by torch's global
+            # optimizer step hook, which runs on every rank alike (every rank steps the same
+            # optimizers), so every rank decides the same and the collectives stay matched.
+            if b.is_gathered and (not b.explicit_unshard or b.gathered_at_step != self.num_optimizer_steps):
+                b.reshard()
+            if b.phase is not BucketPhase.IDLE:
+                b.phase = BucketPhase.IDLE  # left by a forward whose graph was dropped
+        self.state = TrainingState.FORWARD
+
+    def root_post_forward(self) -> None:
+        if self.state is TrainingState.PRE_BACKWARD:
+            return
+        for b in self.buckets:
+            if b.where is BucketState.GATHERING and not b.used:
+                b.reshard()  # a prefetched bucket that did not run this time (waits for the gather)
+        if not torch.is_grad_enabled():
+            for b in self.buckets:
+                b.reshard()
+        self.state = TrainingState.IDLE
+
+    def next_in_forward(self, b: _Bucket) -> _Bucket | None:
+        order = self.prev_forward_order
+        for i, x in enumerate(order[:-1]):
+            if x is b:
+                return order[i + 1]
+        return None
+
+    def next_in_backward(self, b: _Bucket) -> _Bucket | None:
+        order = self.post_forward_order
+        for i in range(len(order) - 1, 0, -1):
+            if order[i] is b:
+                return order[i - 1]
+        return None
+
+    def queue_final_callback(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            Variable._execution_engine.queue_callback(self.final_callback)
+
+    def final_callback(self) -> None:
+        for b in self.buckets:
+            if b.phase is not BucketPhase.REDUCED:
+                b.post_backward()
+        self.finish_reduces()
+        for b in self.buckets:
+            b.end_of_backward()
+        self.generation += 1  # calls registered by graphs that backward did not reach no longer count
+        self.callback_queued = False
+        self.state = TrainingState.IDLE
+
+    def check_collective(self, b: _Bucket, op: str) -> None:
+        """Debug mode (``FSDP_OPTIM_DEBUG=1``): before each collective, all ranks agree on what it is
+        (bucket and operation), so a rank whose sequence differs (it skipped a module's forward, or
+        backward) raises on every rank, naming it, instead of hanging or mixing up buckets."""
+        if not self.debug or self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        self.num_collectives += 1
+        mine = (b.plan.name, op, self.num_collectives)
+        every: list = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=self.group)
+        bad = [r for r, x in enumerate(every) if x[:2] != mine[:2]]
+        if bad:
+            raise RuntimeError(
+                "fully_shard (FSDP_OPTIM_DEBUG): ranks disagree on the next collective: "
+                + "; ".join(f"rank {r}: {x[1]} of bucket {x[0]!r} (collective #{x[2]})" for r, x in enumerate(every))
+                + ". Every rank must run the same sharded modules' forward and backward in the same order "
+                "(a rank that skips a module or a backward hangs the others without this check)"
+            )
+
+    def issue_reduce(self, b: _Bucket) -> None:
+        if b.replicate_group is None:
+            self.pending_reduces.append(b)
+            while len(self.pending_reduces) > 1:  # one reduction in flight, as FSDP2
+                self.pending_reduces.pop(0).wait_reduces()
+            return
+        # HSDP: the previous bucket's reduce-scatter is done by now (its all-reduce across replicas
+        # goes out while this bucket's reduce-scatter runs); the one before it completes.
+        for prev in self.pending_reduces:
+            prev.start_replica_reduce()
+        self.pending_reduces.append(b)
+        while len(self.pending_reduces) > 2:
+            self.pending_reduces.pop(0).wait_reduces()
+
+    def finish_reduces(self) -> None:
+        while self.pending_reduces:
+            self.pending_reduces.pop(0).wait_reduces()
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers on nested inputs / outputs; the post-backward Function
+# ---------------------------------------------------------------------------------------------
+def _cast_tensors(obj: Any, dtype: torch.dtype) -> Any:
+    leaves, spec = tree_flatten(obj)
+    leaves = [x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype else x for x in leaves]
+    return tree_unflatten(leaves, spec)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs once the module's backward is done (the
+    node is created before any op of the module, so the engine runs it after them, and after the
+    parameters' AccumulateGrad nodes, which it always runs first; as FSDP2 does)."""
+
+    @staticmethod
+    def forward(ctx, call: _PendingCall, *inputs: torch.Tensor):
+        ctx.call = call
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        call = ctx.call
+        b = call.bucket
+        b.runtime.queue_final_callback()
+        call.finish()
+        if b.num_pending_calls <= 0 and b.phase is not BucketPhase.REDUCED:  # the module's last use is done
+            b.post_backward()
+        return (None, *grads)
+
+
+class _PendingCall:
+    """One grad-enabled call of a bucket's module whose backward has not run yet.
+
+    A module called k times reduces after its k-th backward, so each call raises the bucket's
+    count and its backward lowers it. The object lives in the autograd graph (``ctx``): if the
+    graph is dropped without a backward (an evaluation forward with grad enabled), it is freed and
+    lowers the count then, so the next backward still reduces each bucket as soon as it is done
+    instead of deferring every reduction to the end of backward. Calls from before the last end of
+    backward (an older generation) no longer count."""
+
+    __slots__ = ("bucket", "generation", "done")
+
+    def __init__(self, bucket: _Bucket) -> None:
+        self.bucket = bucket
+        self.generation = bucket.runtime.generation
+        self.done = False
+        bucket.num_pending_calls += 1
+
+    def finish(self) -> None:
+        if not self.done:
+            self.done = True
+            if self.generation == self.bucket.runtime.generation:
+                self.bucket.num_pending_calls -= 1
+
+    def __del__(self) -> None:
+        try:
+            self.finish()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _register_post_backward(bucket: _Bucket, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    leaves, spec = tree_flatten((args, kwargs))
+    idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
+    if idx:
+        outs = _PostBackward.apply(_PendingCall(bucket), *(leaves[i] for i in idx))
+        for i, o in zip(idx, outs):
+            leaves[i] = o
+    return tree_unflatten(leaves, spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Guards through torch's global optimizer hooks
+
+
+# ---------------------------------------------------------------------------------------------
+# Guards through torch's global optimizer hooks
+# ---------------------------------------------------------------------------------------------
+_LIVE_RUNTIMES: weakref.WeakSet = weakref.WeakSet()
+_HOOKS_INSTALLED = False
+_CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # Checked once per optimizer (again after add_param_group): O(number of groups) per later step.
+    num_params = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _CHECKED_OPTIMIZERS.get(optimizer) == num_params:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    check_not_replaced(params, owner=f"{type(optimizer).__name__} (at its first step)")
+    sharded = [shard_info(p) for p in params]
+    multi = [i for i in sharded if i is not None and i.world_size > 1]
+    if multi:
+        plain = [p for p, i in zip(params, sharded) if i is None and p.requires_grad]
+        if plain:
+            warnings.warn(
+                f"{type(optimizer).__name__}: {len(plain)} trainable parameter(s) (shapes "
+                f"{[tuple(p.shape) for p in plain[:4]]}{' ...' if len(plain) > 4 else ''}) are not managed by "
+                f"fully_shard while others are sharded over {multi[0].world_size} ranks: their gradients are not "
+                "averaged across ranks and the ranks will drift apart. Call fully_shard on the model's root module "
+                "too (it shards every parameter the inner calls did not)",
+                stacklevel=3,
+            )
+    _CHECKED_OPTIMIZERS[optimizer] = num_params
+
+
+def _optimizer_post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # Every rank runs the same optimizer steps, so marking every live runtime keeps the decision in
+    # root_pre_forward the same on every rank (see [Note: stale gathers]).
+    for rt in list(_LIVE_RUNTIMES):
+        rt.num_optimizer_steps += 1
+
+
+def _install_optimizer_hooks() -> None:
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_optimizer_pre_step)
+    register_optimizer_step_post_hook(_optimizer_post_step)
+    _HOOKS_INSTALLED = True
+
+
+def _register_on_tensors(obj: Any, hook: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    leaves, _ = tree_flatten(obj)
+    for x in leaves:
+        if torch.is_tensor(x) and x.requires_grad:
+            x.register_hook(hook)
+    return obj

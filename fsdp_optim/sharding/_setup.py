@@ -1,0 +1,455 @@
+"""Building a root: mesh, discovery, validation, agreement, planning, absorbing earlier roots.
+
+``build_runtime`` runs inside ``fully_shard``. Every user error is found before any collective and
+agreed on by every rank (``_agree``), so a bad call raises on all ranks instead of hanging one.
+
+[Note: meta-device initialization]
+``fully_shard`` accepts a model built under ``torch.device("meta")``: segments are allocated on the
+mesh's device (zeros). Then call ``init_weights(model)`` (``fsdp_optim.init_weights``): for each
+module in ``model.modules()`` order it materializes the module's *own* parameters at full shape,
+runs ``init_fn(module)`` (default ``module.reset_parameters()``) and keeps this rank's piece. With
+the same seed on every rank the result equals the same initialization run unsharded, bitwise.
+Element-wise in-place initialization of the flat shards (``p.normal_()``) also works;
+``model.to_empty(device=...)`` is not needed (if called, values are moved back into the segments
+at the next forward).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._blocks import BlockSpec, default_rule
+from ._bucket import _Bucket
+from ._checkpoint import register_state_dict_hooks
+from ._plan import PlanConfig, TensorSpec
+from ._planner import plan_model
+from ._runtime import _STATE, _ModuleState, _Runtime, _same_group
+from ._shard_info import shard_info
+
+
+# ---------------------------------------------------------------------------------------------
+# Mesh
+# ---------------------------------------------------------------------------------------------
+def _resolve_mesh(
+    mesh: Any,
+) -> tuple[dist.ProcessGroup | None, int, int, torch.device, dist.ProcessGroup | None, int]:
+    """``(shard group, shard rank, shard size, device, replicate group, number of replicas)``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    initialized = dist.is_available() and dist.is_initialized()
+    if mesh is None:
+        if not initialized:
+            env_world = os.environ.get("WORLD_SIZE", "1")
+            if env_world.isdigit() and int(env_world) > 1:
+                raise ValueError(
+                    f"fully_shard: WORLD_SIZE={env_world} in the environment (launched by torchrun?) but no process "
+                    "group is initialized, so every rank would train alone as a world of one; call "
+                    "torch.distributed.init_process_group(...) before fully_shard (or pass mesh=...)"
+                )
+            return None, 0, 1, torch.device("cpu"), None, 1
+        group = dist.group.WORLD
+        return group, dist.get_rank(group), dist.get_world_size(group), _device_of_backend(group), None, 1
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim not in (1, 2):
+            raise ValueError(
+                f"fully_shard needs a 1-D (shard) or 2-D (replicate, shard) DeviceMesh, got a {mesh.ndim}-D mesh of "
+                f"shape {tuple(mesh.shape)} (dims {mesh.mesh_dim_names}); pass mesh['shard'] for FSDP or "
+                "mesh['replicate', 'shard'] for HSDP"
+            )
+        device = torch.device(mesh.device_type)
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        if mesh.ndim == 1:
+            return mesh.get_group(), mesh.get_local_rank(), mesh.size(), device, None, 1
+        names = tuple(mesh.mesh_dim_names or ())
+        by_name = {"replicate", "shard"} <= set(names)
+        rep, shard = (names.index("replicate"), names.index("shard")) if by_name else (0, 1)
+        return (
+            mesh.get_group(shard), mesh.get_local_rank(shard), mesh.size(shard), device,
+            mesh.get_group(rep), mesh.size(rep),
+        )  # fmt: skip
+    if isinstance(mesh, dist.ProcessGroup):
+        return mesh, dist.get_rank(mesh), dist.get_world_size(mesh), _device_of_backend(mesh), None, 1
+    raise ValueError(
+        f"mesh must be a 1-D or 2-D (replicate, shard) DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}"
+    )
+
+
+def _device_of_backend(group: dist.ProcessGroup) -> torch.device:
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _is_managed_inside(module: nn.Module, p: torch.Tensor) -> bool:
+    """``p`` belongs to a root whose module lies inside ``module`` (it will be absorbed)."""
+    for m in module.modules():
+        st = getattr(m, _STATE, None)
+        if st is not None and st.runtime is not None and st.runtime.root_state is st:
+            if any(sp is p for b in st.runtime.buckets for sp in b.sharded):
+                return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# Discovery, validation, agreement
+# ---------------------------------------------------------------------------------------------
+@dataclass(kw_only=True, eq=False)
+class _Entry:
+    """One managed parameter: its first name, its registrations and its bucket."""
+
+    fqn: str
+    param: torch.Tensor
+    owners: list[tuple[nn.Module, str]]
+    state: _ModuleState
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32
+    requires_grad: bool = True
+    spec: BlockSpec | None = None
+    align_rows: int | None = None  # FP8 all-gather: rank boundaries on multiples of the tile height
+    full: torch.Tensor | None = None  # the values to shard (None: uninitialized, e.g. meta)
+
+
+def _discover(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry]]:
+    """Recorded modules under ``root`` (pre-order, root first) and every parameter with the
+    innermost recorded module that contains all of its registrations."""
+    states: list[_ModuleState] = []
+    seen_states: set[int] = set()
+    regs: dict[int, list] = {}
+    order: list[torch.Tensor] = []
+    stack = [(root.module, "", ())]
+    seen_mod: set[tuple[int, tuple]] = set()
+    while stack:
+        m, prefix, chain = stack.pop()
+        st = getattr(m, _STATE, None)
+        if st is not None:
+            chain = (*chain, st)
+            if id(st) not in seen_states:
+                seen_states.add(id(st))
+                states.append(st)
+        key = (id(m), tuple(id(s) for s in chain))
+        if key in seen_mod:
+            continue
+        seen_mod.add(key)
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in regs:
+                regs[id(p)] = []
+                order.append(p)
+            regs[id(p)].append((m, name, prefix + name, chain))
+        for name, c in reversed(list(m._modules.items())):
+            if c is not None:
+                stack.append((c, f"{prefix}{name}.", chain))
+    entries = []
+    for p in order:
+        rs = regs[id(p)]
+        common = rs[0][3]
+        for r in rs[1:]:
+            n = 0
+            while n < min(len(common), len(r[3])) and common[n] is r[3][n]:
+                n += 1
+            common = common[:n]
+        owners, seen_o = [], set()
+        for m, name, _, _ in rs:
+            if (id(m), name) not in seen_o:
+                seen_o.add((id(m), name))
+                owners.append((m, name))
+        entries.append(_Entry(fqn=rs[0][2], param=p, owners=owners, state=common[-1]))
+    return states, entries
+
+
+def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Entry]) -> None:
+    """Every user error, before any collective (raised on every rank after ``_agree``)."""
+    for st in states:
+        if st is root:
+            continue
+        same_shape = (st.world_size, st.num_replicas) == (root.world_size, root.num_replicas)
+        if (
+            st.world_size != root.world_size
+            or not _same_group(st.group, root.group)
+            or st.num_replicas != root.num_replicas
+            or (root.num_replicas > 1 and not _same_group(st.replicate_group, root.replicate_group))
+        ):
+            raise ValueError(
+                f"fully_shard: {type(st.module).__name__} was sharded over a mesh of world size {st.world_size} "
+                f"({st.num_replicas} replicas) but its root {type(root.module).__name__} over world size "
+                f"{root.world_size} ({root.num_replicas} replicas)"
+                + (" over other process groups" if same_shape else "")
+                + "; pass the same mesh (the same DeviceMesh object) to every fully_shard call of a model"
+            )
+        if st.plan_config is not None and st.plan_config != root.plan_config:
+            warnings.warn(
+                f"fully_shard: plan_config of the inner call on {type(st.module).__name__} is ignored; the root's "
+                "plan_config plans the whole model",
+                stacklevel=4,
+            )
+    for e in entries:
+        p = e.param
+        info = shard_info(p)
+        if info is not None:
+            e.shape, e.requires_grad = tuple(info.shape), p.requires_grad
+            e.dtype = p.dtype
+            probe = torch.empty(e.shape, dtype=p.dtype, device="meta")
+            probe = nn.Parameter(probe, requires_grad=p.requires_grad)
+        else:
+            e.shape, e.requires_grad, e.dtype = tuple(p.shape), p.requires_grad, p.dtype
+            probe = p
+        if not e.dtype.is_floating_point:
+            raise ValueError(
+                f"fully_shard: parameter {e.fqn} has dtype {e.dtype}; only floating-point parameters can be "
+                "sharded (make it a buffer)"
+            )
+        rule = e.state.blocks or root.blocks or default_rule
+        spec = rule(e.fqn, probe, e.owners[0][0])
+        if not isinstance(spec, BlockSpec):
+            raise ValueError(
+                f"fully_shard: the block rule {getattr(rule, '__qualname__', rule)!r} returned {spec!r} "
+                f"({type(spec).__name__}) for parameter {e.fqn} (shape {e.shape}); a rule must return a BlockSpec "
+                "such as elements(1), rows(k), whole() or expert()"
+            )
+        try:
+            spec.check(e.shape, e.fqn)
+        except ValueError as err:
+            raise ValueError(
+                f"fully_shard: {err} (world size {root.world_size}); fix the block rule for this parameter"
+            ) from None
+        e.spec = spec
+        fp8 = e.state.fp8_all_gather or root.fp8_all_gather
+        e.align_rows = fp8.tile_shape[0] if fp8 is not None and fp8.eligible(e.shape) else None
+    by_bucket: dict[int, list[_Entry]] = {}
+    for e in entries:
+        by_bucket.setdefault(id(e.state), []).append(e)
+    for es in by_bucket.values():
+        dtypes = {e.dtype for e in es}
+        if len(dtypes) > 1:
+            names = ", ".join(f"{e.fqn}: {e.dtype}" for e in es[:4])
+            raise ValueError(
+                f"fully_shard: the bucket of {type(es[0].state.module).__name__} mixes parameter dtypes ({names}); "
+                "one bucket is one flat buffer: cast the module to one dtype (use mp_policy for bf16 compute)"
+            )
+
+
+def _agree(err: BaseException | None, root: _ModuleState, fingerprint: Any) -> None:
+    """All ranks exchange their verdict (and a plan fingerprint) so an error raises everywhere.
+
+    HSDP: first within the shard group, then the shard group's verdict across the replicate group,
+    so every rank of the 2-D mesh learns of any rank's failure, and every replica must see the
+    same model (hence plan the same layout)."""
+    if not (dist.is_available() and dist.is_initialized()) or root.world_size * root.num_replicas == 1:
+        if err is not None:
+            raise err
+        return
+    problem: str | None = None
+    if root.world_size > 1:
+        mine = (None if err is None else f"{type(err).__name__}: {err}", fingerprint)
+        out: list = [None] * root.world_size
+        dist.all_gather_object(out, mine, group=root.group)
+        failed = [(r, msg) for r, (msg, _) in enumerate(out) if msg is not None]
+        bad = [r for r, (_, fp) in enumerate(out) if fp != fingerprint]
+        if failed:
+            r, msg = failed[0]
+            problem = f"fully_shard failed on rank {r} of {root.world_size}: {msg}"
+        elif bad:
+            problem = (
+                f"fully_shard: ranks {bad} plan a different layout than rank {root.rank} (parameter names, shapes, "
+                "dtypes, block specs or plan_config differ); build the same model and pass the same block rule and "
+                "plan_config on every rank"
+            )
+    elif err is not None:
+        problem = f"fully_shard failed on shard rank 0 of 1: {type(err).__name__}: {err}"
+    if root.num_replicas > 1:
+        out = [None] * root.num_replicas
+        dist.all_gather_object(out, (problem, fingerprint), group=root.replicate_group)
+        me = dist.get_rank(root.replicate_group)
+        if problem is None:
+            failed = [(r, p) for r, (p, _) in enumerate(out) if p is not None]
+            bad = [r for r, (_, fp) in enumerate(out) if fp != fingerprint]
+            if failed:
+                problem = f"replica {failed[0][0]} of {root.num_replicas}: {failed[0][1]}"
+            elif bad:
+                problem = (
+                    f"fully_shard: replicas {bad} see a different model than replica {me} (parameter names, "
+                    "shapes or block specs differ); every replica must build the same model and block rule"
+                )
+    if err is not None:
+        raise err
+    if problem is not None:
+        raise ValueError(problem)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning and absorbing
+# ---------------------------------------------------------------------------------------------
+def build_runtime(root: _ModuleState) -> _Runtime:
+    """Plan everything under ``root`` at once, absorb earlier roots under it, return its runtime."""
+    err: BaseException | None = None
+    fingerprint = None
+    # An earlier root under this module may still be gathered (a forward without backward): swap
+    # its sharded parameters back first (local, no collective) so discovery sees those.
+    for m in root.module.modules():
+        st = getattr(m, _STATE, None)
+        if st is not None and st.runtime is not None and st.runtime.root_state is st:
+            for b in st.runtime.buckets:
+                b.reshard()
+    try:
+        states, entries = _discover(root)
+        _validate(root, states, entries)
+        bucket_states = [st for st in states if any(e.state is st for e in entries)]
+        specs = [
+            (
+                _bucket_name(root, st),
+                [
+                    TensorSpec(
+                        name=e.fqn, shape=e.shape, spec=e.spec, itemsize=e.dtype.itemsize, align_rows=e.align_rows
+                    )
+                    for e in entries
+                    if e.state is st
+                ],
+            )
+            for st in bucket_states
+        ]
+        plan = plan_model(specs, world_size=root.world_size, config=root.plan_config or PlanConfig())
+        # A digest of the plan itself (not only its inputs): ranks that differ in dtypes or plan
+        # config must not enter mismatched collectives; hashed so it stays small at any W.
+        fingerprint = hashlib.sha256(
+            repr(
+                [
+                    (b.name, b.layout.value, b.itemsize, tuple(b.rank_bounds),
+                     [(p.name, p.shape, str(p.spec), p.offset) for p in b.placements])
+                    for b in plan.buckets
+                ]  # fmt: skip
+            ).encode()
+        ).hexdigest()
+    except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
+        err = e
+    _agree(err, root, fingerprint)
+
+    # Absorb earlier roots under this module: their parameters move shard to shard into the new
+    # plan (see [Note: absorbing without the full model]); the others are sliced locally.
+    old = [st.runtime for st in states if st.runtime is not None and st.runtime.root_state is st]
+    for rt in old:
+        for b in rt.buckets:
+            b.wait_reduces()
+    sources: dict[int, nn.Parameter] = {id(sp): sp for rt in old for b in rt.buckets for sp in b.sharded}
+    old_bucket_of = {id(sp): b for rt in old for b in rt.buckets for sp in b.sharded}
+    unmoved = {id(b): len(b.sharded) for rt in old for b in rt.buckets}
+    for e in entries:
+        e.full = None if id(e.param) in sources else e.param
+        if e.full is not None and e.full.device.type == "meta":
+            e.full = None
+
+    buckets = []
+    for i, (st, bp) in enumerate(zip(bucket_states, plan.buckets)):
+        es = {e.fqn: e for e in entries if e.state is st}
+        ordered = [es[pl.name] for pl in bp.placements]
+        old_pieces = [sources.get(id(e.param)) for e in ordered]
+        b = _Bucket(index=i, state=st, plan=bp, entries=ordered, root=root)
+        if any(sp is not None for sp in old_pieces):
+            _move_pieces(b, old_pieces)
+        buckets.append(b)
+        # Free each absorbed bucket as soon as all of its pieces have moved: the old and the new
+        # shards are never both alive whole (setup peak ~ one shard plus a few buckets).
+        for sp in old_pieces:
+            if sp is not None:
+                ob = old_bucket_of[id(sp)]
+                unmoved[id(ob)] -= 1
+                if unmoved[id(ob)] == 0:
+                    ob.release()
+        del old_pieces
+    for rt in old:
+        rt._detach()
+    rt = _Runtime(root, plan, buckets)
+    for st in states:
+        st.runtime = rt
+        st.bucket = None
+    for b in buckets:
+        b.state.bucket = b
+        b.runtime = rt
+    _move_buffers(root.module, root.device)
+    register_state_dict_hooks(root.module)
+    return rt
+
+
+def _move_pieces(bucket: _Bucket, old: list[nn.Parameter | None]) -> None:
+    """Fill ``bucket``'s segment from the sharded parameters of absorbed roots, shard to shard.
+
+    [Note: absorbing without the full model]
+    A root call absorbs the roots of earlier (inner) calls and plans everything again. Rather than
+    gathering those parameters back to full tensors (the whole model on every rank at once), each
+    rank sends every other rank the part of its old piece that falls in that rank's new range: one
+    ``all_to_all_single`` per new bucket, with split sizes computed from the old and new layouts
+    alone (the same on every rank). Each absorbed bucket is freed once all of its pieces have moved,
+    and gathered buffers are made at a bucket's first gather, so the peak is about one shard plus a
+    few buckets (tests/sharding/test_setup_memory.py). Meta-built models move their (uninitialized)
+    zeros the same way, so every rank issues the same collectives whatever the values.
+    """
+    rank, world = bucket.rank, bucket.buffer.world_size
+    new_views = bucket.buffer.local_views()
+    send: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    recv: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in range(world)]  # (dst view, offset, size)
+    for i, (sp, pl) in enumerate(zip(old, bucket.plan.placements)):
+        if sp is None:
+            continue
+        old_layout = shard_info(sp).layout
+        if old_layout.bounds[-1] != pl.shard.bounds[-1] or old_layout.world_size != world:
+            raise AssertionError(f"absorbing {pl.name}: old layout {old_layout} does not match the new world")
+        a_old, b_old = old_layout.range(rank)
+        a_new, b_new = pl.shard.range(rank)
+        piece = sp.detach().reshape(-1)
+        for peer in range(world):
+            lo, hi = max(a_old, pl.shard.bounds[peer]), min(b_old, pl.shard.bounds[peer + 1])
+            if hi > lo:
+                send[peer].append(piece[lo - a_old : hi - a_old])
+            lo, hi = max(old_layout.bounds[peer], a_new), min(old_layout.bounds[peer + 1], b_new)
+            if hi > lo:
+                recv[peer].append((new_views[i], lo - a_new, hi - lo))
+    dtype, device = bucket.buffer.dtype, bucket.buffer.device
+    in_sizes = [sum(t.numel() for t in ts) for ts in send]
+    out_sizes = [sum(n for _, _, n in rs) for rs in recv]
+    pieces = [t.to(device=device, dtype=dtype) for ts in send for t in ts]
+    inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+    out = torch.empty(sum(out_sizes), dtype=dtype, device=device)
+    if world > 1:
+        dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=bucket.buffer.group)
+    else:
+        out.copy_(inp)
+    pos = 0
+    with torch.no_grad():
+        for rs in recv:
+            for view, offset, n in rs:
+                view[offset : offset + n].copy_(out[pos : pos + n])
+                pos += n
+
+
+def _bucket_name(root: _ModuleState, st: _ModuleState) -> str:
+    if st is root:
+        return "<root>"
+    for name, m in root.module.named_modules():
+        if m is st.module:
+            return name
+    return type(st.module).__name__
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for m in module.modules():
+        for k, v in list(m._buffers.items()):
+            if v is not None and v.device.type != "meta" and v.device != device:
+                m._buffers[k] = v.to(device)
+
+
