@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from ..sharding._blocks import BlockRule, BlockSpec
 from ..sharding._ragged import RaggedShard
+from ..sharding._runtime import materialize_all
 from ..sharding._shard_info import ShardInfo, check_not_replaced, shard_info
 
 __all__ = ["param_info", "checked_param_info", "require_spec", "check_adam_hparams", "make_dcp_ready", "StateShard", "ShardedState"]
@@ -47,6 +48,8 @@ def param_info(p: torch.Tensor, rule: BlockRule, *, name: str = "") -> ShardInfo
     the spec ``rule`` gives from its shape (names and owner modules are unknown there)."""
     info = shard_info(p)
     if info is not None:
+        if p.numel() > 0 and p.untyped_storage().nbytes() == 0:  # a lazy (meta-built, unused) bucket
+            materialize_all()  # so the optimizer's state is made from real values
         return info
     check_not_replaced([p], owner="the optimizer")
     shape = tuple(p.shape)

@@ -60,6 +60,7 @@ pending reduction), ``gather_full()`` (the full flat buffer in the master dtype,
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import weakref
 from typing import TYPE_CHECKING
@@ -112,12 +113,76 @@ def _invariant(ok: bool, what: str) -> None:
         raise AssertionError(f"fully_shard internal error: {what}")
 
 
+class _Streams:
+    """The side streams of one root (CUDA only; on the CPU every field is ``None`` and every use
+    below is a no-op, so the same code runs).
+
+    [Note: streams]
+    As FSDP2 (``_fsdp_param_group.py``), collectives and their local pre/post-processing run off the
+    compute stream, so the next bucket's gather and the previous bucket's reduction overlap compute:
+
+    * ``all_gather``: waits for the compute stream (the segment's latest values: an optimizer step,
+      a checkpoint load), then casts or packs (FP8) the segment and issues the all-gather; waiting for
+      it (``wait_unshard``) runs the finish (dequantize, zero padding) on it, then the compute
+      stream waits for it (an event wait on the GPU, not the host).
+    * ``reduce_scatter``: waits for the compute stream (the gradients of the bucket's backward),
+      issues the reduce-scatter, and runs its finish (divide, accumulate, cast into the gradient
+      segment, zero padding); the compute stream waits for it only at the end of backward (and
+      before anyone reads the gradients: ``settle``), not when the next bucket's reduction is
+      issued, so backward compute never stalls on a reduction.
+    * ``all_reduce`` (HSDP): waits for the reduce-scatter stream, all-reduces the reduced shard
+      across replicas and adds or casts it into the gradient segment.
+
+    Lifetimes: the gathered buffer and the gradient segment are allocated on the compute stream
+    before the side stream waits for it, so their use is ordered after the allocation, and they are
+    freed on the compute stream after it waited for the side stream. The flat gradient buffer is
+    made on the compute stream (autograd accumulates into it) but read by the reduce-scatter
+    stream, so it is marked with ``record_stream`` before its last reference is dropped: the
+    allocator does not hand its memory out again until that stream's work is done. Buffers made
+    inside a side-stream context (casts, FP8 packs, receive buffers) live and die on that stream.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        cuda = device.type == "cuda" and torch.cuda.is_available()
+        self.all_gather = torch.cuda.Stream(device, priority=-1) if cuda else None
+        self.reduce_scatter = torch.cuda.Stream(device, priority=-1) if cuda else None
+        self.all_reduce = torch.cuda.Stream(device) if cuda else None
+
+    def on(self, stream: torch.cuda.Stream | None):
+        """``with streams.on(s):`` run on side stream ``s`` after it waited for the current stream."""
+        if stream is None:
+            return contextlib.nullcontext()
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        return torch.cuda.stream(stream)
+
+    def compute_waits_for(self, stream: torch.cuda.Stream | None) -> None:
+        """The current (compute) stream waits for ``stream``'s work so far (a GPU-side wait)."""
+        if stream is not None:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+    def waits(self, waiter: torch.cuda.Stream | None, waitee: torch.cuda.Stream | None) -> None:
+        if waiter is not None and waitee is not None:
+            waiter.wait_stream(waitee)
+
+    def record(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        """``tensor``, made on another stream, is used by ``stream``: its memory is not reused before."""
+        if stream is not None:
+            tensor.record_stream(stream)
+
+
 class _Bucket:
     """One flat buffer: sharded parameters (views into the segment), the gathered buffer and the
     unsharded parameters (views into it), and the gradient reduction."""
 
     def __init__(
-        self, *, index: int, state: _ModuleState, plan: BucketPlan, entries: list[_Entry], root: _ModuleState
+        self,
+        *,
+        index: int,
+        state: _ModuleState,
+        plan: BucketPlan,
+        entries: list[_Entry],
+        root: _ModuleState,
+        lazy: bool = False,
     ) -> None:
         self.index = index
         self.state = state
@@ -131,7 +196,12 @@ class _Bucket:
         self.reduce_dtype = mp.reduce_dtype or master
         self.reshard_after_forward = state.reshard_after_forward and not self.is_root
         self.requires_sync = True
-        self.buffer = DistributedBuffer(plan, group=root.group, device=root.device, dtype=master)
+        fp8 = state.fp8_all_gather or root.fp8_all_gather
+        # Meta-built and nothing to move in: the segment stays unallocated (on meta) until the bucket is
+        # first used, so provisional plans of inner calls cost no memory (see [Note: meta-device
+        # initialization]). FP8 buckets are allocated at once (their byte buffers are made here).
+        self._lazy = lazy and fp8 is None
+        self.buffer = DistributedBuffer(plan, group=root.group, device=root.device, dtype=master, allocate=not self._lazy)
         self.rank = self.buffer.rank
         # HSDP: the replicas of this rank's segment (see [Note: HSDP]).
         self.num_replicas = root.num_replicas
@@ -158,6 +228,8 @@ class _Bucket:
                     mark_replaced(e.param, e.fqn)
                 e.param = sp  # drop the original (full) tensor: it is not kept alive by the runtime
         self.expected_ptrs = [sp.data_ptr() for sp in self.sharded]
+        if self._lazy:
+            self.buffer.drop_segment()
         # Gathered buffer (compute dtype) and unsharded parameters: views into its ``.data``, so the
         # collective's writes do not bump the version counter autograd saved for backward. Both are
         # made at the first gather (setup never allocates a bucket at full size); afterwards the
@@ -167,7 +239,6 @@ class _Bucket:
         self._gathered_nbytes = self.buffer.total_numel * self.param_dtype.itemsize
         self._device = root.device
         # FP8 all-gather (opt-in): which parameters travel as codes + scales (see [Note: FP8 all-gather]).
-        fp8 = state.fp8_all_gather or root.fp8_all_gather
         self.fp8_gather: Float8Gather | None = None
         if fp8 is not None:
             flags = [fp8.eligible(pl.shape) and tile_aligned(pl, fp8.tile_shape[0]) for pl in plan.placements]
@@ -223,9 +294,23 @@ class _Bucket:
 
     # ---- internal API for _init / _state_dict / _checkpoint / _hf -----------------------------
     def settle(self) -> None:
-        """Finish a pending gradient reduction (its ``.grad`` views are set)."""
+        """Make the sharded values readable and writable: allocate a lazy (meta-built) segment and
+        finish a pending gradient reduction (its ``.grad`` views are set). Local, idempotent."""
+        self.materialize()
         if self.where is BucketState.REDUCING:
             self.wait_reduces()
+
+    @property
+    def is_materialized(self) -> bool:
+        return not self._lazy
+
+    def materialize(self) -> None:
+        """Allocate a lazy bucket's segment (zeros) in place: the sharded parameters are views of it,
+        so they (and any optimizer holding them) see it without being replaced."""
+        if not self._lazy or self.where is BucketState.RELEASED:
+            return
+        self.buffer.allocate_segment()
+        self._lazy = False
 
     def gather_full(self) -> torch.Tensor:
         """The bucket's full flat buffer in the master dtype on every rank (a collective)."""
@@ -260,6 +345,9 @@ class _Bucket:
 
     def rebind(self) -> None:
         """Re-point sharded parameters whose ``.data`` was replaced (``module.to_empty`` / ``.to``)."""
+        if self._lazy:  # (``to_empty`` gave uninitialized memory: the zeros stand for it)
+            self.materialize()
+            return
         for i, (sp, ptr) in enumerate(zip(self.sharded, self.expected_ptrs)):
             if sp.data_ptr() != ptr and sp.numel() > 0:
                 view = self.buffer.local_views()[i]
@@ -280,7 +368,8 @@ class _Bucket:
         self._alloc_gathered()
         self.gathered_at_step = self.runtime.num_optimizer_steps
         seg = self.buffer.segment
-        with record_function(f"fsdp_optim::all_gather({self._range_name})"):
+        streams = self.runtime.streams
+        with streams.on(streams.all_gather), record_function(f"fsdp_optim::all_gather({self._range_name})"):
             if self.fp8_gather is not None:
                 inner = self.fp8_gather.buffer.all_gather(src=self.fp8_gather.pack(seg), async_op=True)
                 self.gather_handle = _Float8Handle(self.fp8_gather, inner, self.gathered, self.buffer._full_padding)
@@ -291,8 +380,10 @@ class _Bucket:
 
     def _finish_gather(self) -> None:
         if self.where is BucketState.GATHERING:
-            with record_function(f"fsdp_optim::all_gather_wait({self._range_name})"):
+            streams = self.runtime.streams
+            with streams.on(streams.all_gather), record_function(f"fsdp_optim::all_gather_wait({self._range_name})"):
                 self.gather_handle.wait()
+            streams.compute_waits_for(streams.all_gather)
             self.gather_handle = None
             self.where = BucketState.UNSHARDED
 
@@ -426,7 +517,11 @@ class _Bucket:
             # The replicas all-reduce only this backward's reduced shard, in reduce_dtype; it is added
             # to (or cast into) the gradient segment afterwards.
             out = torch.empty(self.buffer.segment_numel, dtype=self.reduce_dtype, device=self.buffer.device)
-        with record_function(f"fsdp_optim::reduce_scatter({self._range_name})"):
+        streams = self.runtime.streams
+        streams.record(flat, streams.reduce_scatter)  # made on the compute stream, read there ([Note: streams])
+        if out is not self.grad_seg:
+            streams.record(out, streams.reduce_scatter)
+        with streams.on(streams.reduce_scatter), record_function(f"fsdp_optim::reduce_scatter({self._range_name})"):
             self.reduce_handle = self.buffer.reduce_scatter(
                 flat, out=out, op=dist.ReduceOp.AVG, accumulate=accumulate and out is self.grad_seg, async_op=True
             )
@@ -469,21 +564,30 @@ class _Bucket:
         replicas (async; no-op without replicas, or when already issued or done)."""
         if self.reduce_handle is None or self._replica_out is None or self.replica_work is not None:
             return
-        self.reduce_handle.wait()
+        streams = self.runtime.streams
+        with streams.on(streams.reduce_scatter):  # the reduce-scatter stream waits for it, not compute
+            self.reduce_handle.wait()
         out = self._replica_out[0]
         if out.numel() == 0:  # every replica of this shard rank holds the same (empty) segment
             self.replica_work = _DONE
             return
         op = dist.ReduceOp.AVG if self._native_avg else dist.ReduceOp.SUM
-        with record_function(f"fsdp_optim::all_reduce({self._range_name})"):
+        streams.waits(streams.all_reduce, streams.reduce_scatter)
+        streams.record(out, streams.all_reduce)
+        with streams.on(streams.all_reduce), record_function(f"fsdp_optim::all_reduce({self._range_name})"):
             self.replica_work = dist.all_reduce(out, op=op, group=self.replicate_group, async_op=True)
 
-    def wait_reduces(self) -> None:
-        """REDUCING -> SHARDED: the sharded parameters' ``.grad`` are views into the reduced segment."""
+    def wait_reduces(self, *, sync_compute: bool = True) -> None:
+        """REDUCING -> SHARDED: the sharded parameters' ``.grad`` are views into the reduced segment.
+        ``sync_compute=False``: the compute stream does not wait yet (the runtime makes it wait once
+        at the end of backward; see [Note: streams])."""
         if self.where is not BucketState.REDUCING:
             return
-        with record_function(f"fsdp_optim::reduce_wait({self._range_name})"):
+        streams = self.runtime.streams
+        last = streams.all_reduce if self._replica_out is not None else streams.reduce_scatter
+        with streams.on(streams.reduce_scatter), record_function(f"fsdp_optim::reduce_wait({self._range_name})"):
             self.reduce_handle.wait()
+        with streams.on(last):
             if self._replica_out is not None:
                 self.start_replica_reduce()
                 self.replica_work.wait()
@@ -505,6 +609,8 @@ class _Bucket:
                 sp.grad = views[i]
         self._grad_seg_ref = weakref.ref(seg)
         self.where = BucketState.SHARDED
+        if sync_compute:
+            streams.compute_waits_for(last)
 
     def end_of_backward(self) -> None:
         """The end-of-backward callback, after every reduction was waited for: -> SHARDED / IDLE."""

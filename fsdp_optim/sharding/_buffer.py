@@ -124,7 +124,11 @@ class DistributedBuffer:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         uneven_gather: str = "auto",
+        allocate: bool = True,
     ) -> None:
+        """``allocate=False``: the segment is left uninitialized (not zero-filled) so its owner can make
+        views of it and then ``drop_segment()``; ``allocate_segment()`` gives it zeroed memory again,
+        with every view still valid (a meta-built bucket before its first use)."""
         if uneven_gather not in UNEVEN_GATHER_MODES:
             raise ValueError(f"uneven_gather must be one of {UNEVEN_GATHER_MODES}, got {uneven_gather!r}")
         self.plan = plan
@@ -165,7 +169,11 @@ class DistributedBuffer:
             )
         self.uneven_gather = uneven_gather
         self.segment_start, self.segment_end = plan.segment(self.rank)
-        self.segment = torch.zeros(self.segment_numel, dtype=dtype, device=self.device)
+        # (allocate=False: uninitialized; on the CPU a large block is mapped and never touched before
+        # drop_segment() frees it.)
+        make = torch.zeros if allocate else torch.empty
+        self.segment = make(self.segment_numel, dtype=dtype, device=self.device)
+        self.is_allocated = True
         self.grad_segment: torch.Tensor | None = None
         self._full_padding = _padding_ranges(plan)
         self._seg_padding = [
@@ -175,6 +183,18 @@ class DistributedBuffer:
         ]
 
     # ---- storage ----------------------------------------------------------------------
+    def drop_segment(self) -> None:
+        """Free the segment's memory; its shape and existing views stay (invalid until ``allocate_segment``)."""
+        self.segment.untyped_storage().resize_(0)
+        self.is_allocated = False
+
+    def allocate_segment(self) -> None:
+        """Give a dropped segment its memory again, zero-filled; every view of it stays valid."""
+        if not self.is_allocated:
+            self.segment.untyped_storage().resize_(self.segment_numel * self.segment.element_size())
+            self.segment.zero_()
+            self.is_allocated = True
+
     @property
     def total_numel(self) -> int:
         return self.plan.total_numel

@@ -74,9 +74,21 @@ def export_hf(
             f"export_hf: {type(model).__name__} has no .config; pass config= (a transformers PretrainedConfig)"
         )
     rank = _rank()
-    if rank == 0:
+    err: str | None = None  # rank 0's write error: it keeps joining the gathers, then every rank raises
+
+    def on_rank0(fn: Callable[[], None]) -> None:
+        nonlocal err
+        if rank == 0 and err is None:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
+                err = f"{type(e).__name__}: {e}"
+
+    def write_config() -> None:
         os.makedirs(path, exist_ok=True)
         config.save_pretrained(path)
+
+    on_rank0(write_config)
     names = {id(t): n for n, t in _named_tensors(model)}
     weight_map: dict[str, str] = {}
     written: set[int] = set()
@@ -90,17 +102,22 @@ def export_hf(
         flat = _gather_to_group_rank0(b)
         if rank != 0 or flat is None:
             continue
-        tensors = {}
-        for (name, sp), view in zip(mine, b.full_views(flat)):
-            if name is not None:
-                hf_name, t = convert(name, view.detach()) if convert else (name, view.detach())
-                tensors[hf_name] = t.to("cpu", copy=True).contiguous()
-                written.add(id(sp))
-        fname = f"model-{i + 1:05d}-of-{num_files:05d}.safetensors"
-        save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in tensors})
-        del flat, tensors
-    if rank == 0:
+
+        def write_bucket(i=i, mine=mine, b=b, flat=flat) -> None:
+            tensors = {}
+            for (name, sp), view in zip(mine, b.full_views(flat)):
+                if name is not None:
+                    hf_name, t = convert(name, view.detach()) if convert else (name, view.detach())
+                    tensors[hf_name] = t.to("cpu", copy=True).contiguous()
+                    written.add(id(sp))
+            fname = f"model-{i + 1:05d}-of-{num_files:05d}.safetensors"
+            save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in tensors})
+
+        on_rank0(write_bucket)
+        del flat
+
+    def write_rest_and_index() -> None:
         rest = dict(
             (convert(n, t.detach()) if convert else (n, t.detach()))
             for n, t in _named_tensors(model)
@@ -114,8 +131,14 @@ def export_hf(
         total = sum(os.path.getsize(os.path.join(path, f)) for f in set(weight_map.values()))
         with open(os.path.join(path, _INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+
+    on_rank0(write_rest_and_index)
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        box = [err]
+        dist.broadcast_object_list(box, src=0)  # also the final barrier: every rank waits for the files
+        err = box[0]
+    if err is not None:
+        raise ValueError(f"export_hf: writing {path!r} failed on rank 0: {err} (nothing else was changed)")
 
 
 def load_hf(

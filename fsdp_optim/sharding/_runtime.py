@@ -65,7 +65,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._bucket import BucketPhase, BucketState, TrainingState, _Bucket
+from ._bucket import BucketPhase, BucketState, TrainingState, _Bucket, _Streams
 from ._float8 import Float8AllGather
 from ._mixed_precision import MixedPrecisionPolicy
 from ._plan import Plan, PlanConfig
@@ -188,11 +188,21 @@ def buckets_of(module: nn.Module) -> list[_Bucket]:
 
 
 def reshard_all(module: nn.Module) -> None:
-    """Free every gathered bucket under ``module`` (local; before its parameters are read or replaced)."""
+    """Free every gathered bucket under ``module`` and make its sharded values readable (local;
+    before its parameters are read or replaced, e.g. by a checkpoint)."""
     for m in module.modules():
         st = getattr(m, _STATE, None)
         if st is not None and st.bucket is not None:
             st.bucket.reshard()
+            st.bucket.settle()
+
+
+def materialize_all() -> None:
+    """Allocate every lazy (meta-built, not yet used) bucket of every live root (local). Called when an
+    optimizer first sees sharded parameters still on meta, so its state is made on the real device."""
+    for rt in list(_LIVE_RUNTIMES):
+        for b in rt.buckets:
+            b.materialize()
 
 
 def _same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
@@ -224,6 +234,7 @@ class _Runtime:
         self.pending_reduces: list[_Bucket] = []
         self.generation = 0  # bumped at the end of every backward (see _PendingCall)
         self.num_optimizer_steps = 0  # steps of any optimizer since setup (see [Note: stale gathers])
+        self.streams = _Streams(root.device)  # side streams on CUDA, none on the CPU ([Note: streams])
         self.debug = os.environ.get("FSDP_OPTIM_DEBUG", "0") not in ("", "0")
         self.num_collectives = 0
         _LIVE_RUNTIMES.add(self)
@@ -244,7 +255,7 @@ class _Runtime:
         self.prev_forward_order = self.forward_order
         self.forward_order, self.post_forward_order = [], []
         for b in self.buckets:
-            b.rebind()
+            b.rebind()  # (allocates a lazy bucket)
             b.used = False
             # [Note: stale gathers] A bucket still gathered here was gathered by a forward whose
             # backward never ran (an evaluation forward with grad enabled, or a dropped graph), or by
@@ -323,7 +334,7 @@ class _Runtime:
         if b.replicate_group is None:
             self.pending_reduces.append(b)
             while len(self.pending_reduces) > 1:  # one reduction in flight, as FSDP2
-                self.pending_reduces.pop(0).wait_reduces()
+                self.pending_reduces.pop(0).wait_reduces(sync_compute=False)
             return
         # HSDP: the previous bucket's reduce-scatter is done by now (its all-reduce across replicas
         # goes out while this bucket's reduce-scatter runs); the one before it completes.
@@ -331,11 +342,14 @@ class _Runtime:
             prev.start_replica_reduce()
         self.pending_reduces.append(b)
         while len(self.pending_reduces) > 2:
-            self.pending_reduces.pop(0).wait_reduces()
+            self.pending_reduces.pop(0).wait_reduces(sync_compute=False)
 
     def finish_reduces(self) -> None:
+        """Wait for every reduction; then the compute stream waits for the side streams once."""
         while self.pending_reduces:
-            self.pending_reduces.pop(0).wait_reduces()
+            self.pending_reduces.pop(0).wait_reduces(sync_compute=False)
+        self.streams.compute_waits_for(self.streams.reduce_scatter)
+        self.streams.compute_waits_for(self.streams.all_reduce)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,6 +442,7 @@ def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
     check_not_replaced(params, owner=f"{type(optimizer).__name__} (at its first step)")
+    materialize_all()  # lazy (meta-built, unused) buckets: the optimizer's state goes on the real device
     sharded = [shard_info(p) for p in params]
     multi = [i for i in sharded if i is not None and i.world_size > 1]
     if multi:

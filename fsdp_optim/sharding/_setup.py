@@ -4,8 +4,16 @@
 agreed on by every rank (``_agree``), so a bad call raises on all ranks instead of hanging one.
 
 [Note: meta-device initialization]
-``fully_shard`` accepts a model built under ``torch.device("meta")``: segments are allocated on the
-mesh's device (zeros). Then call ``init_weights(model)`` (``fsdp_optim.init_weights``): for each
+``fully_shard`` accepts a model built under ``torch.device("meta")``. A bucket whose parameters are
+all meta-built and that absorbs nothing is *lazy*: its sharded parameters are views of a segment
+with no memory, so the provisional plans of inner calls, and the root's own bucket, cost nothing
+at setup (the peak stays at the final shard: ``benchmarks/fake_scale.py``). It gets its memory,
+zero-filled and in place (the same ``Parameter`` objects, so whoever holds them sees it), at its
+first use: a gather (forward), ``init_weights``, a state dict, checkpoint or export, an optimizer
+of ours at construction, a torch optimizer at its first step. Do not read such parameters
+directly before that (they have no values yet, as on meta). When a root absorbs a lazy bucket,
+its pieces are sent as zeros, so every rank issues the same collectives whatever it allocated.
+Then call ``init_weights(model)`` (``fsdp_optim.init_weights``): for each
 module in ``model.modules()`` order it materializes the module's *own* parameters at full shape,
 runs ``init_fn(module)`` (default ``module.reset_parameters()``) and keeps this rank's piece. With
 the same seed on every rank the result equals the same initialization run unsharded, bitwise.
@@ -22,6 +30,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -354,15 +363,25 @@ def build_runtime(root: _ModuleState) -> _Runtime:
         if e.full is not None and e.full.device.type == "meta":
             e.full = None
 
-    buckets = []
-    for i, (st, bp) in enumerate(zip(bucket_states, plan.buckets)):
+    # Buckets that absorb old pieces are built first, so the absorbed ones are freed before the
+    # buckets allocated afresh (the root's own parameters, meta-built or new) take their memory.
+    ordered_entries = []
+    for st, bp in zip(bucket_states, plan.buckets):
         es = {e.fqn: e for e in entries if e.state is st}
-        ordered = [es[pl.name] for pl in bp.placements]
+        ordered_entries.append([es[pl.name] for pl in bp.placements])
+    absorbs = [any(id(e.param) in sources for e in es) for es in ordered_entries]
+    build_order = [i for i in range(len(plan.buckets)) if absorbs[i]] + [
+        i for i in range(len(plan.buckets)) if not absorbs[i]
+    ]
+    buckets: list[_Bucket | None] = [None] * len(plan.buckets)
+    for i in build_order:
+        st, bp, ordered = bucket_states[i], plan.buckets[i], ordered_entries[i]
         old_pieces = [sources.get(id(e.param)) for e in ordered]
-        b = _Bucket(index=i, state=st, plan=bp, entries=ordered, root=root)
-        if any(sp is not None for sp in old_pieces):
-            _move_pieces(b, old_pieces)
-        buckets.append(b)
+        lazy = not absorbs[i] and all(e.full is None for e in ordered)  # meta-built, nothing to move in
+        b = _Bucket(index=i, state=st, plan=bp, entries=ordered, root=root, lazy=lazy)
+        if absorbs[i]:
+            _move_pieces(b, old_pieces, old_bucket_of)
+        buckets[i] = b
         # Free each absorbed bucket as soon as all of its pieces have moved: the old and the new
         # shards are never both alive whole (setup peak ~ one shard plus a few buckets).
         for sp in old_pieces:
@@ -386,55 +405,48 @@ def build_runtime(root: _ModuleState) -> _Runtime:
     return rt
 
 
-def _move_pieces(bucket: _Bucket, old: list[nn.Parameter | None]) -> None:
+def _move_pieces(bucket: _Bucket, old: list[nn.Parameter | None], old_bucket_of: dict[int, _Bucket]) -> None:
     """Fill ``bucket``'s segment from the sharded parameters of absorbed roots, shard to shard.
 
     [Note: absorbing without the full model]
     A root call absorbs the roots of earlier (inner) calls and plans everything again. Rather than
     gathering those parameters back to full tensors (the whole model on every rank at once), each
     rank sends every other rank the part of its old piece that falls in that rank's new range: one
-    ``all_to_all_single`` per new bucket, with split sizes computed from the old and new layouts
-    alone (the same on every rank). Each absorbed bucket is freed once all of its pieces have moved,
-    and gathered buffers are made at a bucket's first gather, so the peak is about one shard plus a
-    few buckets (tests/sharding/test_setup_memory.py). Meta-built models move their (uninitialized)
+    ``all_to_all_single`` per absorbed tensor, with split sizes computed from the old and new layouts
+    alone (the same on every rank). Per tensor, both sides are contiguous and in rank order (a
+    RaggedShard's ranges are), so the collective reads the old piece and writes the new piece in
+    place: no staging buffer, which matters where one rank's piece of a bucket is most of its shard
+    (whole matrices at large W). Each absorbed bucket is freed once all of its pieces have moved, and
+    gathered buffers are made at a bucket's first gather, so the peak is about one shard plus a
+    few tensors (tests/sharding/test_setup_memory.py). Meta-built models move their (uninitialized)
     zeros the same way, so every rank issues the same collectives whatever the values.
     """
     rank, world = bucket.rank, bucket.buffer.world_size
     new_views = bucket.buffer.local_views()
-    send: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    recv: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in range(world)]  # (dst view, offset, size)
+    dtype, device = bucket.buffer.dtype, bucket.buffer.device
     for i, (sp, pl) in enumerate(zip(old, bucket.plan.placements)):
         if sp is None:
             continue
         old_layout = shard_info(sp).layout
         if old_layout.bounds[-1] != pl.shard.bounds[-1] or old_layout.world_size != world:
             raise AssertionError(f"absorbing {pl.name}: old layout {old_layout} does not match the new world")
-        a_old, b_old = old_layout.range(rank)
-        a_new, b_new = pl.shard.range(rank)
-        piece = sp.detach().reshape(-1)
-        for peer in range(world):
-            lo, hi = max(a_old, pl.shard.bounds[peer]), min(b_old, pl.shard.bounds[peer + 1])
-            if hi > lo:
-                send[peer].append(piece[lo - a_old : hi - a_old])
-            lo, hi = max(old_layout.bounds[peer], a_new), min(old_layout.bounds[peer + 1], b_new)
-            if hi > lo:
-                recv[peer].append((new_views[i], lo - a_new, hi - lo))
-    dtype, device = bucket.buffer.dtype, bucket.buffer.device
-    in_sizes = [sum(t.numel() for t in ts) for ts in send]
-    out_sizes = [sum(n for _, _, n in rs) for rs in recv]
-    pieces = [t.to(device=device, dtype=dtype) for ts in send for t in ts]
-    inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
-    out = torch.empty(sum(out_sizes), dtype=dtype, device=device)
-    if world > 1:
-        dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=bucket.buffer.group)
-    else:
-        out.copy_(inp)
-    pos = 0
-    with torch.no_grad():
-        for rs in recv:
-            for view, offset, n in rs:
-                view[offset : offset + n].copy_(out[pos : pos + n])
-                pos += n
+        if not old_bucket_of[id(sp)].is_materialized:  # never used: uninitialized, sent as zeros (the same collectives)
+            piece = torch.zeros(sp.numel(), dtype=dtype, device=device)
+        else:
+            piece = sp.detach().reshape(-1).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            if world == 1:
+                new_views[i].copy_(piece)
+                continue
+            old_b = np.asarray(old_layout.bounds, dtype=np.int64)
+            new_b = np.asarray(pl.shard.bounds, dtype=np.int64)
+            (a_old, b_old), (a_new, b_new) = old_layout.range(rank), pl.shard.range(rank)
+            in_sizes = np.clip(np.minimum(b_old, new_b[1:]) - np.maximum(a_old, new_b[:-1]), 0, None)
+            out_sizes = np.clip(np.minimum(old_b[1:], b_new) - np.maximum(old_b[:-1], a_new), 0, None)
+            dist.all_to_all_single(
+                new_views[i], piece.contiguous(), out_sizes.tolist(), in_sizes.tolist(), group=bucket.buffer.group
+            )
+        del piece
 
 
 def _bucket_name(root: _ModuleState, st: _ModuleState) -> str:

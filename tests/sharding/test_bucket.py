@@ -57,12 +57,12 @@ def _states(model: nn.Module) -> dict[str, tuple[str, str]]:
     return {k: (b.where.value, b.phase.value) for k, b in _buckets(model).items()}
 
 
-def _reference(num_steps: int) -> dict[str, torch.Tensor]:
+def _reference(num_steps: int, rows: int = GLOBAL_BATCH) -> dict[str, torch.Tensor]:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for step in range(num_steps):
         x, y = _batch(step)
-        _loss(model, x, y).backward()
+        _loss(model, x[:rows], y[:rows]).backward()
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -228,3 +228,106 @@ def test_profiler_shows_named_collectives_and_no_host_sync_in_the_hooks():
                            "fsdp_optim::all_gather(2:layers.1)"}, gathers  # fmt: skip
         assert reduces == {n.replace("all_gather", "reduce_scatter") for n in gathers}, reduces
         assert "aten::_local_scalar_dense" not in names
+
+
+class _RecordingStreams:
+    """Stands in for CUDA side streams on the CPU: records which stream each collective runs on and
+    every cross-stream wait, so the dependency graph of [Note: streams] is checked without a GPU."""
+
+    def __init__(self) -> None:
+        self.all_gather, self.reduce_scatter, self.all_reduce = "all_gather", "reduce_scatter", "all_reduce"
+        self.log: list[tuple] = []
+        self.stack = ["compute"]
+
+    def on(self, stream):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            self.log.append(("wait", stream, self.stack[-1]))
+            self.stack.append(stream)
+            try:
+                yield
+            finally:
+                self.stack.pop()
+
+        return ctx()
+
+    def compute_waits_for(self, stream) -> None:
+        self.log.append(("wait", "compute", stream))
+
+    def waits(self, waiter, waitee) -> None:
+        self.log.append(("wait", waiter, waitee))
+
+    def record(self, tensor, stream) -> None:
+        self.log.append(("record", stream, tensor.numel()))
+
+
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_stream_graph_matches_the_note(hsdp):
+    """With side streams standing in (recorded), every all-gather and reduce-scatter is issued on its
+    stream, compute waits for each gather before the bucket runs, never for a reduction during
+    backward (only once at its end), the flat gradient buffer is marked for the reduce-scatter
+    stream, and HSDP's all-reduce runs on its own stream after the reduce-scatter's. Training equals
+    the reference (the recording changes nothing)."""
+    num_steps = 2
+    rows = 4 if hsdp else GLOBAL_BATCH  # the global batch the W ranks split evenly
+    want = _reference(num_steps, rows)
+
+    def fn():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+        model = _shard(_model(), mesh=mesh)
+        rt = model._fsdp_optim_state.runtime
+        rec = _RecordingStreams()
+        rt.streams = rec
+        for b in rt.buckets:
+            for op in ("all_gather", "reduce_scatter"):
+                orig = getattr(b.buffer, op)
+
+                def logged(*args, _orig=orig, _op=op, _name=b.plan.name, **kwargs):
+                    rec.log.append((_op, rec.stack[-1], _name))
+                    return _orig(*args, **kwargs)
+
+                setattr(b.buffer, op, logged)
+            b.state.module.register_forward_pre_hook(
+                lambda m, a, _name=b.plan.name: rec.log.append(("compute", _name)) if not m is model else None
+            )
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        for step in range(num_steps):
+            x, y = _batch(step)
+            loss = _loss(model, _local(x[:rows]), _local(y[:rows]))  # every rank its slice of the global batch
+            rec.log.append(("backward",))
+            loss.backward()
+            rec.log.append(("end",))
+            opt.step()
+            opt.zero_grad()
+        logs = list(rec.log)  # (the state dict below gathers synchronously, outside training)
+        return logs, fsdp_optim.full_state_dict(model)
+
+    for log, got in run_distributed(fn, world_size=4 if hsdp else 3):
+        assert_close_after_adamw(got, want, lr=LR)
+        gathers = [e for e in log if e[0] == "all_gather"]
+        reduces = [e for e in log if e[0] == "reduce_scatter"]
+        assert gathers and all(e[1] == "all_gather" for e in gathers), gathers
+        assert reduces and all(e[1] == "reduce_scatter" for e in reduces), reduces
+        assert len([e for e in log if e[0] == "record" and e[1] == "reduce_scatter"]) >= len(reduces)
+        for i, e in enumerate(log):
+            if e[0] == "compute" and e[1] != "<root>":  # a layer runs only after compute waited for its gather
+                before = log[:i]
+                last_gather_wait = max(j for j, x in enumerate(before) if x == ("wait", "compute", "all_gather"))
+                assert last_gather_wait > max(j for j, x in enumerate(before) if x[0] == "all_gather" and x[2] == e[1])
+        start = 0
+        while ("backward",) in log[start:]:
+            b = log.index(("backward",), start)
+            end = log.index(("end",), b)
+            waits = [x for x in log[b:end] if x[0] == "wait" and x[1] == "compute" and x[2] in ("reduce_scatter", "all_reduce")]
+            # Compute waits for the reductions only in finish_reduces at the end of backward.
+            assert len(waits) == 2, waits
+            tail = log[b:end][-2:]
+            assert tail == [("wait", "compute", "reduce_scatter"), ("wait", "compute", "all_reduce")], tail
+            start = end
+        if hsdp:
+            assert ("wait", "all_reduce", "reduce_scatter") in log
+            assert any(e[0] == "record" and e[1] == "all_reduce" for e in log)

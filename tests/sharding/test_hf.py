@@ -81,3 +81,18 @@ def test_load_hf_from_a_missing_directory_raises_on_every_rank(tmp_path):
         return True
 
     assert run_distributed(fn, world_size=2, timeout=60) == [True, True]
+
+
+def test_export_hf_write_error_on_rank_0_raises_on_every_rank(tmp_path):
+    """Rank 0 cannot write (here: the target is a file, as a full disk or a read-only mount would
+    fail): every rank raises the same error instead of waiting for rank 0 at the next bucket."""
+    target = tmp_path / "a_file"
+    target.write_text("not a directory")
+
+    def fn():
+        model = _sharded(_config(False))
+        with pytest.raises(ValueError, match=r"export_hf: writing .* failed on rank 0: FileExistsError"):
+            fsdp_optim.export_hf(model, target)
+        return True
+
+    assert run_distributed(fn, world_size=2, timeout=60) == [True, True]

@@ -15,6 +15,7 @@ from torch import nn
 
 import fsdp_optim
 from fsdp_optim._testing import LiveBytes, run_distributed
+from fsdp_optim.optimizers import AdamW
 
 NUM_LAYERS, DIM = 12, 96  # 12 buckets of 96 x 97 fp32 elements (dims that divide nothing at W=3)
 
@@ -96,3 +97,76 @@ def test_absorbed_values_are_moved_exactly():
         return all(torch.equal(got[k], want[k]) for k in want) and got.keys() == want.keys()
 
     assert run_distributed(fn, world_size=3) == [True] * 3
+
+
+def test_meta_built_inner_calls_allocate_nothing():
+    """A meta-built model's inner calls leave their buckets unallocated (provisional plans cost no
+    memory); the root call allocates only the absorbing buckets' segments plus one transient tensor,
+    and its own bucket waits for the first use. Counted live bytes at W=3."""
+    bucket_bytes = (DIM * DIM + DIM) * 4
+
+    def fn():
+        model = _model("meta")
+        with LiveBytes() as inner:
+            for g in model.groups:
+                for b in g:
+                    fsdp_optim.fully_shard(b)
+        with LiveBytes() as root:
+            fsdp_optim.fully_shard(model)
+        shard_layers = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "groups" in n)
+        return inner.current, inner.peak, root.peak, root.current, shard_layers
+
+    for inner_current, inner_peak, root_peak, root_current, shard_layers in run_distributed(fn, world_size=3):
+        assert inner_current <= 1024 and inner_peak <= bucket_bytes  # one bucket made and freed at once; small agreement buffers
+        assert root_current <= shard_layers + 64  # the root's own bucket (embed) not allocated yet
+        assert root_peak <= shard_layers + bucket_bytes
+
+
+@pytest.mark.parametrize("optimizer", ["ours", "torch"])
+@pytest.mark.parametrize("root_call", [True, False])
+def test_unused_meta_buckets_are_allocated_before_an_optimizer_sees_them(optimizer, root_call):
+    """An optimizer built on a meta-built sharded model before ``init_weights`` (ours at construction,
+    torch's at its first step) works on allocated parameters: two steps after ``init_weights`` equal a
+    single process's AdamW on the same initialization. With and without the root call (layers only:
+    every layer is its own root, the embedding stays unmanaged on each rank alike)."""
+
+    def fn():
+        model = _model("meta")
+        for g in model.groups:
+            for b in g:
+                fsdp_optim.fully_shard(b)
+        if root_call:
+            fsdp_optim.fully_shard(model)
+        else:
+            model.embed.to_empty(device="cpu")
+        if optimizer == "ours":
+            opt = AdamW(model.named_parameters(), lr=1e-2)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(0)
+        fsdp_optim.init_weights(model)
+        init = fsdp_optim.full_state_dict(model)
+        for step in range(2):
+            torch.manual_seed(step)
+            model(torch.randn(3, DIM)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return init, fsdp_optim.full_state_dict(model)
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # layers only: the embedding is unmanaged (warned; the same on every rank)
+        results = run_distributed(fn, world_size=1 if not root_call else 2)
+    for init, got in results:
+        ref = _model("cpu")
+        ref.load_state_dict(init)
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(2):
+            torch.manual_seed(step)
+            ref(torch.randn(3, DIM)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6, msg=k)
+        assert any(v.abs().sum() > 0 for v in init.values())  # initialized, not the zeros of an empty bucket
