@@ -19,7 +19,8 @@ post-backward autograd Function and the guards through torch's global optimizer 
   module's backward is done, as FSDP2 does; or the end of backward): reduce-scatter the flat buffer
   (one collective, AVG over ranks, so a per-rank mean loss gives the gradient of the mean over the
   global batch) straight into the gradient segment; each sharded parameter's ``.grad`` becomes its
-  view into it. The previous bucket's reduction is waited for when the next one is issued.
+  view into it. With side streams (CUDA) the previous bucket's reduction is waited for when the
+  next one is issued; on the CPU each is waited at once (see ``_Runtime.issue_reduce``).
 - A callback queued on the autograd engine at the end of backward runs what did not run yet
   (bucket order, the same on every rank), waits for the reductions and reshards everything.
 - ``set_requires_gradient_sync(False)``: unsharded gradients are summed locally into the bucket's
@@ -331,9 +332,14 @@ class _Runtime:
             )
 
     def issue_reduce(self, b: _Bucket) -> None:
+        """Track ``b``'s reduction in flight. As FSDP2: with side streams (CUDA) one reduce-scatter
+        stays in flight while the next bucket's backward computes (waited when the next is issued);
+        without them (CPU) it is waited at once, so its flat gradient buffer is freed before the next
+        bucket's backward (a full bucket less at the peak; FSDP2 reduces synchronously there too)."""
         if b.replicate_group is None:
             self.pending_reduces.append(b)
-            while len(self.pending_reduces) > 1:  # one reduction in flight, as FSDP2
+            in_flight = 1 if self.streams.reduce_scatter is not None else 0
+            while len(self.pending_reduces) > in_flight:
                 self.pending_reduces.pop(0).wait_reduces(sync_compute=False)
             return
         # HSDP: the previous bucket's reduce-scatter is done by now (its all-reduce across replicas
