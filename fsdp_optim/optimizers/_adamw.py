@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from ._base import StateShard, check_adam_hparams, checked_param_info, make_dcp_ready, param_info
+from ._base import StateShard, check_adam_hparams, checked_param_info, make_dcp_ready, param_info, profiled_step
 from ._rules import adamw_rule
 
 __all__ = ["AdamW", "adamw_update"]
@@ -166,6 +166,7 @@ class AdamW(torch.optim.Optimizer):
         return {k: s for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in self.state[p]}
 
     # ---- step -------------------------------------------------------------------------
+    @profiled_step
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

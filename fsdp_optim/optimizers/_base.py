@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
@@ -41,6 +43,17 @@ class ShardedState(Protocol):
     """Implemented by every fsdp_optim optimizer (used by checkpoints)."""
 
     def state_shards(self, p: torch.Tensor) -> dict[str, StateShard]: ...
+
+
+def profiled_step(step: Callable) -> Callable:
+    """Decorate an optimizer's ``step``: a ``fsdp_optim::optimizer_step(<class>)`` profiler range."""
+
+    @functools.wraps(step)
+    def wrapper(self, *args, **kwargs):
+        with torch.profiler.record_function(f"fsdp_optim::optimizer_step({type(self).__name__})"):
+            return step(self, *args, **kwargs)
+
+    return wrapper
 
 
 def param_info(p: torch.Tensor, rule: BlockRule, *, name: str = "") -> ShardInfo:

@@ -56,7 +56,7 @@ from torch import Tensor
 from ..sharding._blocks import BlockRule, expert, whole
 from ..sharding._shard_info import ShardInfo, shard_info
 from ._adamw import adamw_update
-from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec
+from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec, profiled_step
 from ._rules import ambiguous_name_guess, muon_rule
 
 __all__ = ["Muon", "newton_schulz", "adjust_lr"]
@@ -620,6 +620,7 @@ class Muon(torch.optim.Optimizer):
         return _Exchange(info0.group, splits[0][0].device, tuple(sends), tuple(send_sizes), tuple(recv_sizes), owned)
 
     # ---- step -------------------------------------------------------------------------
+    @profiled_step
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch.optim signature
         """One step: momentum, Newton–Schulz (local, or one exchange pair per shard group with

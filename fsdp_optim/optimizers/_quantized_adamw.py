@@ -40,7 +40,7 @@ from torch import Tensor
 
 from ..sharding._blocks import BlockRule, elements
 from ..sharding._shard_info import ShardInfo
-from ._base import StateShard, check_adam_hparams, checked_param_info, make_dcp_ready, require_spec
+from ._base import StateShard, check_adam_hparams, checked_param_info, make_dcp_ready, require_spec, profiled_step
 
 __all__ = ["QUANTIZE_MIN_NUMEL", "QuantFormat", "FORMAT_8BIT", "FORMAT_4BIT", "quantize_blockwise", "dequantize_blockwise"]
 
@@ -330,6 +330,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
                 self._init_state(p, group)  # parameters the loaded state did not cover
 
     # ---- step -------------------------------------------------------------------------
+    @profiled_step
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

@@ -95,7 +95,7 @@ from torch import Tensor
 
 from ..sharding._blocks import BlockKind, BlockRule, BlockSpec, merge_small_dims
 from ..sharding._shard_info import ShardInfo, shard_info
-from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec
+from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec, profiled_step
 from ._rules import shampoo_rule
 
 __all__ = ["Shampoo", "Grafting", "shampoo_blocks", "matrix_inverse_root"]
@@ -490,6 +490,7 @@ class Shampoo(torch.optim.Optimizer):
                 self.state[p][k] = v.to(device=p.device, copy=True)
 
     # ---- step -------------------------------------------------------------------------
+    @profiled_step
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch.optim signature
         """One Shampoo step on every local block (see [Note: Shampoo step]); no communication."""

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from ..sharding._blocks import BlockRule, BlockSpec, elements, whole
-from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec
+from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec, profiled_step
 from ._rules import shampoo_rule
 from ._shampoo import BlockGeometry, shampoo_blocks
 
@@ -280,6 +280,7 @@ class SOAP(torch.optim.Optimizer):
                 "Q": plan.factor_shard}  # fmt: skip
 
     # ---- step -------------------------------------------------------------------------
+    @profiled_step
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch.optim signature
         loss = None

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from ..sharding._blocks import BlockSpec, elements, whole
 from ..sharding._shard_info import ShardInfo, shard_info
+from ._base import profiled_step
 
 __all__ = ["WholeTensorOptimizer", "whole_tensor_rule"]
 
@@ -116,6 +117,7 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
             g = self.param_groups[-1]
             self.optim.add_param_group({**g, "params": self._owned_views(g["params"])})
 
+    @profiled_step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None

@@ -25,6 +25,7 @@ at the next forward).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from ._plan import PlanConfig, TensorSpec
 from ._planner import plan_model
 from ._runtime import _STATE, _ModuleState, _Runtime, _same_group
 from ._shard_info import shard_info
+
+logger = logging.getLogger(__name__)  # a child of "fsdp_optim": logging.getLogger("fsdp_optim").setLevel(...)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,7 +405,37 @@ def build_runtime(root: _ModuleState) -> _Runtime:
         b.runtime = rt
     _move_buffers(root.module, root.device)
     register_state_dict_hooks(root.module)
+    _log_plan(root, plan, buckets, absorbed=len(old))
     return rt
+
+
+def _log_plan(root: _ModuleState, plan, buckets: list[_Bucket], *, absorbed: int) -> None:
+    """Setup decisions under the ``fsdp_optim`` logger: one INFO line per root call, one DEBUG line
+    per bucket (rank 0 of the shard group only, so a W-rank job logs each once)."""
+    if root.rank != 0 or not logger.isEnabledFor(logging.INFO):
+        return
+    st = plan.stats()
+    cls = type(root.module)
+    name = cls.__bases__[-1].__name__ if cls.__name__ == f"Sharded{cls.__bases__[-1].__name__}" else cls.__name__
+    logger.info(
+        "fully_shard(%s): %d buckets (%d even, %d ragged), %d tensors, %s parameters over %d ranks%s; "
+        "padding %.3f%%, per-rank bytes max/mean %.3f, optimizer cost max/mean %.3f; planned in %.3f s; "
+        "absorbed %d earlier root(s); %d bucket(s) left unallocated until first use (meta-built)",
+        name, st.num_buckets, st.num_even_buckets, st.num_ragged_buckets, st.num_tensors,
+        f"{st.param_numel:,}", root.world_size, f" x {root.num_replicas} replicas" if root.num_replicas > 1 else "",
+        100 * st.padding_ratio, st.bytes_max_over_mean, st.cost_max_over_mean, st.plan_seconds, absorbed,
+        sum(not b.is_materialized for b in buckets),
+    )  # fmt: skip
+    if logger.isEnabledFor(logging.DEBUG):
+        for b in buckets:
+            sizes = b.plan.segment_sizes
+            logger.debug(
+                "bucket %d %r: layout %s, %d tensors, %d elements, segment max %d / mean %.1f elements, "
+                "%s, param %s / reduce %s%s",
+                b.index, b.plan.name, b.plan.layout.value, len(b.plan.placements), b.plan.total_numel, max(sizes),
+                sum(sizes) / len(sizes), "reshard after forward" if b.reshard_after_forward else "kept after forward",
+                b.param_dtype, b.reduce_dtype, ", FP8 all-gather" if b.fp8_gather is not None else "",
+            )  # fmt: skip
 
 
 def _move_pieces(bucket: _Bucket, old: list[nn.Parameter | None], old_bucket_of: dict[int, _Bucket]) -> None:

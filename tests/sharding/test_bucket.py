@@ -331,3 +331,15 @@ def test_stream_graph_matches_the_note(hsdp):
         if hsdp:
             assert ("wait", "all_reduce", "reduce_scatter") in log
             assert any(e[0] == "record" and e[1] == "all_reduce" for e in log)
+
+
+def test_setup_decisions_are_logged_under_the_fsdp_optim_logger(caplog):
+    """INFO: one line per root call with the plan summary; DEBUG: one line per bucket (layout,
+    sizes, dtypes). One process (a world of one), so caplog sees the records."""
+    with caplog.at_level("DEBUG", logger="fsdp_optim"):
+        _shard(_model())
+    info = [r.getMessage() for r in caplog.records if r.levelname == "INFO" and r.name.startswith("fsdp_optim")]
+    debug = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG" and r.name.startswith("fsdp_optim")]
+    assert len(info) == 3, info  # two layers (provisional roots), then the root
+    assert info[-1].startswith("fully_shard(TinyTransformer): 3 buckets") and "absorbed 2 earlier root(s)" in info[-1]
+    assert [m.split(":")[0] for m in debug[-3:]] == ["bucket 0 '<root>'", "bucket 1 'layers.0'", "bucket 2 'layers.1'"]
