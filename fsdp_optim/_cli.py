@@ -61,8 +61,20 @@ def _add_plan(sub) -> None:
     p.add_argument("--padding-cap", type=float, default=None, help="even layout: padding tolerated to keep matrices whole")
     p.add_argument("--align", type=int, default=None, help="even layout: segment size multiple (elements)")
     p.add_argument("--itemsize", type=int, default=4, help="bytes per element (default 4: fp32 master weights)")
+    p.add_argument("--wire", choices=["auto", "grouped", "padded"], default="auto",
+                   help="ragged buckets on the wire (as PlanConfig.wire; auto: the alpha-beta model on NCCL)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.set_defaults(func=_run_plan)
+
+
+def _wire_of(bucket, itemsize: int, wire: str) -> str:
+    """What a bucket uses on NCCL: ``even`` (one tensor collective), or the ragged wire mode."""
+    from .sharding._wire import choose_wire_mode
+
+    sizes = bucket.segment_sizes
+    if len(set(sizes)) <= 1:
+        return "even"
+    return choose_wire_mode(sizes, element_size=itemsize, wire=wire, backend="nccl").value
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -81,7 +93,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     num_replicas = args.world_size // shard_size
     if args.bucket_layers < 1:
         raise ValueError(f"--bucket-layers must be >= 1, got {args.bucket_layers}")
-    kw = {"layout": args.layout}
+    kw = {"layout": args.layout, "wire": args.wire}
     if args.padding_cap is not None:
         kw["padding_cap"] = args.padding_cap
     if args.align is not None:
@@ -104,6 +116,11 @@ def _run_plan(args: argparse.Namespace) -> int:
             "world_size": args.world_size,
             "shard_size": shard_size,
             "num_replicas": num_replicas,
+            "wire": args.wire,
+            "buckets": [
+                {"name": b.name, "layout": b.layout.value, "wire": _wire_of(b, args.itemsize, args.wire)}
+                for b in plan.buckets
+            ],
         }
         print(json.dumps(out))
     else:

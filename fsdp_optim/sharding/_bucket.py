@@ -73,8 +73,9 @@ from torch.profiler import record_function
 from ._buffer import CollectiveHandle, DistributedBuffer, _zero_ranges
 from ._float8 import Float8Gather, tile_aligned
 from ._mixed_precision import MixedPrecisionPolicy
-from ._plan import BucketPlan
+from ._plan import BucketPlan, PlanConfig
 from ._shard_info import ShardInfo, mark_replaced, set_shard_info, shard_info
+from ._wire import choose_wire_mode
 
 if TYPE_CHECKING:
     from ._runtime import _ModuleState, _Runtime
@@ -201,7 +202,14 @@ class _Bucket:
         # first used, so provisional plans of inner calls cost no memory (see [Note: meta-device
         # initialization]). FP8 buckets are allocated at once (their byte buffers are made here).
         self._lazy = lazy and fp8 is None
-        self.buffer = DistributedBuffer(plan, group=root.group, device=root.device, dtype=master, allocate=not self._lazy)
+        backend = str(dist.get_backend(root.group)) if dist.is_available() and dist.is_initialized() else None
+        wire = choose_wire_mode(
+            plan.segment_sizes, element_size=self.param_dtype.itemsize,
+            wire=(root.plan_config or PlanConfig()).wire, backend=backend,
+        )  # fmt: skip
+        self.buffer = DistributedBuffer(
+            plan, group=root.group, device=root.device, dtype=master, allocate=not self._lazy, wire=wire
+        )
         self.rank = self.buffer.rank
         # HSDP: the replicas of this rank's segment (see [Note: HSDP]).
         self.num_replicas = root.num_replicas

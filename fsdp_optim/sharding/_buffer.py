@@ -7,7 +7,8 @@ views into the segment (zero copy), so an optimizer step on the shards writes th
 
 API (stable; the ``fully_shard`` runtime builds on it)::
 
-    buf = DistributedBuffer(plan, group=None, device=None, dtype=torch.float32, uneven_gather="auto")
+    buf = DistributedBuffer(plan, group=None, device=None, dtype=torch.float32, uneven_gather="auto",
+                            wire=WireMode.GROUPED)
     buf.segment                       # this rank's flat parameter segment (persistent, zeros at start)
     buf.grad_segment                  # flat gradient segment, None until alloc_grad_segment()
     buf.alloc_grad_segment()          # allocate (zeros) if needed and return it
@@ -72,6 +73,7 @@ import torch
 import torch.distributed as dist
 
 from ._plan import BucketPlan
+from ._wire import WireMode
 
 __all__ = ["DistributedBuffer", "CollectiveHandle", "UNEVEN_GATHER_MODES"]
 
@@ -125,6 +127,7 @@ class DistributedBuffer:
         dtype: torch.dtype = torch.float32,
         uneven_gather: str = "auto",
         allocate: bool = True,
+        wire: WireMode = WireMode.GROUPED,
     ) -> None:
         """``allocate=False``: the segment is left uninitialized (not zero-filled) so its owner can make
         views of it and then ``drop_segment()``; ``allocate_segment()`` gives it zeroed memory again,
@@ -168,6 +171,8 @@ class DistributedBuffer:
                 f"uneven list all_gather (segment sizes {self.sizes}); use 'auto' or 'broadcast'"
             )
         self.uneven_gather = uneven_gather
+        self.wire = WireMode(wire)
+        """Uneven segments: list forms (``GROUPED``) or one padded tensor collective ([Note: wire format])."""
         self.segment_start, self.segment_end = plan.segment(self.rank)
         # (allocate=False: uninitialized; on the CPU a large block is mapped and never touched before
         # drop_segment() frees it.)
@@ -248,15 +253,20 @@ class DistributedBuffer:
             out = self.new_full(src.dtype)
         self._check_flat(out, self.total_numel, "out")
         recv = out if out.dtype == src.dtype else torch.empty(self.total_numel, dtype=src.dtype, device=out.device)
-        works = self._gather_into(recv, src)
+        if self._padded_wire:
+            works, stage, send = self._gather_padded(src)
+        else:
+            works, stage, send = self._gather_into(recv, src), None, None
 
         def finish() -> torch.Tensor:
+            if stage is not None:
+                self._copy_out_padded(stage, recv)
             if recv is not out:
                 out.copy_(recv)
             _zero_ranges(out, self._full_padding)
             return out
 
-        handle = CollectiveHandle(works, finish, keep=(src, recv))
+        handle = CollectiveHandle(works, finish, keep=(src, recv, stage, send))
         return handle if async_op else handle.wait()
 
     def reduce_scatter(
@@ -278,9 +288,15 @@ class DistributedBuffer:
         recv = out if direct else torch.empty(self.segment_numel, dtype=full_grad.dtype, device=out.device)
         emulate_avg = op == dist.ReduceOp.AVG and not self._native_avg
         divide = emulate_avg and self.world_size > 1
-        works = self._reduce_into(recv, full_grad, dist.ReduceOp.SUM if emulate_avg else op)
+        red_op = dist.ReduceOp.SUM if emulate_avg else op
+        if self._padded_wire:
+            works, stage, recv_padded = self._reduce_padded(full_grad, red_op)
+        else:
+            works, stage, recv_padded = self._reduce_into(recv, full_grad, red_op), None, None
 
         def finish() -> torch.Tensor:
+            if recv_padded is not None:
+                recv.copy_(recv_padded[: self.segment_numel])
             if divide:
                 recv.div_(self.world_size)
             if accumulate:
@@ -290,10 +306,41 @@ class DistributedBuffer:
             _zero_ranges(out, self._seg_padding)
             return out
 
-        handle = CollectiveHandle(works, finish, keep=(full_grad, recv))
+        handle = CollectiveHandle(works, finish, keep=(full_grad, recv, stage, recv_padded))
         return handle if async_op else handle.wait()
 
     # ---- internals --------------------------------------------------------------------
+    @property
+    def _padded_wire(self) -> bool:
+        return self.wire is WireMode.PADDED and not self.is_even and self.backend is not None and self.total_numel > 0
+
+    def _padded_rows(self, stage: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per non-empty rank: its slice of the ragged flat layout's pieces and of the padded rows."""
+        m = max(self.sizes)
+        rows = stage.view(self.world_size, m)
+        return [rows[r, :n] for r, n in enumerate(self.sizes) if n], [r for r, n in enumerate(self.sizes) if n]
+
+    def _gather_padded(self, src: torch.Tensor) -> tuple[list[dist.Work], torch.Tensor, torch.Tensor]:
+        m = max(self.sizes)
+        send = torch.zeros(m, dtype=src.dtype, device=src.device)
+        send[: self.segment_numel].copy_(src)
+        stage = torch.empty(self.world_size * m, dtype=src.dtype, device=src.device)
+        return [_all_gather_single(stage, send, group=self.group, async_op=True)], stage, send
+
+    def _copy_out_padded(self, stage: torch.Tensor, out: torch.Tensor) -> None:
+        rows, owners = self._padded_rows(stage)
+        pieces = out.split(self.sizes)
+        torch._foreach_copy_([pieces[r] for r in owners], rows)
+
+    def _reduce_padded(self, full: torch.Tensor, op) -> tuple[list[dist.Work], torch.Tensor, torch.Tensor]:
+        m = max(self.sizes)
+        stage = torch.zeros(self.world_size * m, dtype=full.dtype, device=full.device)  # padding adds zeros
+        rows, owners = self._padded_rows(stage)
+        pieces = full.split(self.sizes)
+        torch._foreach_copy_(rows, [pieces[r] for r in owners])
+        recv = torch.empty(m, dtype=full.dtype, device=full.device)
+        return [_reduce_scatter_single(recv, stage, op=op, group=self.group, async_op=True)], stage, recv
+
     def _gather_into(self, out: torch.Tensor, src: torch.Tensor) -> list[dist.Work | None]:
         if self.backend is None or self.total_numel == 0:
             out[self.segment_start : self.segment_end].copy_(src)

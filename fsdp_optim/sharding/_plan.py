@@ -64,6 +64,10 @@ class PlanConfig:
     beyond it a matrix block is split on rows and recorded."""
     align: int = 1
     """Even layout: the per-rank segment size S is a multiple of this many elements."""
+    wire: str = "auto"
+    """Ragged buckets on the wire: ``"grouped"`` (per-owner list collectives), ``"padded"`` (one
+    tensor collective over segments padded to the largest) or ``"auto"`` (the cheaper by the
+    alpha-beta model on NCCL, grouped elsewhere; see [Note: wire format] in ``_wire.py``)."""
 
     def __post_init__(self) -> None:
         if self.layout not in ("even", "ragged", "auto"):
@@ -72,6 +76,8 @@ class PlanConfig:
             raise ValueError(f"padding_cap must be >= 0, got {self.padding_cap}")
         if self.align < 1:
             raise ValueError(f"align must be >= 1, got {self.align}")
+        if self.wire not in ("auto", "grouped", "padded"):
+            raise ValueError(f"wire must be 'auto', 'grouped' or 'padded', got {self.wire!r}")
 
 
 class LocalPiece(tuple):

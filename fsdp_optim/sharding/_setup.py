@@ -431,9 +431,10 @@ def _log_plan(root: _ModuleState, plan, buckets: list[_Bucket], *, absorbed: int
             sizes = b.plan.segment_sizes
             logger.debug(
                 "bucket %d %r: layout %s, %d tensors, %d elements, segment max %d / mean %.1f elements, "
-                "%s, param %s / reduce %s%s",
+                "wire %s, %s, param %s / reduce %s%s",
                 b.index, b.plan.name, b.plan.layout.value, len(b.plan.placements), b.plan.total_numel, max(sizes),
-                sum(sizes) / len(sizes), "reshard after forward" if b.reshard_after_forward else "kept after forward",
+                sum(sizes) / len(sizes), b.buffer.wire.value if not b.buffer.is_even else "even",
+                "reshard after forward" if b.reshard_after_forward else "kept after forward",
                 b.param_dtype, b.reduce_dtype, ", FP8 all-gather" if b.fp8_gather is not None else "",
             )  # fmt: skip
 

@@ -1,0 +1,133 @@
+"""The padded wire format ([Note: wire format] in ``sharding/_wire.py``): both modes of a ragged bucket give
+the same bits on gloo at W = 1..4 (3 divides nothing), fp32 and bf16, with empty segments, casts and
+accumulation, for the all-gather at every W and the reduction at W <= 2 (at W >= 3 gloo's tensor and list
+reduce-scatters add the ranks in different orders: equal to the last bit of a 3-term sum); the cost model's choice follows its formulas; a whole training run in padded mode equals
+the grouped one and the single-process reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fsdp_optim
+from fsdp_optim._testing import run_distributed
+from fsdp_optim.sharding import BucketPlan, DistributedBuffer, Layout, Placement, RaggedShard, elements
+from fsdp_optim.sharding._wire import LinkModel, WireMode, choose_wire_mode, grouped_seconds, padded_seconds
+from tests._models import TinyConfig, TinyTransformer, assert_close_after_adamw, make_batch
+
+
+def _ragged_plan(world_size: int, sizes: list[int]) -> BucketPlan:
+    """One ragged bucket of three tensors cut at the given per-rank segment sizes (some may be 0)."""
+    shapes = [(7, 3), (5,), (4, 4)]
+    total = sum(a * (b if len(s) > 1 else 1) for s in shapes for a, b in [(s[0], s[1] if len(s) > 1 else 1)])
+    assert sum(sizes) == total
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    placements, offset = [], 0
+    for i, shape in enumerate(shapes):
+        numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
+        local = tuple(min(max(b - offset, 0), numel) for b in bounds)
+        placements.append(Placement(name=f"t{i}", shape=shape, spec=elements(1), offset=offset,
+                                    shard=RaggedShard(shape, local), split=False))  # fmt: skip
+        offset += numel
+    return BucketPlan(name="b", layout=Layout.RAGGED, placements=tuple(placements), rank_bounds=tuple(bounds), itemsize=4)
+
+
+SIZES = {1: [42], 2: [30, 12], 3: [0, 29, 13], 4: [11, 0, 25, 6]}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_equals_grouped_bitwise(world_size, dtype):
+    def fn():
+        out = {}
+        plan = _ragged_plan(world_size, SIZES[world_size])
+        for mode in WireMode:
+            buf = DistributedBuffer(plan, dtype=torch.float32, wire=mode)
+            g = torch.Generator().manual_seed(dist.get_rank())
+            buf.segment.copy_(torch.randn(buf.segment_numel, generator=g))
+            full = buf.all_gather(src=buf.segment.to(dtype))
+            grad = torch.randn(buf.total_numel, generator=g).to(dtype)
+            avg = buf.reduce_scatter(grad, out=torch.empty(buf.segment_numel, dtype=dtype), op=dist.ReduceOp.AVG)
+            acc = torch.ones(buf.segment_numel)  # an fp32 segment the bf16/fp32 reduction adds into
+            buf.reduce_scatter(grad, out=acc, op=dist.ReduceOp.SUM, accumulate=True)
+            h = buf.all_gather(async_op=True)
+            out[mode] = (full, avg, acc, h.wait())
+        return out
+
+    for out in run_distributed(fn, world_size=world_size):
+        for what, a, b in zip(("all_gather", "avg", "accumulate", "async all_gather"), out[WireMode.GROUPED], out[WireMode.PADDED]):
+            assert a.dtype == b.dtype
+            if "gather" in what or world_size <= 2:
+                assert torch.equal(a, b), (what, (a - b).abs().max())
+            else:  # gloo's reduce_scatter_tensor sums 3+ ranks in another order than its list form
+                bf16 = dtype == torch.bfloat16  # (a last-bit difference of terms of size ~3)
+                torch.testing.assert_close(a, b, rtol=2**-7 if bf16 else 1e-6, atol=2**-6 if bf16 else 1e-6)
+
+
+def test_cost_model_and_choice():
+    link = LinkModel(alpha_s=5e-6, bytes_per_s=50e9)
+    even = [100] * 8
+    assert choose_wire_mode(even, element_size=4) is WireMode.GROUPED  # even: one tensor collective anyway
+    assert padded_seconds(even, element_size=4, link=link) == pytest.approx(7 * 5e-6 + 7 * 400 / 50e9)
+    assert grouped_seconds(even, element_size=4, link=link) == pytest.approx(8 * 7 * 5e-6 + 700 * 4 / 50e9)
+    # Many owners at large W: latency dominates, padded wins.
+    sizes = [1000 + (r % 3) for r in range(1024)]
+    assert choose_wire_mode(sizes, element_size=2) is WireMode.PADDED
+    # One huge segment among 8 ranks: padding would send it 7 times (a bandwidth-bound transfer).
+    skewed = [10**9] + [10**6] * 7
+    assert grouped_seconds(skewed, element_size=2) < padded_seconds(skewed, element_size=2)
+    assert choose_wire_mode(skewed, element_size=2) is WireMode.GROUPED
+    assert choose_wire_mode(sizes, element_size=2, backend="gloo") is WireMode.GROUPED  # gloo: list forms
+    assert choose_wire_mode(skewed, element_size=2, wire="padded", backend="gloo") is WireMode.PADDED
+    with pytest.raises(ValueError, match="wire must be one of"):
+        choose_wire_mode(sizes, element_size=2, wire="fast")
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_training_in_padded_mode_equals_grouped_and_the_reference(world_size):
+    cfg = TinyConfig(vocab_size=101, dim=24, num_heads=2, num_layers=2, mlp_dim=40)
+    lr, steps = 1e-2, 3
+
+    def batch(step):
+        return make_batch(batch_size=6, seq_len=8, vocab_size=cfg.vocab_size, seed=100 + step)
+
+    torch.manual_seed(0)
+    ref = TinyTransformer(cfg)
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    for step in range(steps):
+        x, y = batch(step)
+        F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    want = ref.state_dict()
+
+    def fn(wire):
+        def run():
+            torch.manual_seed(0)
+            model = TinyTransformer(cfg)
+            config = fsdp_optim.sharding.PlanConfig(layout="ragged", wire=wire)
+            for layer in model.layers:
+                fsdp_optim.fully_shard(layer)
+            fsdp_optim.fully_shard(model, plan_config=config)
+            modes = {b.buffer.wire for b in model._fsdp_optim_state.runtime.buckets}
+            opt = torch.optim.AdamW(model.parameters(), lr=lr)
+            r, n = dist.get_rank(), 6 // world_size
+            for step in range(steps):
+                x, y = batch(step)
+                F.cross_entropy(model(x[r * n : (r + 1) * n]).flatten(0, 1), y[r * n : (r + 1) * n].flatten()).backward()
+                opt.step()
+                opt.zero_grad()
+            return modes, fsdp_optim.full_state_dict(model)
+
+        return run
+
+    grouped = run_distributed(fn("grouped"), world_size=world_size)
+    padded = run_distributed(fn("padded"), world_size=world_size)
+    for (gm, g), (pm, p) in zip(grouped, padded):
+        assert gm == {WireMode.GROUPED} and pm == {WireMode.PADDED}
+        assert_close_after_adamw(p, g, lr=lr)  # (reduction order differs at W = 3, see above)
+        assert_close_after_adamw(p, want, lr=lr)
