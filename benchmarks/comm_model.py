@@ -61,6 +61,7 @@ import numpy as np
 from fsdp_optim._cli import optimizer_rule
 from fsdp_optim.sharding import BucketPlan, Layout, PlanConfig, plan_model
 from fsdp_optim.sharding._presets import preset_buckets, preset_names
+from fsdp_optim.sharding._wire import LinkModel, WireMode, choose_wire_mode
 
 WORLD_SIZES = (8, 64, 256, 1024, 4096, 16384)
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -269,8 +270,27 @@ def model_step(
     alt_model = "ring-max" if link.ragged_model != "ring-max" else "grouped"
     num_mats = 0
     ar_bytes, ar_msgs = np.zeros(n), np.zeros(n)  # ours, HSDP: per-rank replica all-reduce totals
+    # Wire formats of ragged buckets (see [Note: wire format] in fsdp_optim/sharding/_wire.py): the
+    # grouped list forms with serial per-owner pipelines (NCCL's coalesced broadcasts / reduces),
+    # one padded ring, and the runtime's per-bucket choice by fsdp_optim's own model.
+    serial = LinkConfig(**{**asdict(link), "ragged_model": "grouped-serial"})
+    wire_link = LinkModel(alpha_s=link.alpha_s, bytes_per_s=link.bytes_per_s)
+    wire = {m: Cost() for m in ("grouped", "padded", "auto")}
+    num_padded = 0
     for b in plan.buckets:
         seg = np.diff(np.asarray(b.rank_bounds, dtype=np.float64))
+        if b.layout is Layout.EVEN:
+            even = ring(link, n, seg * pb).scale(2) + ring(link, n, seg * gb)
+            for m in wire:
+                wire[m] += even
+        else:
+            g = grouped(serial, n, seg * pb).scale(2) + grouped(serial, n, seg * gb)
+            pad = ring_even(link, n, float(seg.max()) * pb).scale(2) + ring_even(link, n, float(seg.max()) * gb)
+            choice = choose_wire_mode([int(x) for x in seg], element_size=pb, backend="nccl", link=wire_link)
+            num_padded += choice is WireMode.PADDED
+            wire["grouped"] += g
+            wire["padded"] += pad
+            wire["auto"] += pad if choice is WireMode.PADDED else g
         # (a) ours
         for sc, rm in ((ours, link.ragged_model), (ours_alt, alt_model)):
             coll = ring if (b.layout is Layout.EVEN or rm == "ring-max") else grouped
@@ -326,6 +346,9 @@ def model_step(
     }
     for name, sc in zip(SCHEMES, (ours, fsdp2, gs)):
         out[name] = sc.as_dict()
+    out["wire"] = {m: {"seconds": c.seconds + ours.optim.seconds, "bytes": c.bytes + ours.optim.bytes}
+                   for m, c in wire.items()}  # fmt: skip
+    out["wire"]["num_padded_buckets"] = num_padded
     out["ours_other_ragged_model"] = {"ragged_model": alt_model, **ours_alt.as_dict()}
     for name in SCHEMES[1:]:
         out[f"time_ratio_{name}_over_ours"] = out[name]["seconds"] / out["ours"]["seconds"]
@@ -380,6 +403,28 @@ def to_markdown(data: dict) -> str:
             f"{r['time_ratio_fsdp2_muon_over_ours']:.2f} | {r['time_ratio_gather_scatter_over_ours']:.2f} | "
             f"{r['num_even_buckets']}/{r['num_ragged_buckets']}, {r['num_split_blocks']}, "
             f"{r['bytes_max_over_mean']:.2f} |"
+        )
+    out += [
+        "",
+        "## Wire formats of ragged buckets (no HSDP rows)",
+        "",
+        "Per step, FSDP collectives of our plan plus our optimizer exchanges, with every ragged bucket moved as "
+        "`grouped` (NCCL's list forms: one broadcast / reduce per owner, each its own pipeline: "
+        "`owners * (W-1) * alpha`), `padded` (one ring over segments padded to the largest) or `auto` (the "
+        "runtime's per-bucket choice by `fsdp_optim.sharding._wire`); (b) FSDP2 + gather-based torch.optim.Muon "
+        "beside them.",
+        "",
+        "| preset | W | grouped ms | padded ms | auto ms | padded buckets / ragged | (b) FSDP2 + Muon ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        if r["replicas"] > 1 or "wire" not in r:
+            continue
+        wr = r["wire"]
+        out.append(
+            f"| {r['model']} | {r['world_size']} | {_ms(wr['grouped']['seconds'])} | {_ms(wr['padded']['seconds'])} | "
+            f"{_ms(wr['auto']['seconds'])} | {wr['num_padded_buckets']} / {r['num_ragged_buckets']} | "
+            f"{_ms(r['fsdp2_muon']['seconds'])} |"
         )
     return "\n".join(out) + "\n"
 

@@ -66,6 +66,12 @@ def test_model_step_identities():
     assert r["time_ratio_fsdp2_muon_over_ours"] == pytest.approx(b["seconds"] / ours["seconds"])
     assert r["ours_other_ragged_model"]["ragged_model"] == "ring-max"
     assert r["ours_other_ragged_model"]["seconds"] >= ours["seconds"]
+    # wire formats: auto is never worse than either mode, and equals one of them where all buckets agree
+    wire = cm.model_step("gpt-oss-120b", 16384, link=link, layout="ragged")["wire"]
+    assert wire["auto"]["seconds"] <= min(wire["grouped"]["seconds"], wire["padded"]["seconds"]) * (1 + 1e-12)
+    assert wire["num_padded_buckets"] > 0
+    wire8 = r["wire"]
+    assert wire8["auto"]["seconds"] == pytest.approx(min(wire8["grouped"]["seconds"], wire8["padded"]["seconds"]))
 
 
 def test_split_exchange_and_hsdp():
