@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Single-GPU optimizer throughput, ours vs torch.optim.Muon's Newton–Schulz and torchao's AdamW8bit
-# (see benchmarks/gpu_check.py). Finishes in under 5 minutes on one GPU; writes
-# benchmarks/results/gpu_check.json.
+# (see benchmarks/gpu_check.py), then the fully_shard runtime with its side streams on one NCCL rank
+# vs FSDP2 (benchmarks/gpu_runtime_check.py). Finishes in under 5 minutes on one GPU; writes
+# benchmarks/results/gpu_check.json and gpu_runtime_check.json.
 #
 #   bash benchmarks/gpu_check.sh            # full sizes on a GPU; tiny CPU sizes (eager) without one
 #   bash benchmarks/gpu_check.sh --tiny     # force the CPU smoke sizes
@@ -23,4 +24,6 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   for a in "$@"; do [[ "$a" == --tiny ]] || args+=("$a"); done
   exec timeout 300 "$PY" benchmarks/gpu_check.py --tiny ${args[@]+"${args[@]}"}
 fi
-exec timeout 300 "$PY" benchmarks/gpu_check.py "$@"
+timeout 240 "$PY" benchmarks/gpu_check.py "$@"
+# The runtime with streams on: one NCCL rank, ours vs FSDP2 (loss, overlap from a CUDA trace, peak memory).
+exec timeout 120 "$PY" benchmarks/gpu_runtime_check.py

@@ -128,3 +128,24 @@ def test_gpu_check_pieces():
     cfg = gc.CheckConfig(device="cpu", ns_shapes=[(16, 48)], warmup=0, reps=1)
     [row] = gc.check_newton_schulz(cfg)
     assert row["max_abs_diff"] == 0 and row["ours"]["tflops"] > 0 and math.isfinite(row["ours_over_torch_time"])
+
+
+def test_gpu_runtime_check_pieces_and_cpu_refusal():
+    grc = _load("gpu_runtime_check")
+    assert grc.overlapping([(0, 2), (5, 6), (9, 10)], [(1, 3), (5.5, 5.7)]) == 2
+    assert grc.overlapping([(0, 1)], [(1, 2)]) == 0  # touching is not overlapping
+    if not grc.torch.cuda.is_available():
+        assert grc.main() == 2  # says it needs a GPU, runs nothing
+
+
+def test_step_memory_quick(tmp_path):
+    sm = _load("step_memory")
+    sm.main(["--quick", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "step_memory.json").read_text())["rows"]
+    assert {(r["precision"], r["runtime"]) for r in rows} == {
+        (p, rt) for p in sm.PRECISIONS for rt in ("fsdp_optim", "fsdp2")
+    }
+    for r in rows:
+        bd = r["breakdown"]
+        assert r["peak"] >= r["persistent"] > 0 and sum(bd.values()) == r["peak"]
+        assert bd["grads"] == bd["sharded_params"] and bd["optimizer_state"] == 2 * bd["sharded_params"]

@@ -1,0 +1,178 @@
+"""Step memory: fsdp_optim.fully_shard vs PyTorch FSDP2, both with torch.optim.AdamW, measured the same way.
+
+One launch per world size (gloo on CPU, forked), the model of ``bench_fsdp_adamw.py`` (a TinyTransformer,
+per-layer buckets plus the root, ``reshard_after_forward=True``), in two precisions: plain fp32, and bf16
+compute with fp32 reduction (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``). Each runtime
+in turn is built from scratch inside one profiler window (``profile_memory=True``: every allocation and
+free of the CPU allocator, summed in order; this counts FSDP2's DTensor and ``resize_`` storage too),
+takes one step (optimizer state made), then a second step is measured:
+
+- ``persistent``: live bytes before the second step (sharded parameters, optimizer state, runtime buffers);
+- ``peak``: the highest live bytes during the second step.
+
+The breakdown beside them is computed from sizes, the same way for both runtimes (a counter cannot
+split one allocator trace by purpose): sharded parameters and their gradients (this rank's elements,
+FSDP2's dim-0 padding included), optimizer state (AdamW: two fp32 tensors per parameter), gathered
+parameters at the busiest moment (the root's bucket plus two layer buckets, current and prefetched,
+in the compute dtype), one layer's flat reduction buffer (reduce dtype), and the rest of the peak
+(activations, autograd temporaries, the loss): ``peak - (the others)``.
+
+    python benchmarks/step_memory.py                   # W = 2 and 4, both precisions
+    python benchmarks/step_memory.py --quick           # W = 2, a smaller model; writes runs/bench-quick/
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _out import out_dir  # noqa: E402
+from bench_fsdp_adamw import _MemTrace, _settle  # noqa: E402
+
+import fsdp_optim  # noqa: E402
+from fsdp_optim._testing import run_distributed  # noqa: E402
+from tests._models import TinyConfig, TinyTransformer, make_batch  # noqa: E402
+
+MIB = 2**20
+PRECISIONS = ("fp32", "bf16_fp32_reduce")
+
+
+def _policies(precision: str):
+    if precision == "fp32":
+        return None, None
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+
+    ours = fsdp_optim.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return ours, TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _build(runtime: str, cfg: TinyConfig, full_sd: dict, precision: str, mesh):
+    ours_mp, torch_mp = _policies(precision)
+    model = TinyTransformer(cfg)
+    if runtime == "fsdp_optim":
+        for layer in model.layers:
+            fsdp_optim.fully_shard(layer, mp_policy=ours_mp)
+        fsdp_optim.fully_shard(model, mp_policy=ours_mp)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                info = fsdp_optim.shard_info(p)
+                p.copy_(full_sd[name].reshape(-1)[info.start : info.end])
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    kw = {"mesh": mesh} | ({"mp_policy": torch_mp} if torch_mp is not None else {})
+    for layer in model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local()
+            chunk = full_sd[name].chunk(mesh.size(), dim=0)
+            if mesh.get_local_rank() < len(chunk):
+                local.copy_(chunk[mesh.get_local_rank()][: local.shape[0]])
+    return model
+
+
+def _breakdown(model, runtime: str, precision: str, peak: int) -> dict:
+    """Sizes by purpose (bytes), computed alike for both runtimes (see the module docstring)."""
+    compute = 2 if precision != "fp32" else 4
+    local = sum((p.to_local() if runtime == "fsdp2" else p).numel() for p in model.parameters()) * 4
+    def numel(p):  # global elements (ours: a flat local piece; FSDP2: a DTensor of the global shape)
+        return math.prod(fsdp_optim.global_shape(p)) if runtime == "fsdp_optim" else p.numel()
+
+    root = sum(numel(p) for n, p in model.named_parameters() if not n.startswith("layers."))
+    layer = sum(numel(p) for p in model.layers[0].parameters())
+    out = {
+        "sharded_params": local,
+        "grads": local,
+        "optimizer_state": 2 * local,
+        "gathered_params": (root + 2 * layer) * compute,
+        "reduction_buffers": layer * 4,
+    }
+    out["activations_and_rest"] = peak - sum(out.values())
+    return out
+
+
+def _run(a):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    w, r = dist.get_world_size(), dist.get_rank()
+    cfg = TinyConfig(vocab_size=a.vocab, dim=a.dim, num_heads=a.heads, num_layers=a.layers, mlp_dim=a.mlp,
+                     tie_embeddings=False, frozen=False)  # fmt: skip
+    torch.manual_seed(0)
+    full_sd = {k: v.detach().clone() for k, v in TinyTransformer(cfg).state_dict().items()}
+    mesh = init_device_mesh("cpu", (w,))
+    data = [make_batch(batch_size=a.batch * w, seq_len=a.seq, vocab_size=a.vocab, seed=s) for s in range(2)]
+    data = [(x[r * a.batch : (r + 1) * a.batch], y[r * a.batch : (r + 1) * a.batch]) for x, y in data]
+    out = {}
+    for precision in PRECISIONS:
+        for runtime in ("fsdp_optim", "fsdp2"):
+            gc.collect()
+            with _MemTrace() as mt:
+                model = _build(runtime, cfg, full_sd, precision, mesh)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+                for i in range(2):
+                    if i == 1:
+                        _settle()
+                        mt.mark()
+                    x, y = data[i]
+                    F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                mt.mark()
+            peak = mt.peak_between(0, 1)
+            breakdown = _breakdown(model, runtime, precision, peak)
+            out[(precision, runtime)] = {"persistent": mt.live_at(0), "peak": peak, "breakdown": breakdown}
+            del model, opt
+    return {f"{p}|{rt}": v for (p, rt), v in out.items()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--mlp", type=int, default=1536)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="W = 2, dim 128, 2 layers")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    dest = out_dir(ap, a)
+    if a.quick:
+        a.world_sizes, a.dim, a.heads, a.layers, a.mlp, a.vocab = [2], 128, 4, 2, 256, 1024
+    rows = []
+    print(f"{'W':>2} {'precision':<17} {'runtime':<10} {'persist MiB':>11} {'peak MiB':>9}  breakdown of the peak (MiB)")
+    for w in a.world_sizes:
+        per_rank = run_distributed(lambda: _run(a), world_size=w, timeout=1800)
+        for key in per_rank[0]:
+            precision, runtime = key.split("|")
+            worst = max(per_rank, key=lambda o: o[key]["peak"])[key]  # the largest rank
+            rows.append({"world_size": w, "precision": precision, "runtime": runtime, **worst})
+            bd = " ".join(f"{k}={v / MIB:.1f}" for k, v in worst["breakdown"].items())
+            print(f"{w:>2} {precision:<17} {runtime:<10} {worst['persistent'] / MIB:>11.1f} {worst['peak'] / MIB:>9.1f}  {bd}")
+        for precision in PRECISIONS:
+            ours = next(r for r in rows if (r["world_size"], r["precision"], r["runtime"]) == (w, precision, "fsdp_optim"))
+            peer = next(r for r in rows if (r["world_size"], r["precision"], r["runtime"]) == (w, precision, "fsdp2"))
+            print(f"   W={w} {precision}: peak ours / FSDP2 = {ours['peak'] / peer['peak']:.3f}, "
+                  f"persistent {ours['persistent'] / peer['persistent']:.3f}")
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "step_memory.json").write_text(json.dumps({"config": vars(a), "rows": rows}, indent=1))
+    print(f"wrote {dest / 'step_memory.json'}")
+
+
+if __name__ == "__main__":
+    main()
