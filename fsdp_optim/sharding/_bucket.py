@@ -531,7 +531,8 @@ class _Bucket:
             streams.record(out, streams.reduce_scatter)
         with streams.on(streams.reduce_scatter), record_function(f"fsdp_optim::reduce_scatter({self._range_name})"):
             self.reduce_handle = self.buffer.reduce_scatter(
-                flat, out=out, op=dist.ReduceOp.AVG, accumulate=accumulate and out is self.grad_seg, async_op=True
+                flat, out=out, op=dist.ReduceOp.AVG, accumulate=accumulate and out is self.grad_seg, async_op=True,
+                consume=True,
             )
         self._replica_out = (out, accumulate) if self.replicate_group is not None else None
         self.where = BucketState.REDUCING

@@ -17,7 +17,8 @@ API (stable; the ``fully_shard`` runtime builds on it)::
     buf.full_views(full)              # per placement: a global-shape view into a gathered full buffer
     buf.new_full(dtype=None)          # zeros of total_numel (padding zero) for gathers / reductions
     buf.all_gather(src=None, out=None, async_op=False) -> Tensor | CollectiveHandle
-    buf.reduce_scatter(full_grad, out=None, op=SUM, accumulate=False, async_op=False) -> Tensor | CollectiveHandle
+    buf.reduce_scatter(full_grad, out=None, op=SUM, accumulate=False, async_op=False, consume=False)
+        -> Tensor | CollectiveHandle
 
 ``all_gather`` sends ``src`` (default: the segment; pass e.g. ``segment.to(torch.bfloat16)`` for a
 bf16 gather of an fp32 master) and returns the full flat buffer ``out`` (default: ``new_full`` in
@@ -33,12 +34,15 @@ Segments of equal size (every EVEN bucket, and a RAGGED one that happens to be e
 ``all_gather_single`` / ``reduce_scatter_single`` (the former ``all_gather_into_tensor`` /
 ``reduce_scatter_tensor``). Uneven segments:
 
-- reduce-scatter: list-form ``dist.reduce_scatter`` with uneven inputs (gloo and NCCL).
-- all-gather on NCCL: list-form ``dist.all_gather`` with uneven outputs (views into ``out``; NCCL
-  runs it as one coalesced group of broadcasts).
-- all-gather on gloo, which refuses uneven list ``all_gather``: one group of per-owner
-  ``dist.broadcast`` (only ranks whose segment is non-empty; each owner broadcasts straight from
-  its slice of ``out``, every other rank receives into its slice: zero extra memory).
+- reduce-scatter: on gloo the list-form ``dist.reduce_scatter`` with uneven inputs; on NCCL one
+  ``dist.reduce`` per non-empty segment to its owner (NCCL runs the list form as W reduces, empty
+  ones included: at W = 1024 a Muon layer bucket has about 9 owners).
+- all-gather (every backend): one group of per-owner ``dist.broadcast`` (only ranks whose segment is
+  non-empty; each owner broadcasts straight from its slice of ``out``, every other rank receives
+  into its slice: zero extra memory). gloo refuses an uneven list ``all_gather``, and NCCL runs it
+  as W broadcasts, zero-size ones included. (The NCCL paths are written from these semantics; no
+  GPU has run them yet.) ``PlanConfig.wire`` can move a ragged bucket padded instead ([Note: wire
+  format] in ``_wire.py``).
   The alternative, ``all_to_all_single`` with split sizes, needs each rank to send its segment W
   times (a W x segment staging copy) and was 2.7-6x slower than the broadcast group in
   ``benchmarks/collectives.py`` (gloo, 8M float32, W = 2 and 4, medians; results in
@@ -82,9 +86,16 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 UNEVEN_GATHER_MODES = ("auto", "all_gather", "broadcast", "all_to_all")
-"""How ``all_gather`` moves a bucket whose segments differ in size: ``auto`` picks
-``all_gather`` (list form) on NCCL and ``broadcast`` (one group of per-owner broadcasts)
-elsewhere; ``all_to_all`` (``all_to_all_single`` with split sizes) is kept for benchmarks."""
+"""How ``all_gather`` moves a bucket whose segments differ in size: ``auto`` picks ``broadcast``
+(one per-owner broadcast per non-empty segment: zero-size operations skipped) on every backend;
+``all_gather`` (the list form, which NCCL runs as W broadcasts, empty ones included) and
+``all_to_all`` (``all_to_all_single`` with split sizes) are kept for benchmarks."""
+
+UNEVEN_REDUCE_MODES = ("auto", "reduce_scatter", "reduce")
+"""How ``reduce_scatter`` moves uneven segments: ``reduce`` (one per-owner ``reduce`` per non-empty
+segment: zero-size operations skipped; ``auto`` on NCCL, whose list ``reduce_scatter`` runs W
+reduces) or ``reduce_scatter`` (the list form; ``auto`` elsewhere: on gloo it took 0.4-0.9x the
+tensor form's time)."""
 
 
 class CollectiveHandle:
@@ -128,6 +139,7 @@ class DistributedBuffer:
         uneven_gather: str = "auto",
         allocate: bool = True,
         wire: WireMode = WireMode.GROUPED,
+        uneven_reduce: str = "auto",
     ) -> None:
         """``allocate=False``: the segment is left uninitialized (not zero-filled) so its owner can make
         views of it and then ``drop_segment()``; ``allocate_segment()`` gives it zeroed memory again,
@@ -163,8 +175,11 @@ class DistributedBuffer:
         self.owners: list[int] = [r for r, n in enumerate(self.sizes) if n > 0]
         nccl = self.backend is not None and "nccl" in self.backend and self.device.type == "cuda"
         self._native_avg = nccl
+        if uneven_reduce not in UNEVEN_REDUCE_MODES:
+            raise ValueError(f"uneven_reduce must be one of {UNEVEN_REDUCE_MODES}, got {uneven_reduce!r}")
         if uneven_gather == "auto":
-            uneven_gather = "all_gather" if nccl else "broadcast"
+            uneven_gather = "broadcast"
+        self.uneven_reduce = ("reduce" if nccl else "reduce_scatter") if uneven_reduce == "auto" else uneven_reduce
         if uneven_gather == "all_gather" and not self.is_even and not nccl and self.backend is not None:
             raise ValueError(
                 f"bucket {plan.name!r}: uneven_gather='all_gather' needs NCCL; the {self.backend} backend refuses an "
@@ -277,9 +292,11 @@ class DistributedBuffer:
         op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
         accumulate: bool = False,
         async_op: bool = False,
+        consume: bool = False,
     ) -> torch.Tensor | CollectiveHandle:
         """Reduce the flat ``full_grad`` over ranks; this rank's range goes into ``out`` (default:
-        the gradient segment), added to it when ``accumulate`` (one collective; see the Notes)."""
+        the gradient segment), added to it when ``accumulate`` (one collective; see the Notes).
+        ``consume=True``: ``full_grad`` may be used as scratch (per-owner reduces write into it)."""
         self._check_flat(full_grad, self.total_numel, "full_grad")
         if out is None:
             out = self.alloc_grad_segment()
@@ -291,6 +308,11 @@ class DistributedBuffer:
         red_op = dist.ReduceOp.SUM if emulate_avg else op
         if self._padded_wire:
             works, stage, recv_padded = self._reduce_padded(full_grad, red_op)
+        elif self._owner_reduce:
+            # Each owner's slice is reduced in place (into a copy unless the caller gives full_grad up).
+            scratch = full_grad if consume else full_grad.clone()
+            works, stage = self._reduce_owners(scratch, red_op), scratch
+            recv_padded = scratch[self.segment_start : self.segment_end]
         else:
             works, stage, recv_padded = self._reduce_into(recv, full_grad, red_op), None, None
 
@@ -310,6 +332,17 @@ class DistributedBuffer:
         return handle if async_op else handle.wait()
 
     # ---- internals --------------------------------------------------------------------
+    @property
+    def _owner_reduce(self) -> bool:
+        return (
+            self.uneven_reduce == "reduce" and not self.is_even and self.backend is not None
+            and self.total_numel > 0 and self.world_size > 1
+        )  # fmt: skip
+
+    def _reduce_owners(self, full: torch.Tensor, op) -> list[dist.Work]:
+        pieces = full.split(self.sizes)
+        return [dist.reduce(pieces[r], group_dst=r, op=op, group=self.group, async_op=True) for r in self.owners]
+
     @property
     def _padded_wire(self) -> bool:
         return self.wire is WireMode.PADDED and not self.is_even and self.backend is not None and self.total_numel > 0

@@ -5,9 +5,8 @@ An EVEN bucket moves with one tensor collective (``all_gather_into_tensor`` /
 ``reduce_scatter_tensor``): nothing to choose. A RAGGED bucket's segments differ in size, and there
 are two ways to move them:
 
-* ``GROUPED`` (the default everywhere but NCCL): the list forms, which NCCL runs as one coalesced
-  group of W broadcasts / reduces (one per owner; gloo: ``DistributedBuffer``'s broadcast group and
-  list ``reduce_scatter``). Bytes: every segment once. Latency: one pipeline per owner when the
+* ``GROUPED``: one broadcast / reduce per non-empty segment (``DistributedBuffer``'s per-owner
+  groups; gloo: its list ``reduce_scatter``). Bytes: every segment once. Latency: one pipeline per owner when the
   operations serialize, ``owners * steps(W) * alpha`` — quadratic in W when every rank owns a piece.
 * ``PADDED``: every segment padded to the bucket's largest, one ``all_gather_into_tensor`` /
   ``reduce_scatter_tensor`` of ``W * max`` elements through a staging buffer (copy-in / copy-out of

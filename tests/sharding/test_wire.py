@@ -45,8 +45,9 @@ def test_padded_equals_grouped_bitwise(world_size, dtype):
     def fn():
         out = {}
         plan = _ragged_plan(world_size, SIZES[world_size])
-        for mode in WireMode:
-            buf = DistributedBuffer(plan, dtype=torch.float32, wire=mode)
+        for mode in (*WireMode, "owners"):  # "owners": one reduce per non-empty segment (NCCL's default)
+            buf = DistributedBuffer(plan, dtype=torch.float32, wire=WireMode.GROUPED if mode == "owners" else mode,
+                                    uneven_reduce="reduce" if mode == "owners" else "reduce_scatter")  # fmt: skip
             g = torch.Generator().manual_seed(dist.get_rank())
             buf.segment.copy_(torch.randn(buf.segment_numel, generator=g))
             full = buf.all_gather(src=buf.segment.to(dtype))
@@ -59,11 +60,14 @@ def test_padded_equals_grouped_bitwise(world_size, dtype):
         return out
 
     for out in run_distributed(fn, world_size=world_size):
-        for what, a, b in zip(("all_gather", "avg", "accumulate", "async all_gather"), out[WireMode.GROUPED], out[WireMode.PADDED]):
+        for what, a, b in [
+            x for other in (WireMode.PADDED, "owners")
+            for x in zip(("all_gather", "avg", "accumulate", "async all_gather"), out[WireMode.GROUPED], out[other])
+        ]:  # fmt: skip
             assert a.dtype == b.dtype
             if "gather" in what or world_size <= 2:
                 assert torch.equal(a, b), (what, (a - b).abs().max())
-            else:  # gloo's reduce_scatter_tensor sums 3+ ranks in another order than its list form
+            else:  # gloo's reduce_scatter_tensor / reduce sum 3+ ranks in another order than its list form
                 bf16 = dtype == torch.bfloat16  # (a last-bit difference of terms of size ~3)
                 torch.testing.assert_close(a, b, rtol=2**-7 if bf16 else 1e-6, atol=2**-6 if bf16 else 1e-6)
 
@@ -131,3 +135,22 @@ def test_training_in_padded_mode_equals_grouped_and_the_reference(world_size):
         assert gm == {WireMode.GROUPED} and pm == {WireMode.PADDED}
         assert_close_after_adamw(p, g, lr=lr)  # (reduction order differs at W = 3, see above)
         assert_close_after_adamw(p, want, lr=lr)
+
+
+def test_owner_reduces_skip_empty_segments_and_keep_the_input():
+    """Per-owner reduces: one per non-empty segment (W = 4 with an empty rank: 3), the caller's
+    gradient untouched unless it gives it up (``consume=True``)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    def fn():
+        buf = DistributedBuffer(_ragged_plan(4, SIZES[4]), uneven_reduce="reduce")
+        grad = torch.randn(buf.total_numel, generator=torch.Generator().manual_seed(dist.get_rank()))
+        before = grad.clone()
+        with CommDebugMode() as cm:
+            got = buf.reduce_scatter(grad, out=torch.empty(buf.segment_numel))
+        kept = torch.equal(grad, before)
+        consumed = buf.reduce_scatter(grad, out=torch.empty(buf.segment_numel), consume=True)
+        return sum(cm.get_comm_counts().values()), kept, torch.equal(got, consumed)
+
+    for count, kept, same in run_distributed(fn, world_size=4):
+        assert count == 3 and kept and same
