@@ -17,8 +17,18 @@ optimizer's groups. Plain (unsharded) parameters are owned by every rank. A para
 layout cuts it across ranks (a plan that had to split it, or other block rules) is rejected with
 the parameter's name. State lives in the inner optimizer (lazily, as torch's optimizers create
 it); ``self.state[p]`` mirrors it for owned parameters after each step. ``state_dict()`` /
-``load_state_dict()`` are the inner optimizer's per rank (same world size and plan); resharding
-checkpoints of this optimizer are not supported yet (``save_checkpoint`` raises a clear error).
+``load_state_dict()`` are the inner optimizer's per rank (same world size and plan).
+
+[Note: whole-tensor checkpoints]
+``save_checkpoint`` / ``load_checkpoint`` reshard this optimizer across world sizes and plans.
+Every state tensor of a parameter is saved whole by the rank that owns the parameter, under
+``optim.state.<param name>.<key>`` (0-dim step counters included: no replicated blob of scalars,
+whose values only the owner knows). The keys, shapes and dtypes are agreed at save (one
+``all_gather_object``) and stored in the manifest with the inner optimizer's class. A load reads, on
+the parameter's new owner, each saved tensor at the shape and dtype DCP's metadata gives (0-dim
+counters on the CPU, as torch keeps them; the rest on the parameter's device) and installs it into
+the inner optimizer; a rank that owns nothing reads nothing. Loading into another inner class, or a
+checkpoint missing a parameter's state under ``strict``, raises on every rank before anything is read.
 """
 
 from __future__ import annotations
@@ -149,13 +159,30 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
             if view in self.optim.state:
                 self.state[p] = self.optim.state[view]
 
-    def state_shards(self, p: Tensor) -> dict:
-        """Checkpoints: not supported yet (per-parameter state of any shape lives on its owner only)."""
-        raise ValueError(
-            "save_checkpoint / load_checkpoint do not support WholeTensorOptimizer yet: its state lives on "
-            "each parameter's owner only; use optimizer.state_dict() per rank with torch.save at a fixed "
-            "world size and plan"
-        )
+    # ---- checkpoints (see [Note: whole-tensor checkpoints]) ----------------------------------
+    def owned_state(self) -> dict[Tensor, dict[str, Tensor]]:
+        """The state of every parameter this rank steps, as the inner optimizer keeps it (tensors of
+        any shape: Adafactor's row and column factors, 0-dim step counters)."""
+        out = {}
+        for p, view in self._views.items():
+            st = self.optim.state.get(view)
+            if st:
+                for key, v in st.items():
+                    if not torch.is_tensor(v):
+                        raise ValueError(
+                            f"WholeTensorOptimizer({self.optimizer_class.__name__}): state {key!r} is a "
+                            f"{type(v).__name__}, not a tensor; checkpoints of this optimizer need tensor state"
+                        )
+                out[p] = dict(st)
+        return out
+
+    def install_state(self, p: Tensor, state: dict[str, Tensor]) -> None:
+        """Give the inner optimizer the loaded state of ``p`` (a parameter this rank owns)."""
+        view = self._view(p)
+        if view is None:
+            raise AssertionError("install_state of a parameter this rank does not own")
+        self.optim.state[view] = dict(state)
+        self._mirror_state()
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict on this rank (this rank's owned parameters only)."""

@@ -91,7 +91,7 @@ __all__ = [
 
 MANIFEST = "fsdp_optim.json"
 _FORMAT_VERSION = 1
-_SHARDED, _REPLICATED, _SCALAR = "sharded", "replicated", "scalar"
+_SHARDED, _REPLICATED, _SCALAR, _OWNED = "sharded", "replicated", "scalar", "owned"
 aten = torch.ops.aten
 
 
@@ -413,6 +413,55 @@ def _optim_state(
     return state, scalars, schema
 
 
+def _owned_optim_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> tuple[dict[str, dict[str, Any]], dict, dict[str, dict[str, str]]]:
+    """A whole-tensor optimizer's state: each owner's tensors whole, plain (no blob of scalars); the
+    schema of every rank's keys agreed with one ``all_gather_object`` (a collective)."""
+    state = {names[id(p)]: {k: v.detach() for k, v in st.items()} for p, st in optimizer.owned_state().items()}
+    mine = {name: {k: _OWNED for k in entry} for name, entry in state.items()}
+    every = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    schema: dict[str, dict[str, str]] = {}
+    for part in every:
+        for name, keys in part.items():
+            schema.setdefault(name, {}).update(keys)
+    return state, {}, schema
+
+
+def _plan_owned_load(optimizer, model, manifest: dict[str, Any], saved: dict[str, Any], plan: _LoadPlan, strict: bool):
+    """Targets for the state this rank owns now, shaped and typed from DCP's metadata."""
+    inner = _class_name(optimizer.optim)
+    if manifest.get("inner_optimizer") != inner:
+        raise ValueError(
+            f"the checkpoint holds WholeTensorOptimizer state of {manifest.get('inner_optimizer')}; it cannot be "
+            f"loaded into a WholeTensorOptimizer of {inner}"
+        )
+    names = _param_names(model, optimizer)
+    schema: dict[str, dict[str, str]] = manifest["optim_schema"]
+    plan.sd["optim"] = {"state": {}, "scalars": b"", "param_groups": b""}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            name = names[id(p)]
+            keys = schema.get(name, {})
+            if strict and p.requires_grad and not keys and schema:
+                raise ValueError(f"optimizer state of {name} is not in the checkpoint (strict=True)")
+            if not keys or not optimizer.owns(p):
+                continue
+            entry = {}
+            for key in keys:
+                fkey = f"optim.state.{name}.{key}"
+                md = saved.get(fkey)
+                if not isinstance(md, TensorStorageMetadata):
+                    raise ValueError(f"checkpoint entry {fkey} is missing (the manifest lists it)")
+                device = torch.device("cpu") if len(md.size) == 0 else p.device
+                entry[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+            plan.sd["optim"]["state"][name] = entry
+            plan.owned.append((p, entry))
+
+
 def _param_groups(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
     """Hyperparameters of each group, with parameter names instead of the parameters."""
     return [
@@ -592,7 +641,11 @@ def save_checkpoint(
         }
         if optimizer is not None:
             names = _param_names(model, optimizer)
-            state, scalars, schema = _optim_state(optimizer, names)
+            if hasattr(optimizer, "owned_state"):  # WholeTensorOptimizer: [Note: whole-tensor checkpoints]
+                state, scalars, schema = _owned_optim_state(optimizer, names)
+                manifest["inner_optimizer"] = _class_name(optimizer.optim)
+            else:
+                state, scalars, schema = _optim_state(optimizer, names)
             groups = _param_groups(optimizer, names)
             sd["optim"] = {"state": state, "scalars": _to_bytes(scalars), "param_groups": _to_bytes(groups)}
             manifest["optimizer"] = _class_name(optimizer)
@@ -807,6 +860,7 @@ class _LoadPlan:
         self.fresh: dict[int, tuple[torch.Tensor, str, dict[str, Any]]] = {}  # lazy optimizers' new state
         # (optimizer.state[p] or fresh state, key, name, device of a fresh step counter)
         self.scalars: list[tuple[dict[str, Any], str, str, torch.device | None]] = []
+        self.owned: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []  # WholeTensorOptimizer: (param, state)
 
 
 def _check_tensor(key: str, md: Any, obj: Any, *, exact_dtype: bool) -> None:
@@ -878,9 +932,15 @@ def _plan_load(
                 f"{[len(g) for g in groups]} parameters per group here, {[len(g) for g in manifest['optim_groups']]} "
                 "in the checkpoint (or different parameter names); build the optimizer as it was saved"
             )
+        if hasattr(optimizer, "owned_state") or "inner_optimizer" in manifest:
+            if not hasattr(optimizer, "owned_state"):
+                raise AssertionError("an optimizer class name matched a WholeTensorOptimizer checkpoint")
+            _plan_owned_load(optimizer, model, manifest, saved, plan, strict)
+            optimizer = None  # (its targets are planned; nothing below applies)
         schema: dict[str, dict[str, str]] = manifest["optim_schema"]
-        plan.sd["optim"] = {"state": {}, "scalars": b"", "param_groups": b""}
-        for g in optimizer.param_groups:
+        if optimizer is not None:
+            plan.sd["optim"] = {"state": {}, "scalars": b"", "param_groups": b""}
+        for g in optimizer.param_groups if optimizer is not None else ():
             for p in g["params"]:
                 name = names[id(p)]
                 saved_keys = schema.get(name, {})
@@ -1035,6 +1095,8 @@ def load_checkpoint(
             target[key] = v
         for p, _, state in plan.fresh.values():
             optimizer.state[p] = state
+        for p, state in plan.owned:
+            optimizer.install_state(p, state)
     if scheduler is not None:
         scheduler.load_state_dict(decoded["scheduler"])
     if f"rng.rank{rank}" in decoded:

@@ -213,8 +213,9 @@ def test_errors_name_the_parameter_and_the_fix():
         WholeTensorOptimizer([nn.Parameter(torch.zeros(2))], "adam")
     q = sharded(torch.randn(3, 3), RaggedShard((3, 3), (0, 9)), 0, "q")
     opt = WholeTensorOptimizer([q], torch.optim.Adafactor)
-    with pytest.raises(ValueError, match="do not support WholeTensorOptimizer"):
-        opt.state_shards(q)
+    opt.optim.state[opt._view(q)] = {"step": torch.tensor(1.0), "note": "a string"}
+    with pytest.raises(ValueError, match="state 'note' is a str, not a tensor"):
+        opt.owned_state()
 
 
 def test_block_rule_keeps_every_tensor_whole():
@@ -222,3 +223,87 @@ def test_block_rule_keeps_every_tensor_whole():
     assert rule("w", torch.zeros(3, 4), None) == whole()
     assert rule("b", torch.zeros(3), None) == whole()
     assert rule("s", torch.zeros(()), None) == elements(1)
+
+
+def _ckpt_model(matrices_only: bool) -> nn.Module:
+    torch.manual_seed(0)
+    bias = not matrices_only
+    layers = [nn.Linear(13, 29, bias=bias), nn.Linear(29, 17, bias=bias), nn.Linear(17, 5, bias=bias)]
+    if not matrices_only:
+        layers.insert(2, nn.LayerNorm(17))
+    return nn.Sequential(*layers)
+
+
+def _global_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
+    """Gradients that depend on the step only (not on W), so every run sees the same ones."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return {n: torch.randn(tuple(fsdp_optim.global_shape(p)), generator=g) for n, p in model.named_parameters()}
+
+
+def _set_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    for n, p in model.named_parameters():
+        info = shard_info(p)
+        p.grad = grads[n].reshape(-1)[info.start : info.end].clone() if info is not None else grads[n].clone()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("worlds", [(2, 3), (3, 2)])
+def test_checkpoint_reshards_and_resumes_bitwise(name, worlds, tmp_path):
+    """Two steps at one world size, save_checkpoint, load_checkpoint at another, two more steps: equal to
+    the unsharded optimizer's four steps on the same gradients, bitwise (state of any shape, 0-dim
+    counters included, moved to the parameters' new owners)."""
+    cls, kw, _ = OPTIMIZERS[name]
+    matrices_only = name == "muon"
+    path = tmp_path / "ckpt"
+
+    def build():
+        model = _ckpt_model(matrices_only)
+        fsdp_optim.fully_shard(model, blocks=WholeTensorOptimizer.blocks, plan_config=PlanConfig(layout="ragged"))
+        return model, WholeTensorOptimizer(model.parameters(), cls, **kw)
+
+    def first():
+        model, opt = build()
+        for step in range(2):
+            _set_grads(model, _global_grads(model, step))
+            opt.step()
+            opt.zero_grad()
+        fsdp_optim.save_checkpoint(path, model=model, optimizer=opt)
+        return True
+
+    def second():
+        model, opt = build()
+        fsdp_optim.load_checkpoint(path, model=model, optimizer=opt)
+        for step in range(2, 4):
+            _set_grads(model, _global_grads(model, step))
+            opt.step()
+            opt.zero_grad()
+        return fsdp_optim.full_state_dict(model)
+
+    run_distributed(first, world_size=worlds[0])
+    got = run_distributed(second, world_size=worlds[1])[0]
+    ref = _ckpt_model(matrices_only)
+    ref_opt = cls(ref.parameters(), **kw)
+    for step in range(4):
+        grads = _global_grads(ref, step)
+        for n, p in ref.named_parameters():
+            p.grad = grads[n].clone()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for n, v in ref.state_dict().items():
+        assert torch.equal(got[n], v), n
+
+
+def test_checkpoint_of_another_inner_optimizer_is_refused(tmp_path):
+    def fn():
+        model = _ckpt_model(False)
+        fsdp_optim.fully_shard(model, blocks=WholeTensorOptimizer.blocks, plan_config=PlanConfig(layout="ragged"))
+        opt = WholeTensorOptimizer(model.parameters(), torch.optim.NAdam, lr=1e-2)
+        _set_grads(model, _global_grads(model, 0))
+        opt.step()
+        fsdp_optim.save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+        other = WholeTensorOptimizer(model.parameters(), torch.optim.Adafactor, lr=1e-2)
+        with pytest.raises(ValueError, match="WholeTensorOptimizer state of torch.optim.nadam.NAdam"):
+            fsdp_optim.load_checkpoint(tmp_path / "c", model=model, optimizer=other)
+        return True
+
+    assert run_distributed(fn, world_size=2) == [True, True]
