@@ -198,8 +198,7 @@ class _Bucket:
         self.reshard_after_forward = state.reshard_after_forward and not self.is_root
         self.requires_sync = True
         fp8 = state.fp8_all_gather or root.fp8_all_gather
-        # Meta-built and nothing to move in: the segment stays unallocated (on meta) until the bucket is
-        # first used, so provisional plans of inner calls cost no memory (see [Note: meta-device
+        # Meta-built and nothing to move in: the segment has no memory until the bucket is first used, so provisional plans of inner calls cost no memory (see [Note: meta-device
         # initialization]). FP8 buckets are allocated at once (their byte buffers are made here).
         self._lazy = lazy and fp8 is None
         backend = str(dist.get_backend(root.group)) if dist.is_available() and dist.is_initialized() else None
@@ -318,6 +317,7 @@ class _Bucket:
         if not self._lazy or self.where is BucketState.RELEASED:
             return
         self.buffer.allocate_segment()
+        self.expected_ptrs = [sp.data_ptr() for sp in self.sharded]  # the storage moved: see rebind()
         self._lazy = False
 
     def gather_full(self) -> torch.Tensor:

@@ -169,3 +169,20 @@ def test_unused_meta_buckets_are_allocated_before_an_optimizer_sees_them(optimiz
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6, msg=k)
         assert any(v.abs().sum() > 0 for v in init.values())  # initialized, not the zeros of an empty bucket
+
+
+def test_a_materialized_lazy_bucket_is_not_copied_again_at_every_forward():
+    """After a lazy bucket gets its memory, the runtime's record of where each parameter lives follows
+    it, so later forwards do not mistake it for a ``to_empty`` move (a copy per parameter)."""
+
+    def fn():
+        model = _model("meta")
+        for g in model.groups:
+            for b in g:
+                fsdp_optim.fully_shard(b)
+        fsdp_optim.fully_shard(model)
+        fsdp_optim.init_weights(model)
+        buckets = model._fsdp_optim_state.runtime.buckets
+        return all(b.expected_ptrs == [sp.data_ptr() for sp in b.sharded] for b in buckets)
+
+    assert run_distributed(fn, world_size=2) == [True, True]
