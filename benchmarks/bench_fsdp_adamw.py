@@ -108,14 +108,14 @@ class _MemTrace:
                 trace = json.load(fh)
         events = trace["traceEvents"] if isinstance(trace, dict) else trace
         mem = sorted(
-            (e["args"].get("Ev Idx", 0), e["args"]["Bytes"], e["args"].get("Addr"))
+            (e["ts"], e["args"].get("Ev Idx", 0), e["args"]["Bytes"], e["args"].get("Addr"))
             for e in events
             if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0
         )
         live = peak = 0
         self._curve, self._mark_pos = [], []
         marks = list(self._marks)
-        for _, b, addr in mem:
+        for _, _, b, addr in mem:
             live += b
             peak = max(peak, live)
             self._curve.append(live)

@@ -3,19 +3,29 @@
 One launch per world size (gloo on CPU, forked), the model of ``bench_fsdp_adamw.py`` (a TinyTransformer,
 per-layer buckets plus the root, ``reshard_after_forward=True``), in two precisions: plain fp32, and bf16
 compute with fp32 reduction (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``). Each runtime
-in turn is built from scratch inside one profiler window (``profile_memory=True``: every allocation and
-free of the CPU allocator, summed in order; this counts FSDP2's DTensor and ``resize_`` storage too),
-takes one step (optimizer state made), then a second step is measured:
+in turn (the first one alternates; both ran once before, unmeasured, so first-use costs of libraries and
+gloo are in the baseline) is built from scratch, takes one step (optimizer state made), then
+``--steps`` steps are measured, each after a barrier, a short sleep and ``gc.collect()``:
 
-- ``persistent``: live bytes before the second step (sharded parameters, optimizer state, runtime buffers);
-- ``peak``: the highest live bytes during the second step.
+- ``persistent``: RSS before a measured step minus RSS before the model was built (sharded parameters,
+  optimizer state, runtime buffers), the median over the measured steps;
+- ``peak``: the peak RSS during a step (``VmHWM``, reset through ``/proc/self/clear_refs`` just before
+  the step) minus the same baseline, the median over the measured steps (``peaks_mib`` lists them).
 
-The breakdown beside them is computed from sizes, the same way for both runtimes (a counter cannot
-split one allocator trace by purpose): sharded parameters and their gradients (this rank's elements,
-FSDP2's dim-0 padding included), optimizer state (AdamW: two fp32 tensors per parameter), gathered
-parameters at the busiest moment (the root's bucket plus two layer buckets, current and prefetched,
-in the compute dtype), one layer's flat reduction buffer (reduce dtype), and the rest of the peak
-(activations, autograd temporaries, the loss): ``peak - (the others)``.
+The script runs under ``MALLOC_MMAP_THRESHOLD_=131072`` (it re-executes itself with it): every
+allocation of 128 KiB or more is its own mapping, returned to the OS when freed, so RSS follows live
+tensor memory, whichever thread frees it. Why not the profiler's allocation events: they miss frees
+made on other threads. gloo's worker threads often drop the last reference to a finished collective's
+tensors, so a profiler count keeps those buffers "alive" forever, at random, in either runtime (seen
+as 24 MiB swings between identical runs; a 6-line check: allocate under ``profile(profile_memory=True)``,
+drop the tensor on another thread, and no free event is recorded).
+
+The breakdown beside them is computed from sizes, the same way for both runtimes (RSS cannot be split
+by purpose): sharded parameters and their gradients (this rank's elements, FSDP2's dim-0 padding
+included), optimizer state (AdamW: two fp32 tensors per parameter), gathered parameters at the busiest
+moment (the root's bucket plus two layer buckets, current and prefetched, in the compute dtype), one
+layer's flat reduction buffer (reduce dtype), and the rest of the peak (activations, autograd
+temporaries, the loss, allocator slack): ``peak - (the others)``.
 
     python benchmarks/step_memory.py                   # W = 2 and 4, both precisions
     python benchmarks/step_memory.py --quick           # W = 2, a smaller model; writes runs/bench-quick/
@@ -24,10 +34,10 @@ in the compute dtype), one layer's flat reduction buffer (reduce dtype), and the
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
+import statistics
 import sys
 
 import torch
@@ -37,7 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _out import out_dir  # noqa: E402
-from bench_fsdp_adamw import _MemTrace, _settle  # noqa: E402
+from bench_fsdp_adamw import _settle  # noqa: E402
 
 import fsdp_optim  # noqa: E402
 from fsdp_optim._testing import run_distributed  # noqa: E402
@@ -103,6 +113,19 @@ def _breakdown(model, runtime: str, precision: str, peak: int) -> dict:
     return out
 
 
+def _rss_mib() -> tuple[float, float]:
+    """(current RSS, peak RSS since the last reset) of this process in MiB, from /proc."""
+    status = open("/proc/self/status").read()
+    kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in status.splitlines() if ":" in line)
+           if k in ("VmRSS", "VmHWM")}  # fmt: skip
+    return kib["VmRSS"] / 1024, kib["VmHWM"] / 1024
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset VmHWM to the current RSS (Linux)
+        f.write("5")
+
+
 def _run(a):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -115,30 +138,52 @@ def _run(a):
     mesh = init_device_mesh("cpu", (w,))
     data = [make_batch(batch_size=a.batch * w, seq_len=a.seq, vocab_size=a.vocab, seed=s) for s in range(2)]
     data = [(x[r * a.batch : (r + 1) * a.batch], y[r * a.batch : (r + 1) * a.batch]) for x, y in data]
-    out = {}
-    for precision in PRECISIONS:
+    for precision in PRECISIONS:  # warm-up: first-use costs (libraries, gloo, autograd threads) leave RSS
         for runtime in ("fsdp_optim", "fsdp2"):
-            gc.collect()
-            with _MemTrace() as mt:
-                model = _build(runtime, cfg, full_sd, precision, mesh)
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-                for i in range(2):
-                    if i == 1:
-                        _settle()
-                        mt.mark()
-                    x, y = data[i]
-                    F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                mt.mark()
-            peak = mt.peak_between(0, 1)
-            breakdown = _breakdown(model, runtime, precision, peak)
-            out[(precision, runtime)] = {"persistent": mt.live_at(0), "peak": peak, "breakdown": breakdown}
+            model = _build(runtime, cfg, full_sd, precision, mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            for x, y in data:
+                F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            del model, opt
+    out = {}
+    for n, precision in enumerate(PRECISIONS):
+        order = ("fsdp_optim", "fsdp2") if n % 2 == 0 else ("fsdp2", "fsdp_optim")  # neither always first
+        for runtime in order:
+            _settle()
+            base, _ = _rss_mib()
+            model = _build(runtime, cfg, full_sd, precision, mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            before, peaks = [], []
+            for i in range(1 + a.steps):
+                if i >= 1:
+                    _settle()
+                    before.append(_rss_mib()[0] - base)
+                    _reset_peak_rss()
+                x, y = data[i % len(data)]
+                F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if i >= 1:
+                    peaks.append(_rss_mib()[1] - base)
+            peak = statistics.median(peaks)
+            breakdown = _breakdown(model, runtime, precision, peak * MIB)
+            out[(precision, runtime)] = {
+                "persistent": statistics.median(before) * MIB, "peak": peak * MIB, "peaks_mib": peaks,
+                "breakdown": breakdown,
+            }
             del model, opt
     return {f"{p}|{rt}": v for (p, rt), v in out.items()}
 
 
+_MMAP_THRESHOLD = "131072"
+
+
 def main(argv=None) -> None:
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != _MMAP_THRESHOLD and argv is None:
+        # glibc reads it at process start: re-execute with it, so RSS follows freed tensors.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": _MMAP_THRESHOLD})
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--dim", type=int, default=384)
@@ -148,6 +193,7 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=5, help="measured steps; the median step is reported")
     ap.add_argument("--quick", action="store_true", help="W = 2, dim 128, 2 layers")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)

@@ -168,9 +168,9 @@ def test_explicit_unshard_is_used_by_the_next_forward_then_freed():
 
 @pytest.mark.parametrize("mp", ["fp32", "bf16_compute_fp32_reduce"])
 def test_gradient_copy_in_is_batched_and_exact(mp):
-    """The root bucket (always copied in) and, under bf16 compute with fp32 reduction, every bucket
-    move their gradients with one ``_foreach`` op each (no per-parameter ``add_``); the reduced
-    gradients equal a single process's, bitwise in fp32 at W=1."""
+    """Every bucket moves its gradients into the flat reduction buffer with one ``_foreach_add_``
+    (no per-parameter ``add_``); the reduced gradients equal a single process's, bitwise in fp32 at
+    W=1."""
 
     def fn():
         kwargs = {}
@@ -191,10 +191,8 @@ def test_gradient_copy_in_is_batched_and_exact(mp):
     _loss(ref, *_batch(0)).backward()
     (names, grads), = run_distributed(fn, world_size=1)
     assert len(names) == 3, names  # one copy-in per bucket
-    for children in names:  # one foreach op per kind, never a per-parameter add_ / copy_
-        assert all(n in ("aten::_foreach_add_", "aten::_foreach_copy_") for n in children), children
-    # fp32: the layers' gradients accumulate in place (zero copy), only the root's bucket copies in.
-    assert sum(bool(c) for c in names) == (1 if mp == "fp32" else 3), names
+    for children in names:  # one foreach op, never a per-parameter add_ / copy_
+        assert children == ["aten::_foreach_add_"], children
     assert set(grads) == {n for n, p in ref.named_parameters() if p.grad is not None}
     for n, p in ref.named_parameters():
         if p.grad is None:

@@ -241,6 +241,44 @@ def test_reduce_scatter_is_exact_and_one_collective(world_size, op):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_consumed_even_reduce_on_gloo_is_an_in_place_all_reduce_with_the_same_bits(world_size):
+    # [Note: even reduce-scatter on gloo]: real-valued gradients (the order of the sums matters), so
+    # equal bits mean the same summation as gloo's own reduce_scatter_single, not just the same sum.
+    from torch.profiler import ProfilerActivity, profile
+
+    def fn():
+        rank = dist.get_rank()
+        checked = 0
+        for plan in _plans(world_size) + _planner_plans(world_size):
+            buf = DistributedBuffer(plan)
+            if not buf.is_even or plan.total_numel == 0:
+                continue
+            g = torch.randn(plan.total_numel, generator=torch.Generator().manual_seed(rank))
+            g[_padding_mask(plan)] = float("nan")
+            want = torch.empty(buf.segment_numel)
+            dist.reduce_scatter_tensor(want, g.clone())  # gloo's own reduce-scatter, the reference
+            want.div_(world_size)
+            want[_padding_mask(plan)[slice(*plan.segment(rank))]] = 0
+            for consume in (False, True):
+                flat = g.clone()
+                with CommDebugMode() as cm, profile(activities=[ProfilerActivity.CPU]) as prof:
+                    got = buf.reduce_scatter(flat, op=dist.ReduceOp.AVG, consume=consume)
+                assert torch.equal(got, want), (plan.name, consume)
+                clones = [e for e in prof.events() if e.name == "aten::clone"]
+                if consume:  # one in-place all-reduce, no copy of the whole bucket
+                    assert _counts(cm) == {"allreduce_": 1}, _counts(cm)
+                    assert not clones, plan.name
+                else:  # the caller's tensor is left alone
+                    assert _counts(cm) == {"_reduce_scatter_base_": 1}, _counts(cm)
+                    assert torch.equal(flat.nan_to_num(7.0), g.nan_to_num(7.0))
+            checked += 1
+        assert checked
+        return checked
+
+    run_distributed(fn, world_size=world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_async_handles_two_buckets_wait_later(world_size):
     def fn():
         rank = dist.get_rank()

@@ -254,7 +254,8 @@ def _expected_ops(plan, *, gather_buckets, reduce_buckets):
             n = 1 if even else sum(1 for s in b.segment_sizes if s > 0)
             ops[key] = ops.get(key, 0) + n
         if b.name in reduce_buckets:
-            key = "c10d._reduce_scatter_base_" if even else "c10d.reduce_scatter_"
+            # gloo: an even bucket's reduction is an in-place all-reduce ([Note: even reduce-scatter on gloo])
+            key = "c10d.allreduce_" if even else "c10d.reduce_scatter_"
             ops[key] = ops.get(key, 0) + 1
     return ops
 
