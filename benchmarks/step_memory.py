@@ -12,8 +12,8 @@ gloo are in the baseline) is built from scratch, takes one step (optimizer state
 - ``peak``: the peak RSS during a step (``VmHWM``, reset through ``/proc/self/clear_refs`` just before
   the step) minus the same baseline, the median over the measured steps (``peaks_mib`` lists them).
 
-The script runs under ``MALLOC_MMAP_THRESHOLD_=131072`` (it re-executes itself with it): every
-allocation of 128 KiB or more is its own mapping, returned to the OS when freed, so RSS follows live
+The script pins glibc's mmap threshold at 128 KiB (``mallopt``, what ``MALLOC_MMAP_THRESHOLD_=131072``
+does at start-up) before the ranks fork: every allocation of 128 KiB or more is its own mapping, returned to the OS when freed, so RSS follows live
 tensor memory, whichever thread frees it. Why not the profiler's allocation events: they miss frees
 made on other threads. gloo's worker threads often drop the last reference to a finished collective's
 tensors, so a profiler count keeps those buffers "alive" forever, at random, in either runtime (seen
@@ -167,23 +167,31 @@ def _run(a):
                 opt.zero_grad(set_to_none=True)
                 if i >= 1:
                     peaks.append(_rss_mib()[1] - base)
-            peak = statistics.median(peaks)
-            breakdown = _breakdown(model, runtime, precision, peak * MIB)
+            peak = int(statistics.median(peaks) * MIB)
+            breakdown = _breakdown(model, runtime, precision, peak)
             out[(precision, runtime)] = {
-                "persistent": statistics.median(before) * MIB, "peak": peak * MIB, "peaks_mib": peaks,
+                "persistent": int(statistics.median(before) * MIB), "peak": peak, "peaks_mib": peaks,
                 "breakdown": breakdown,
             }
             del model, opt
     return {f"{p}|{rt}": v for (p, rt), v in out.items()}
 
 
-_MMAP_THRESHOLD = "131072"
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b > 0 else "n/a"
+
+
+def _pin_mmap_threshold(num_bytes: int = 131072) -> None:
+    """glibc ``mallopt(M_MMAP_THRESHOLD, 128 KiB)``, as ``MALLOC_MMAP_THRESHOLD_=131072`` does at
+    start-up: every larger allocation is its own mapping, unmapped when freed (forked ranks inherit it)."""
+    import ctypes
+
+    if not ctypes.CDLL("libc.so.6").mallopt(-3, num_bytes):  # -3: M_MMAP_THRESHOLD
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: RSS would not follow freed tensors")
 
 
 def main(argv=None) -> None:
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != _MMAP_THRESHOLD and argv is None:
-        # glibc reads it at process start: re-execute with it, so RSS follows freed tensors.
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": _MMAP_THRESHOLD})
+    _pin_mmap_threshold()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--dim", type=int, default=384)
@@ -194,12 +202,12 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5, help="measured steps; the median step is reported")
-    ap.add_argument("--quick", action="store_true", help="W = 2, dim 128, 2 layers")
+    ap.add_argument("--quick", action="store_true", help="W = 2, dim 256, 2 layers")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     dest = out_dir(ap, a)
     if a.quick:
-        a.world_sizes, a.dim, a.heads, a.layers, a.mlp, a.vocab = [2], 128, 4, 2, 256, 1024
+        a.world_sizes, a.dim, a.heads, a.layers, a.mlp, a.vocab = [2], 256, 4, 2, 1024, 4096
     rows = []
     print(f"{'W':>2} {'precision':<17} {'runtime':<10} {'persist MiB':>11} {'peak MiB':>9}  breakdown of the peak (MiB)")
     for w in a.world_sizes:
@@ -213,8 +221,8 @@ def main(argv=None) -> None:
         for precision in PRECISIONS:
             ours = next(r for r in rows if (r["world_size"], r["precision"], r["runtime"]) == (w, precision, "fsdp_optim"))
             peer = next(r for r in rows if (r["world_size"], r["precision"], r["runtime"]) == (w, precision, "fsdp2"))
-            print(f"   W={w} {precision}: peak ours / FSDP2 = {ours['peak'] / peer['peak']:.3f}, "
-                  f"persistent {ours['persistent'] / peer['persistent']:.3f}")
+            print(f"   W={w} {precision}: peak ours / FSDP2 = {_ratio(ours['peak'], peer['peak'])}, "
+                  f"persistent {_ratio(ours['persistent'], peer['persistent'])}")
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "step_memory.json").write_text(json.dumps({"config": vars(a), "rows": rows}, indent=1))
     print(f"wrote {dest / 'step_memory.json'}")

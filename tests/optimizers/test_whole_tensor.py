@@ -247,7 +247,7 @@ def _set_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("worlds", [(2, 3), (3, 2)])
+@pytest.mark.parametrize("worlds", [(2, 3), (3, 2), (3, 1)])
 def test_checkpoint_reshards_and_resumes_bitwise(name, worlds, tmp_path):
     """Two steps at one world size, save_checkpoint, load_checkpoint at another, two more steps: equal to
     the unsharded optimizer's four steps on the same gradients, bitwise (state of any shape, 0-dim
@@ -307,3 +307,41 @@ def test_checkpoint_of_another_inner_optimizer_is_refused(tmp_path):
         return True
 
     assert run_distributed(fn, world_size=2) == [True, True]
+
+
+def test_a_manifest_that_disagrees_with_the_saved_tensors_is_refused_on_every_rank(tmp_path):
+    """A hand-edited or mismatched manifest (a state key DCP never saved) is an error on every rank at
+    W=3 (only the owner reads that key; the others learn of it through the error agreement, so
+    nobody waits in a collective), and the message names the entry."""
+    import json
+
+    from fsdp_optim.sharding._checkpoint import MANIFEST
+
+    def build():
+        model = _ckpt_model(False)
+        fsdp_optim.fully_shard(model, blocks=WholeTensorOptimizer.blocks, plan_config=PlanConfig(layout="ragged"))
+        return model, WholeTensorOptimizer(model.parameters(), torch.optim.Adafactor, lr=1e-2)
+
+    def save():
+        model, opt = build()
+        _set_grads(model, _global_grads(model, 0))
+        opt.step()
+        fsdp_optim.save_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+        return True
+
+    def load():
+        model, opt = build()
+        try:
+            fsdp_optim.load_checkpoint(tmp_path / "c", model=model, optimizer=opt)
+        except ValueError as e:
+            return str(e)
+        return ""
+
+    run_distributed(save, world_size=2)
+    path = tmp_path / "c" / MANIFEST
+    manifest = json.loads(path.read_text())
+    schema = manifest["optim_schema"]["0.weight"]
+    schema["row_var_renamed"] = schema.pop("row_var")
+    path.write_text(json.dumps(manifest))
+    msgs = run_distributed(load, world_size=3, timeout=120)
+    assert all("optim.state.0.weight.row_var_renamed" in m and "missing" in m for m in msgs), msgs
