@@ -20,11 +20,11 @@ class AdamW4bit(QuantizedAdamW):
 
     Needs every rank boundary of a quantized tensor on a ``block_size`` (128) boundary of the global
     flat tensor (``AdamW4bit.blocks``). Precision is decided on the global tensor, never the shard,
-    so results are the same for every world size. ``compile`` as in ``AdamW8bit``. ``step()`` issues
-    no collectives.
+    so results are the same for every world size. ``compile`` and ``fuse_runs`` as in ``AdamW8bit``.
+    ``step()`` issues no collectives.
 
     Keyword arguments as ``torchao.optim.AdamW4bit``: ``lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-    weight_decay=1e-2, amsgrad=False, block_size=128``, plus ``compile=True``.
+    weight_decay=1e-2, amsgrad=False, block_size=128``, plus ``compile=True``, ``fuse_runs=True``.
     """
 
     _format = FORMAT_4BIT

@@ -22,10 +22,12 @@ class AdamW8bit(QuantizedAdamW):
     with ``TORCHDYNAMO_DISABLE=1``, not compiled torchao: inductor contracts multiply-adds).
     Compiling builds one graph per distinct local shape (seconds each on CPU, first step only), as
     torchao does. ``amsgrad=True`` keeps the running max in 8 bits too (torchao's own step fails on
-    an 8-bit max). ``step()`` issues no collectives.
+    an 8-bit max). ``step()`` issues no collectives. ``fuse_runs=True`` steps parameters that lie back
+    to back in memory (a ``fully_shard`` bucket's) with one call per run, same bits ([Note: runs]);
+    ``False`` makes one call per parameter, as torchao.
 
     Keyword arguments as ``torchao.optim.AdamW8bit``: ``lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-    weight_decay=1e-2, amsgrad=False, block_size=256``, plus ``compile=True``.
+    weight_decay=1e-2, amsgrad=False, block_size=256``, plus ``compile=True``, ``fuse_runs=True``.
     """
 
     _format = FORMAT_8BIT

@@ -26,6 +26,29 @@ State keys, per parameter and the same on every rank: quantized tensors have
 nibble first as torchao packs) and ``exp_avg_scale``/``exp_avg_sq_scale`` (fp32, one per block;
 ``max_exp_avg_sq_*`` with amsgrad); small tensors have ``exp_avg``/``exp_avg_sq`` in the
 parameter's dtype (as torchao). ``step`` is a replicated fp32 scalar.
+
+[Note: runs]
+Under ``fully_shard`` a bucket's local parameters are views into one flat segment, back to back, and
+so are their gradients. Calling torchao's step once per parameter costs one call (and, compiled, one
+graph per distinct local size) per parameter. With ``fuse_runs=True`` (the default) the parameters of a
+group that lie back to back in one storage are grouped into *runs* at construction, each run's state
+is re-homed into one buffer per key (every parameter's state entries stay views of it, so state dicts
+and checkpoints are unchanged), and a step makes one call on the run's flat span. The arithmetic is
+elementwise and a quantization block never straddles two parameters, so the bits are those of the
+per-parameter calls:
+
+- a run holds only quantized or only fp32-state parameters;
+- in a quantized run every piece but the last ends on a ``block_size`` boundary (pieces start on one:
+  the planner keeps blocks whole), so the run's blocks are the tensors' global blocks, and a tensor's
+  partial final block can only end a run (it is padded there as for a single parameter);
+- a run is split, at each step, around parameters without a gradient and between parameters whose
+  step counters differ (``torch.equal`` on the CPU counters: no host read of device values);
+- the spans are checked at every step (pointer arithmetic only): parameters no longer adjacent (their
+  storage replaced) are stepped one by one, gradients that are not adjacent are concatenated, and
+  state replaced from outside (a checkpoint load) is re-homed into one buffer first.
+
+Separate tensors (no ``fully_shard``) form runs of one and behave as before. Measured in
+``benchmarks/bench_adamw8bit_compile.py``.
 """
 
 from __future__ import annotations
@@ -196,6 +219,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
         amsgrad: bool = False,
         block_size: int | None = None,
         compile: bool = True,
+        fuse_runs: bool = True,
     ) -> None:
         check_adam_hparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         block_size = self._default_block_size if block_size is None else block_size
@@ -205,6 +229,8 @@ class QuantizedAdamW(torch.optim.Optimizer):
             )
         self.block_size = block_size
         self.compile = compile
+        self.fuse_runs = fuse_runs
+        self._runs: list[list[Tensor]] = []
         if block_size != self._default_block_size:
             self.blocks = _rule(block_size)  # instance override: what fully_shard must keep whole
         self._kinds: dict[Tensor, _Kind] = {}
@@ -214,6 +240,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 self._init_state(p, group)
         self._state_ready = True
+        self._build_runs()
         make_dcp_ready(self)
 
     # ---- state ------------------------------------------------------------------------
@@ -268,6 +295,30 @@ class QuantizedAdamW(torch.optim.Optimizer):
             group = self.param_groups[-1]
             for p in group["params"]:
                 self._init_state(p, group)
+            self._build_runs()
+
+    # ---- runs ---------------------------------------------------------------------------
+    def _build_runs(self) -> None:
+        """Group adjacent parameters into runs and give each run contiguous state (see [Note: runs])."""
+        self._runs = []
+        for group in self.param_groups:
+            for run in _adjacent_runs(group["params"], self._kind, self.block_size) if self.fuse_runs else []:
+                if len(run) > 1:
+                    self._share_state(run)
+                    self._runs.append(run)
+        self._run_of = {p: run for run in self._runs for p in run}
+
+    def _share_state(self, run: list[Tensor]) -> None:
+        """Re-home the run's state in one buffer per key, values kept (``step`` stays per parameter)."""
+        for key, v in self.state[run[0]].items():
+            if key == "step":
+                continue
+            buf = torch.cat([self.state[p][key].reshape(-1) for p in run])
+            off = 0
+            for p in run:
+                n = self.state[p][key].numel()
+                self.state[p][key] = buf[off : off + n].view_as(self.state[p][key])
+                off += n
 
     def is_quantized(self, p: Tensor) -> bool:
         """Whether ``p`` has quantized moments (decided on its global size, the same on every rank)."""
@@ -328,6 +379,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 self._init_state(p, group)  # parameters the loaded state did not cover
+        self._build_runs()  # the loaded tensors go back into contiguous run buffers
 
     # ---- step -------------------------------------------------------------------------
     @profiled_step
@@ -338,29 +390,83 @@ class QuantizedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         fn = _step_fn(self.compile)
-        with torch._dynamo.utils.disable_cache_limit():  # one graph per local shape, as torchao
+        with torch._dynamo.utils.disable_cache_limit():  # one graph per distinct run / shape, as torchao
             for group in self.param_groups:
                 lr = group["lr"]
                 lr = lr if isinstance(lr, Tensor) else torch.tensor(lr, dtype=torch.float32)
                 beta1, beta2 = group["betas"]
+                args = (lr, float(beta1), float(beta2), group["weight_decay"], group["eps"], True, False)
+                seen: set[int] = set()
                 for p in group["params"]:
+                    run = self._run_of.get(p)
+                    if run is not None:
+                        if id(run) not in seen:
+                            seen.add(id(run))
+                            self._step_run(fn, run, group["amsgrad"], args)
+                        continue
                     if p.grad is None:
                         continue
-                    if p.grad.is_sparse:
-                        raise RuntimeError(f"{self._name} does not support sparse gradients")
-                    state = self.state[p]
-                    state["step"] += 1
-                    if p.numel() == 0:
-                        continue
-                    args = (lr, float(beta1), float(beta2), group["weight_decay"], group["eps"], True, False)
-                    if self._kind(p).quantized:
-                        self._step_quantized(fn, p, state, group["amsgrad"], args)
-                    else:
-                        fn(
-                            p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
-                            state.get("max_exp_avg_sq"), *args,
-                        )
+                    self._check_grad(p)
+                    self.state[p]["step"] += 1
+                    if p.numel():
+                        self._step_span(fn, [p], group["amsgrad"], args)
         return loss
+
+    def _check_grad(self, p: Tensor) -> None:
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{self._name} does not support sparse gradients")
+
+    def _step_run(self, fn, run: list[Tensor], amsgrad: bool, args: tuple) -> None:
+        """Step the parameters of ``run`` that have gradients: one call per maximal piece of adjacent
+        equal step counters."""
+        keys = [k for k in self.state[run[0]] if k != "step"]
+        if not all(_adjacent([self.state[p][k] for p in run]) for k in keys):
+            self._share_state(run)  # state tensors replaced from outside (a checkpoint load): re-home them
+        pieces: list[list[Tensor]] = [[]]
+        for p in run:
+            if p.grad is None:
+                pieces.append([])
+                continue
+            self._check_grad(p)
+            cur = pieces[-1]
+            if cur and not self._same_step(cur[0], p):
+                pieces.append(cur := [])
+            cur.append(p)
+        for piece in pieces:
+            if not piece:
+                continue
+            for q in piece:
+                self.state[q]["step"] += 1
+            self._step_span(fn, piece, amsgrad, args)
+
+    def _same_step(self, a: Tensor, b: Tensor) -> bool:
+        """Whether ``a`` and ``b`` have taken the same number of steps (``torch.equal`` of two CPU
+        scalars: no host read of a device value). Each parameter keeps its own counter, so state
+        built elsewhere (a checkpoint load) can never make one counter stand for two parameters."""
+        sa, sb = self.state[a]["step"], self.state[b]["step"]
+        return sa is sb or torch.equal(sa, sb)
+
+    def _step_span(self, fn, piece: list[Tensor], amsgrad: bool, args: tuple) -> None:
+        """One step call on the flat span of ``piece`` (adjacent parameters, contiguous state)."""
+        state0 = self.state[piece[0]]
+        step = state0["step"]
+        if len(piece) > 1 and not _adjacent(piece):  # storage replaced since the runs were built
+            for p in piece:
+                self._step_span(fn, [p], amsgrad, args)
+            return
+        quantized = self._kind(piece[0]).quantized
+        if len(piece) == 1 and not quantized:  # as torchao: the parameter's own shape and strides
+            p = piece[0]
+            fn(p.detach(), p.grad, step, state0["exp_avg"], state0["exp_avg_sq"], state0.get("max_exp_avg_sq"), *args)
+            return
+        flat = _span([p.detach() for p in piece])
+        grads = [p.grad for p in piece]
+        grad = _span(grads) if _adjacent(grads) else torch.cat([g.reshape(-1) for g in grads])
+        span_state = {k: _span([self.state[p][k] for p in piece]) for k in state0 if k != "step"}
+        if quantized:
+            self._step_quantized(fn, flat, grad, span_state, step, amsgrad, args)
+        else:
+            fn(flat, grad, step, span_state["exp_avg"], span_state["exp_avg_sq"], span_state.get("max_exp_avg_sq"), *args)
 
     def _state_tensor(self, codes: Tensor, scale: Tensor, signed: bool, numel: int, dtype: torch.dtype):
         """torchao's state subclass over ``numel`` elements' stored codes and their scales."""
@@ -370,19 +476,20 @@ class QuantizedAdamW(torch.optim.Optimizer):
             return cls(codes, scale, qmap, signed, dtype=dtype)
         return cls(codes, scale, qmap, signed, (numel,), dtype=dtype)
 
-    def _step_quantized(self, fn, p: Tensor, state: dict[str, Tensor], amsgrad: bool, args: tuple) -> None:
+    def _step_quantized(
+        self, fn, flat: Tensor, grad: Tensor, state: dict[str, Tensor], step: Tensor, amsgrad: bool, args: tuple
+    ) -> None:
+        """torchao's step on the flat span ``flat`` whose codes and scales are ``state``'s tensors."""
         bs = self.block_size
         fmt = self._format
         cpb = fmt.codes_per_byte
-        flat = p.detach().view(-1)
-        grad = p.grad.reshape(-1)
         n = flat.numel()
         n_full = n // bs * bs
 
         def moment(name: str, signed: bool, lo: int, hi: int, codes: Tensor | None = None):
             codes = state[f"{name}_codes"][lo // cpb : hi // cpb] if codes is None else codes
             scale = state[f"{name}_scale"][lo // bs : -(-hi // bs)]
-            return self._state_tensor(codes, scale, signed, codes.numel() * cpb, p.dtype)
+            return self._state_tensor(codes, scale, signed, codes.numel() * cpb, flat.dtype)
 
         def run(p_part: Tensor, g_part: Tensor, lo: int, hi: int, codes: dict[str, Tensor] | None = None) -> None:
             m = moment("exp_avg", True, lo, hi, codes and codes["exp_avg"])
@@ -393,7 +500,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
                 # its state subclasses): hand it the dequantized values and re-quantize what it wrote.
                 vmax_q = moment("max_exp_avg_sq", False, lo, hi, codes and codes["max_exp_avg_sq"])
                 vmax = vmax_q.dequantize(torch.float32).reshape(-1)
-            fn(p_part, g_part, state["step"], m, v, vmax, *args)
+            fn(p_part, g_part, step, m, v, vmax, *args)
             if vmax is not None:
                 c, sc = quantize_blockwise(vmax, signed=False, block_size=bs, fmt=fmt)
                 vmax_q.codes.copy_(c)
@@ -411,12 +518,56 @@ class QuantizedAdamW(torch.optim.Optimizer):
             lo, hi = n_full // cpb, fmt.num_code_bytes(n)
             for name, signed in _MOMENTS:
                 if f"{name}_codes" in state:
-                    codes[name] = torch.full((bs // cpb,), _pad_byte(fmt, signed), dtype=torch.uint8, device=p.device)
+                    codes[name] = torch.full((bs // cpb,), _pad_byte(fmt, signed), dtype=torch.uint8, device=flat.device)
                     codes[name][: hi - lo] = state[f"{name}_codes"][lo:hi]
             run(p_pad, g_pad, n_full, n, codes)
             flat[n_full:] = p_pad[:k]
             for name, c in codes.items():
                 state[f"{name}_codes"][lo:hi] = c[: hi - lo]
+
+
+def _adjacent(tensors: list[Tensor]) -> bool:
+    """Whether ``tensors`` are contiguous and follow each other in one storage, in this order."""
+    first = tensors[0]
+    if not all(t.is_contiguous() and t.dtype == first.dtype and t.device == first.device for t in tensors):
+        return False
+    if len(tensors) == 1:
+        return True
+    base = first.untyped_storage().data_ptr()
+    end = first.data_ptr() + first.numel() * first.element_size()
+    for t in tensors[1:]:
+        if t.untyped_storage().data_ptr() != base or t.data_ptr() != end:
+            return False
+        end += t.numel() * t.element_size()
+    return True
+
+
+def _span(tensors: list[Tensor]) -> Tensor:
+    """The flat view of adjacent contiguous ``tensors`` (see ``_adjacent``), writes going to them."""
+    first = tensors[0]
+    n = sum(t.numel() for t in tensors)
+    return first.as_strided((n,), (1,), first.storage_offset())
+
+
+def _adjacent_runs(params: list[Tensor], kind: Callable[[Tensor], _Kind], block_size: int) -> list[list[Tensor]]:
+    """Maximal runs of ``params`` (one parameter group) adjacent in memory, in memory order, that one
+    step call may cover ([Note: runs]): same dtype and kind; quantized ones must end on a block
+    boundary except the run's last."""
+    items = [p for p in params if p.numel() > 0 and p.is_contiguous()]
+    items.sort(key=lambda p: (p.device.type, p.device.index or 0, p.untyped_storage().data_ptr(), p.data_ptr()))
+    runs: list[list[Tensor]] = []
+    for p in items:
+        run = runs[-1] if runs else None
+        if (
+            run is not None
+            and _adjacent([run[-1], p])
+            and kind(p).quantized == kind(run[-1]).quantized
+            and (not kind(p).quantized or run[-1].numel() % block_size == 0)
+        ):
+            run.append(p)
+        else:
+            runs.append([p])
+    return runs
 
 
 def _rule(block_size: int) -> BlockRule:

@@ -290,3 +290,23 @@ def test_bad_input_names_the_parameter_and_the_fix():
         AdamW4bit([nn.Parameter(torch.zeros(3))], block_size=127)
     assert AdamW4bit.blocks("w", torch.zeros(3), None) == elements(128)
     assert AdamW8bit.blocks("w", torch.zeros(3), None) == elements(256)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_runs_of_adjacent_shards_equal_per_tensor_calls_bitwise(amsgrad):
+    """[Note: runs] with 4-bit codes (two per byte): shards back to back in one buffer, stepped one
+    call per run, give the bits of one call per tensor (itself equal to torchao, tested above); the
+    odd sizes' partial final blocks end their runs. W = 3, a parameter without a gradient at step 1."""
+    from tests.optimizers.test_adamw8bit import RUN_SHAPES, adjacent_run
+
+    world_size = 3
+    params, grads = make_data(RUN_SHAPES, 3, seed=11)
+    layouts = [random_block_layout(s, world_size, seed=i) for i, s in enumerate(RUN_SHAPES)]
+    kw = dict(cls=AdamW4bit, bs=BS, lr=1e-2, amsgrad=amsgrad)
+    fused = adjacent_run(params, grads, layouts, fuse_runs=True, **kw)
+    plain = adjacent_run(params, grads, layouts, fuse_runs=False, **kw)
+    for f, p in zip(fused, plain):
+        assert all(torch.equal(a, b) for a, b in zip(f[0], p[0]))
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(f[1], p[1]) for k in a)
+        assert f[4][0] < p[4][0] or not any(len(r) > 1 for r in f[5])
+    assert any(len(r) > 1 for f in fused for r in f[5])
