@@ -20,8 +20,8 @@ class AdamW8bit(QuantizedAdamW):
     tensor (``AdamW8bit.blocks``). ``compile=True`` (torchao's behavior) runs the step through
     ``torch.compile``; ``False`` runs it eagerly (no compiler needed; numerics then equal torchao run
     with ``TORCHDYNAMO_DISABLE=1``, not compiled torchao: inductor contracts multiply-adds).
-    Compiling builds one graph per distinct local shape (seconds each on CPU, first step only), as
-    torchao does. ``amsgrad=True`` keeps the running max in 8 bits too (torchao's own step fails on
+    Compiling builds one graph per distinct span length (seconds each on CPU, first step only): per
+    run of adjacent shards with ``fuse_runs=True``, per local shape as torchao with ``False``. ``amsgrad=True`` keeps the running max in 8 bits too (torchao's own step fails on
     an 8-bit max). ``step()`` issues no collectives. ``fuse_runs=True`` steps parameters that lie back
     to back in memory (a ``fully_shard`` bucket's) with one call per run, same bits ([Note: runs]);
     ``False`` makes one call per parameter, as torchao.
