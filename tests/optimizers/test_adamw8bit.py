@@ -609,3 +609,35 @@ def test_runs_with_gradients_that_are_not_adjacent_and_a_state_dict_round_trip()
         )
 
     assert run_distributed(fn, world_size=world_size) == [True, True]
+
+
+def test_runs_whose_storage_is_replaced_fall_back_to_one_call_per_tensor():
+    """A parameter moved to new storage after the optimizer was built (``p.data = ...``) breaks its
+    run's span: the step notices (pointer checks) and steps those parameters one by one, same bits."""
+    world_size = 1
+    params, grads = make_data(RUN_SHAPES, 2, seed=9)
+    layouts = [even_block_layout(s, world_size) for s in RUN_SHAPES]
+
+    def fn():
+        flat = torch.cat([f.reshape(-1) for f in params])
+        outs = []
+        for replace in (False, True):
+            buf, ps, off = flat.clone(), [], 0
+            for i, (f, lay) in enumerate(zip(params, layouts)):
+                p = torch.nn.Parameter(buf[off : off + f.numel()])
+                set_shard_info(p, ShardInfo(fqn=f"p{i}", shape=tuple(f.shape), spec=elements(BS), layout=lay, rank=0))
+                ps.append(p)
+                off += f.numel()
+            opt = AdamW8bit(ps, compile=False, lr=1e-2)
+            assert any(len(r) > 1 for r in opt._runs)
+            if replace:
+                for p in ps[3:5]:
+                    p.data = p.data.clone()
+            for gs in grads:
+                for p, g in zip(ps, gs):
+                    p.grad = g.reshape(-1).clone()
+                opt.step()
+            outs.append([p.detach().clone() for p in ps])
+        return all(torch.equal(a, b) for a, b in zip(*outs))
+
+    assert run_distributed(fn, world_size=world_size) == [True]
