@@ -44,7 +44,8 @@ moments' rotations and the refresh per batch. Per unit these are ``_step_param``
 order, with every operand laid out as there (``_outer_batched`` mirrors ``tensordot``'s layouts).
 On CPU batched equals looped bitwise (tested): LAPACK ``syevd`` / ``geqrf`` and BLAS ``gemm`` run
 per matrix, except that ATen's CPU ``bmm`` multiplies products with ``m k n < 400`` in its own loop
-kernel, which rounds differently from ``mm``; ``_bmm`` multiplies those one matrix at a time. A
+kernel, which rounds differently from ``mm``, and a size-1 dim changes the strides (hence the path)
+BLAS sees: such products (``_per_matrix``) run one matrix at a time with the looped step's own op. A
 degenerate factor (a rank-deficient ``GG``, e.g. a 1-D unit's ``g g^T``) turns such last-bit
 differences into different bases, so this matters. Since no CPU result depends on batch-mates,
 batched block SOAP sharded equals the single-process run bitwise (W = 1..4 tested). On CUDA the
@@ -496,30 +497,43 @@ def _outer(g: Tensor, dim: int) -> Tensor:
     return torch.tensordot(g, g, dims=(other, other))
 
 
+def _per_matrix(m: int, k: int, n: int, x: Tensor) -> bool:
+    """Whether a batched ``[m, k] x [k, n]`` product must run one matrix at a time to round as the
+    looped step does on CPU: ATen's CPU ``bmm`` multiplies products with ``m k n < 400`` in its own
+    loop kernel (not BLAS), and a size-1 dim changes the strides BLAS sees (see [Note: batched SOAP])."""
+    return not x.is_cuda and (m * k * n < 400 or min(m, k, n) == 1)
+
+
 def _bmm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` on ``[B, m, k] x [B, k, n]`` stacks, bitwise each matrix's own ``mm`` on CPU: ATen's
-    CPU ``bmm`` runs products with ``m k n < 400`` through its own loop kernel (not BLAS, so it rounds
-    differently), so those are multiplied one matrix at a time (see [Note: batched SOAP])."""
-    if a.is_cuda or a.shape[-2] * a.shape[-1] * b.shape[-1] >= 400:
+    """``a @ b`` on ``[B, m, k] x [B, k, n]`` stacks of contiguous matrices (or their ``mT``), each
+    bitwise its own ``@`` on CPU."""
+    if not _per_matrix(a.shape[-2], a.shape[-1], b.shape[-1], a):
         return a @ b
     return torch.stack([x @ y for x, y in zip(a.unbind(0), b.unbind(0))])
 
 
 def _outer_batched(g: Tensor, dim: int) -> Tensor:
-    """``_outer`` of every ``g[i]`` of a ``[B, *shape]`` stack: ``[B, n, n]``, laid out as ``tensordot``
-    lays out each operand (so each product is the same ``mm``)."""
+    """``_outer`` of every ``g[i]`` of a ``[B, *shape]`` stack: ``[B, n, n]``; ``tensordot``'s operand
+    layouts, so each product is the same ``mm``."""
     other = [d + 1 for d in range(g.ndim - 1) if d != dim]
     b, n = g.shape[0], g.shape[dim + 1]
-    return _bmm(g.permute(0, dim + 1, *other).reshape(b, n, -1), g.permute(0, *other, dim + 1).reshape(b, -1, n))
+    if _per_matrix(n, g[0].numel() // max(n, 1), n, g):
+        return torch.stack([_outer(x, dim) for x in g.unbind(0)])
+    return g.permute(0, dim + 1, *other).reshape(b, n, -1) @ g.permute(0, *other, dim + 1).reshape(b, -1, n)
 
 
 def _rotate_batched(x: Tensor, qs: list[Tensor | None], *, back: bool) -> Tensor:
     """``_rotate`` of every ``x[i]`` of a ``[B, *shape]`` stack with the bases stacked per dim."""
     for q in qs:
-        x = x.movedim(1, -1)
-        if q is not None:
+        if q is None:
+            x = x.movedim(1, -1)
+        elif _per_matrix(x[0].numel() // x.shape[1], x.shape[1], q.shape[-1], x):
+            x = torch.stack([torch.tensordot(xi, qi, dims=([0], [1 if back else 0]))
+                             for xi, qi in zip(x.unbind(0), q.unbind(0))])  # fmt: skip
+        else:
+            x = x.movedim(1, -1)
             shape = x.shape
-            x = _bmm(x.reshape(shape[0], -1, shape[-1]), q.mT if back else q).view(shape)
+            x = (x.reshape(shape[0], -1, shape[-1]) @ (q.mT if back else q)).view(shape)
     return x
 
 

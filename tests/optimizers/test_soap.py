@@ -278,6 +278,54 @@ def test_whole_tensor_mode_rejects_a_split_tensor_naming_it_and_the_fix():
         run_distributed(fn2, world_size=2)
 
 
+# ---- batched (see [Note: batched SOAP]) ----------------------------------------------------------
+BATCH_SHAPES = [(37, 50), (64, 64), (64, 64), (64, 64), (5,), (3, 7, 11), ()]
+
+
+def _run_batched(batched, **kw):
+    """5 steps (2 refresh periods at frequency 2) on shapes that divide nothing; the second [64, 64]
+    has no gradient at step 3, so its batch-mates are a step ahead (different phases in one group)."""
+    gen = torch.Generator().manual_seed(3)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in BATCH_SHAPES]
+    opt = SOAP(ps, lr=0.01, betas=(0.9, 0.95), precondition_frequency=2, precondition_1d=True, batched=batched, **kw)
+    for step in range(6):
+        for i, p in enumerate(ps):
+            p.grad = None if (i, step) == (2, 3) else torch.randn(p.shape, generator=gen)
+        opt.step()
+    return ps, opt
+
+
+@pytest.mark.parametrize("block_size", [None, 16])
+@pytest.mark.parametrize("normalize_grads", [False, True])
+def test_batched_equals_looped_bitwise(block_size, normalize_grads):
+    ref, ref_opt = _run_batched(False, block_size=block_size, normalize_grads=normalize_grads)
+    ours, opt = _run_batched(True, block_size=block_size, normalize_grads=normalize_grads)
+    for i, (a, b) in enumerate(zip(ref, ours)):
+        assert torch.equal(a, b), f"{BATCH_SHAPES[i]}: max |diff| {(a - b).abs().max():.3e}"
+        for key, v in ref_opt.state[a].items():
+            assert torch.equal(v, opt.state[b][key]), (BATCH_SHAPES[i], key)
+    assert not torch.equal(ref[0], _run_batched(False, block_size=block_size, normalize_grads=not normalize_grads)[0][0])
+
+
+def test_batched_default_is_looped_on_cpu():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    p.grad = torch.randn(4, 4)
+    opt = SOAP([p])
+    opt._step_group_batched = None  # a call would raise
+    opt.step()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_batched_block_soap_sharded_equals_looped_single_process_bitwise(world_size, single_process):
+    ref, ref_state, _, _ = single_process
+    ours, state, comms, _ = run(world_size, opt_kw=dict(OPT, batched=True), count_comms=True)
+    for k in SHAPES:
+        assert torch.equal(ours[k], ref[k]), f"{k}: max |diff| {(ours[k] - ref[k]).abs().max():.3e}"
+    for key in ref_state:
+        assert torch.equal(state[key], ref_state[key]), key
+    assert all(c == {} for per_rank in comms for c in per_rank), comms
+
+
 def test_bad_arguments():
     p = torch.nn.Parameter(torch.randn(3, 3))
     for kw, match in [(dict(betas=(0.9, 1.0)), "betas"), (dict(data_format="nhwc"), "data_format"),
