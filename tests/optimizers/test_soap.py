@@ -307,17 +307,23 @@ def test_batched_equals_looped_bitwise(block_size, normalize_grads):
     assert not torch.equal(ref[0], _run_batched(False, block_size=block_size, normalize_grads=not normalize_grads)[0][0])
 
 
-def test_batched_default_is_looped_on_cpu():
+def test_batched_is_the_default_and_false_loops():
     p = torch.nn.Parameter(torch.randn(4, 4))
     p.grad = torch.randn(4, 4)
-    opt = SOAP([p])
-    opt._step_group_batched = None  # a call would raise
-    opt.step()
+    for batched, other in [(None, "_step_param"), (False, "_step_group_batched")]:
+        opt = SOAP([p], batched=batched)
+        setattr(opt, other, None)  # a call would raise
+        opt.step()
+
+
+@pytest.fixture(scope="module")
+def looped_single_process():
+    return run(1, opt_kw=dict(OPT, batched=False))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_batched_block_soap_sharded_equals_looped_single_process_bitwise(world_size, single_process):
-    ref, ref_state, _, _ = single_process
+def test_batched_block_soap_sharded_equals_looped_single_process_bitwise(world_size, looped_single_process):
+    ref, ref_state, _, _ = looped_single_process
     ours, state, comms, _ = run(world_size, opt_kw=dict(OPT, batched=True), count_comms=True)
     for k in SHAPES:
         assert torch.equal(ours[k], ref[k]), f"{k}: max |diff| {(ours[k] - ref[k]).abs().max():.3e}"
