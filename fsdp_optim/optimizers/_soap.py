@@ -404,7 +404,7 @@ class SOAP(torch.optim.Optimizer):
             ctx.append((p, plan, st, t, g, torch.empty_like(g)))
             phase = 0 if t == 1 else (2 if (t - 1) % freq == 0 else 1)  # first call / Adam / Adam + refresh
             for u in plan.units:
-                batches.setdefault((u.shape, u.factors.count(None), phase), []).append((len(ctx) - 1, u))
+                batches.setdefault((u.shape, tuple(f is None for f in u.factors), phase), []).append((len(ctx) - 1, u))
 
         def views(key: str, items: list[tuple[int, _Unit]], dim: int) -> list[Tensor]:
             n = items[0][1].shape[dim]
@@ -441,8 +441,8 @@ class SOAP(torch.optim.Optimizer):
             vs.mul_(beta2).add_(gp.square(), alpha=1 - beta2)
             n_dir = _rotate_batched(ms / vs.sqrt().add_(group["eps"]), qs, back=True)
             if group["normalize_grads"]:
-                dims = tuple(range(1, n_dir.ndim))
-                n_dir = n_dir / (1e-30 + torch.mean(n_dir**2, dim=dims, keepdim=True) ** 0.5)
+                rms = torch.mean((n_dir**2).reshape(len(items), -1), dim=1) ** 0.5  # per unit (scalars too)
+                n_dir = n_dir / (1e-30 + rms.view(-1, *[1] * len(shape)))
             for i, (ci, u) in enumerate(items):
                 u.store(ctx[ci][5], n_dir[i])
             post.append((shape, phase, items, gs, ms, vs, qs))
