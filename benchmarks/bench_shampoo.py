@@ -132,7 +132,7 @@ def bench(args) -> dict:
         ps, ps1 = sides[f"{name} W"][0], sides[f"{name} 1p"][0]
         same[name] = all(torch.equal(ps[n].detach(), layouts[n].shard(ps1[n].detach(), rank)) for n in shapes)
     batched_same = {
-        at: all(torch.equal(sides[f"soap {at}"][0][n].detach(), sides[f"soap looped {at}"][0][n].detach()) for n in shapes)
+        at: all(torch.equal(sides[f"soap {at}"][0][n], sides[f"soap looped {at}"][0][n]) for n in shapes)
         for at in ("W", "1p")
     }
     return {"steps": out, "ratios": ratios, "sharded_equals_single_process_bitwise": same,

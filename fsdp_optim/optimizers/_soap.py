@@ -411,7 +411,8 @@ class SOAP(torch.optim.Optimizer):
             return [ctx[ci][2][key][u.factors[dim] : u.factors[dim] + n * n].view(n, n) for ci, u in items]
 
         def stacked_q(items: list[tuple[int, _Unit]]) -> list[Tensor | None]:
-            return [None if off is None else torch.stack(views("Q", items, d)) for d, off in enumerate(items[0][1].factors)]
+            factors = items[0][1].factors
+            return [None if off is None else torch.stack(views("Q", items, d)) for d, off in enumerate(factors)]
 
         def factor_ema(items: list[tuple[int, _Unit]], gs: Tensor) -> None:
             fs, outs = [], []
