@@ -279,7 +279,7 @@ def test_whole_tensor_mode_rejects_a_split_tensor_naming_it_and_the_fix():
 
 
 # ---- batched (see [Note: batched SOAP]) ----------------------------------------------------------
-BATCH_SHAPES = [(37, 50), (64, 64), (64, 64), (64, 64), (5,), (3, 7, 11), (), ()]
+BATCH_SHAPES = [(37, 50), (64, 64), (64, 64), (64, 64), (5,), (3, 7, 11), (1, 600), (1, 600), (), ()]
 
 
 def _run_batched(batched, **kw):
