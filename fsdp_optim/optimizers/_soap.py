@@ -130,10 +130,11 @@ class SOAP(torch.optim.Optimizer):
     keeps Shampoo's ``k``-strips whole (large matrices balance at scale). ``SOAP.blocks`` is the
     whole-tensor rule. ``batched``: the work of a parameter group's same-shape units batched (see
     [Note: batched SOAP]); ``False``: one unit at a time (the reference mode); ``None`` (default):
-    batched, on CUDA and on CPU too, unlike Shampoo: on CPU batched equals looped bitwise and measured
-    faster where units are small or few per rank (``bench_shampoo.py``, W = 2, 1 thread per rank:
-    ``k = 32``: 0.42-0.47x the looped step; ``k = 128``, 4 x [512, 512]: 0.93-0.95x at W, though
-    1.04-1.18x in one process, whose larger stacks fall out of cache).
+    batched, on CUDA and on CPU too, unlike Shampoo: on CPU batched equals looped bitwise, and it
+    halves the step where per-unit Python overhead dominates (``bench_shampoo.py``, W = 2, 1 thread
+    per rank, batched / looped step: ``--quick`` (``k = 32``) 0.42-0.51x, ``k = 64`` 0.49-0.60x)
+    while costing little where it does not (``k = 128``, 4 x [512, 512]: 0.93-1.10x at W, 1.04-1.18x
+    in one process, whose larger stacks fall out of cache; three runs on a shared machine).
     """
 
     blocks = staticmethod(soap_rule(None))
