@@ -1,5 +1,5 @@
 """Shampoo and SOAP steps on block-aligned shards at W ranks vs their own single-process step / W,
-and batched vs looped (per-block) Shampoo, side by side in one launch.
+and batched vs looped (per-block) Shampoo and SOAP, side by side in one launch.
 
 One launch of W (default 2) forked gloo ranks, 1 thread each. Parameters: ``--layers`` matrices
 ``[dim, dim]`` plus a few odd shapes (a ``[dim, 3 * dim // 2]`` matrix, a ``[dim]`` vector). Every
@@ -9,13 +9,14 @@ step every rank draws the same full gradients (seeded), outside any timed region
   CUDA default / ``False``, the CPU default) on RaggedShard layouts that deal each tensor's ``k``-strips evenly to the ranks;
 - ``shampoo 1p``: the same optimizer on full (unsharded) parameters, run on every rank (each rank's
   single core does the whole step: the "single-process step");
-- ``soap W`` / ``soap 1p``: ``SOAP(block_size=k)`` likewise.
+- ``soap W`` / ``soap looped W`` / ``soap 1p`` / ``soap looped 1p``: ``SOAP(block_size=k)`` likewise
+  (``batched=True`` / ``False``).
 
 Per side: the slowest rank's step time each step (sides timed in rotating order so a load spike on
 the shared machine hits all alike), reported as the median over the steps after ``--warmup`` and
 as the mean over whole ``precondition_frequency`` periods (which include the root / eigenbasis
-steps). The target: ``W step / (1p step / W) <= 1.2``. The batched/looped ratio compares Shampoo's
-two modes at W.
+steps). The target: ``W step / (1p step / W) <= 1.2``. The batched/looped ratios compare each
+optimizer's two modes at W and in one process; ``batched_equals_looped_bitwise`` checks SOAP's.
 
     python benchmarks/bench_shampoo.py            # -> benchmarks/results/bench_shampoo.json
     python benchmarks/bench_shampoo.py --quick    # -> runs/bench-quick/bench_shampoo.json
@@ -87,8 +88,10 @@ def bench(args) -> dict:
         ("shampoo looped W", sharded(), lambda ps: Shampoo(ps, **shampoo_kw, batched=False)),
         ("shampoo 1p", plain(), lambda ps: Shampoo(ps, **shampoo_kw, batched=True)),
         ("shampoo looped 1p", plain(), lambda ps: Shampoo(ps, **shampoo_kw, batched=False)),
-        ("soap W", sharded(), lambda ps: SOAP(list(ps), **soap_kw)),
-        ("soap 1p", plain(), lambda ps: SOAP(list(ps), **soap_kw)),
+        ("soap W", sharded(), lambda ps: SOAP(list(ps), **soap_kw, batched=True)),
+        ("soap looped W", sharded(), lambda ps: SOAP(list(ps), **soap_kw, batched=False)),
+        ("soap 1p", plain(), lambda ps: SOAP(list(ps), **soap_kw, batched=True)),
+        ("soap looped 1p", plain(), lambda ps: SOAP(list(ps), **soap_kw, batched=False)),
     ]:
         sides[key] = (params, make(list(params.values())), key.endswith(" W"))
     keys = list(sides)
@@ -115,16 +118,25 @@ def bench(args) -> dict:
     ratios = {}
     for stat in ("step_s_median", "step_s_mean_over_periods"):
         tag = stat.replace("step_s_", "")
-        for name in ("shampoo", "shampoo looped", "soap"):
+        for name in ("shampoo", "shampoo looped", "soap", "soap looped"):
             ratios[f"{name} W / (1p / W), {tag}"] = out[f"{name} W"][stat] / (out[f"{name} 1p"][stat] / w)
-        ratios[f"shampoo batched / looped at W, {tag}"] = out["shampoo W"][stat] / out["shampoo looped W"][stat]
-        ratios[f"shampoo batched / looped 1p, {tag}"] = out["shampoo 1p"][stat] / out["shampoo looped 1p"][stat]
+        for name in ("shampoo", "soap"):
+            for at in ("W", "1p"):
+                where = "at W" if at == "W" else "1p"
+                ratios[f"{name} batched / looped {where}, {tag}"] = (
+                    out[f"{name} {at}"][stat] / out[f"{name} looped {at}"][stat]
+                )
     # agreement of the sharded and single-process runs (bitwise expected: the same blocks, same kernels)
     same = {}
-    for name in ("shampoo", "shampoo looped", "soap"):
+    for name in ("shampoo", "shampoo looped", "soap", "soap looped"):
         ps, ps1 = sides[f"{name} W"][0], sides[f"{name} 1p"][0]
         same[name] = all(torch.equal(ps[n].detach(), layouts[n].shard(ps1[n].detach(), rank)) for n in shapes)
-    return {"steps": out, "ratios": ratios, "sharded_equals_single_process_bitwise": same}
+    batched_same = {
+        at: all(torch.equal(sides[f"soap {at}"][0][n], sides[f"soap looped {at}"][0][n]) for n in shapes)
+        for at in ("W", "1p")
+    }
+    return {"steps": out, "ratios": ratios, "sharded_equals_single_process_bitwise": same,
+            "soap_batched_equals_looped_bitwise": batched_same}  # fmt: skip
 
 
 def main() -> None:
@@ -150,6 +162,10 @@ def main() -> None:
         k: all(r["sharded_equals_single_process_bitwise"][k] for r in [res, *rest])
         for k in res["sharded_equals_single_process_bitwise"]
     }
+    res["soap_batched_equals_looped_bitwise"] = {
+        k: all(r["soap_batched_equals_looped_bitwise"][k] for r in [res, *rest])
+        for k in res["soap_batched_equals_looped_bitwise"]
+    }
     out = {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "torch": torch.__version__,
@@ -166,6 +182,7 @@ def main() -> None:
     for key, v in res["ratios"].items():
         print(f"{key:<52}{v:>8.3f}")
     print("sharded == single process (bitwise):", res["sharded_equals_single_process_bitwise"])
+    print("soap batched == looped (bitwise):", res["soap_batched_equals_looped_bitwise"])
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_shampoo.json")
     with open(path, "w") as fh:

@@ -278,6 +278,60 @@ def test_whole_tensor_mode_rejects_a_split_tensor_naming_it_and_the_fix():
         run_distributed(fn2, world_size=2)
 
 
+# ---- batched (see [Note: batched SOAP]) ----------------------------------------------------------
+BATCH_SHAPES = [(37, 50), (64, 64), (64, 64), (64, 64), (5,), (3, 7, 11), (1, 600), (1, 600), (), ()]
+
+
+def _run_batched(batched, **kw):
+    """6 calls (5 Adam steps: bases refreshed at 2 and 4) on shapes that divide nothing; the third
+    tensor has no gradient at call 4, so it lags its batch-mates a step (two phases of one shape)."""
+    gen = torch.Generator().manual_seed(3)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in BATCH_SHAPES]
+    opt = SOAP(ps, lr=0.01, betas=(0.9, 0.95), precondition_frequency=2, precondition_1d=True, batched=batched, **kw)
+    for step in range(6):
+        for i, p in enumerate(ps):
+            p.grad = None if (i, step) == (2, 3) else torch.randn(p.shape, generator=gen)
+        opt.step()
+    return ps, opt
+
+
+@pytest.mark.parametrize("block_size", [None, 16])
+@pytest.mark.parametrize("normalize_grads", [False, True])
+def test_batched_equals_looped_bitwise(block_size, normalize_grads):
+    """Parameters and every state vector bitwise (CPU kernels run per matrix; [Note: batched SOAP])."""
+    ref, ref_opt = _run_batched(False, block_size=block_size, normalize_grads=normalize_grads)
+    ours, opt = _run_batched(True, block_size=block_size, normalize_grads=normalize_grads)
+    for i, (a, b) in enumerate(zip(ref, ours)):
+        assert torch.equal(a, b), f"{BATCH_SHAPES[i]}: max |diff| {(a - b).abs().max():.3e}"
+        for key, v in ref_opt.state[a].items():
+            assert torch.equal(v, opt.state[b][key]), (BATCH_SHAPES[i], key)
+
+
+def test_batched_is_the_default_and_false_loops():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    p.grad = torch.randn(4, 4)
+    for batched, other in [(None, "_step_param"), (False, "_step_group_batched")]:
+        opt = SOAP([p], batched=batched)
+        setattr(opt, other, None)  # a call would raise
+        opt.step()
+
+
+@pytest.fixture(scope="module")
+def looped_single_process():
+    return run(1, opt_kw=dict(OPT, batched=False))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_batched_block_soap_sharded_equals_looped_single_process_bitwise(world_size, looped_single_process):
+    ref, ref_state, _, _ = looped_single_process
+    ours, state, comms, _ = run(world_size, opt_kw=dict(OPT, batched=True), count_comms=True)
+    for k in SHAPES:
+        assert torch.equal(ours[k], ref[k]), f"{k}: max |diff| {(ours[k] - ref[k]).abs().max():.3e}"
+    for key in ref_state:
+        assert torch.equal(state[key], ref_state[key]), key
+    assert all(c == {} for per_rank in comms for c in per_rank), comms
+
+
 def test_bad_arguments():
     p = torch.nn.Parameter(torch.randn(3, 3))
     for kw, match in [(dict(betas=(0.9, 1.0)), "betas"), (dict(data_format="nhwc"), "data_format"),
