@@ -139,7 +139,7 @@ def bench(args) -> dict:
             "soap_batched_equals_looped_bitwise": batched_same}  # fmt: skip
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--dim", type=int, default=512)
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a small config (dim 128, k 32, 2 layers, 7 steps)")
     ap.add_argument("--out", default=None, help="output directory")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.dim, args.k, args.layers, args.steps, args.warmup = 128, 32, 2, 7, 2
     out_dir = args.out or os.path.join(_ROOT, "runs/bench-quick" if args.quick else "benchmarks/results")

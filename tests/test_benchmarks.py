@@ -149,3 +149,14 @@ def test_step_memory_quick(tmp_path):
         bd = r["breakdown"]
         assert r["peak"] >= r["persistent"] > 0 and sum(bd.values()) == r["peak"]
         assert bd["grads"] == bd["sharded_params"] and bd["optimizer_state"] == 2 * bd["sharded_params"]
+
+
+def test_bench_shampoo_quick(tmp_path):
+    """The Shampoo / SOAP benchmark runs (k = 32) and its bitwise checks hold: sharded == single
+    process for every side, SOAP batched == looped at W and in one process."""
+    bench = _load("bench_shampoo")
+    bench.main(["--quick", "--out", str(tmp_path)])
+    out = json.loads((tmp_path / "bench_shampoo.json").read_text())
+    assert out["sharded_equals_single_process_bitwise"] == dict.fromkeys(("shampoo", "shampoo looped", "soap", "soap looped"), True)
+    assert out["soap_batched_equals_looped_bitwise"] == {"W": True, "1p": True}
+    assert all(math.isfinite(v) and v > 0 for v in out["ratios"].values())
