@@ -459,10 +459,10 @@ class _Bucket:
             self.flat_grad = torch.zeros(self.buffer.total_numel, dtype=self.reduce_dtype, device=self.buffer.device)
             self.flat_views = self.buffer.full_views(self.flat_grad)
 
-    def _copy_in_grads(self) -> None:
-        """Add the unsharded gradients into the flat reduction buffer (zeros, or the sum of earlier
-        micro-batches without sync) with one ``_foreach_add_`` (a cast under mixed precision), then
-        drop them. No per-parameter Python op on the hot path; ``0 + g`` is ``g``, so the same bits.
+    def _copy_in_grads(self, *, accumulate: bool) -> None:
+        """Move the unsharded gradients into the flat reduction buffer with one ``_foreach_copy_``
+        (casting under mixed precision), or one ``_foreach_add_`` onto the sum of earlier
+        micro-batches (``accumulate``, no sync), then drop them. No per-parameter Python op.
 
         Why not let autograd accumulate straight into views of the flat buffer (no copy): the buffer
         must then exist before the bucket's backward starts, and it adds a whole bucket of gradients
@@ -479,7 +479,7 @@ class _Bucket:
             up.grad = None
         with torch.no_grad(), record_function(f"fsdp_optim::copy_in({self._range_name})"):
             if dst:
-                torch._foreach_add_(dst, src)
+                (torch._foreach_add_ if accumulate else torch._foreach_copy_)(dst, src)
 
     def post_backward(self) -> None:
         """Reduce-scatter this bucket's gradients (or accumulate them without sync) and reshard:
@@ -492,9 +492,10 @@ class _Bucket:
         # Free the gathered parameters before the flat buffer is made: the copy-in reads only the
         # gradients, so the two buffers are never alive together.
         self.reshard()
+        fresh = self.flat_grad is None  # else it holds earlier micro-batches' sum (no sync)
         self._ensure_flat_grad()
         flat = self.flat_grad
-        self._copy_in_grads()
+        self._copy_in_grads(accumulate=not fresh)
         if not self.requires_sync:
             return  # keep summing into flat_grad (gradient accumulation without sync)
         self.flat_grad = self.flat_views = None

@@ -12,9 +12,10 @@ post-backward autograd Function and the guards through torch's global optimizer 
   kept, as FSDP2 does, since backward needs it at once) and hook the outputs for backward.
 - Pre-backward (a hook on the outputs): re-gather if freed, prefetch the bucket whose backward
   comes next (reverse post-forward order).
-- Unsharded gradients are added into one flat buffer in ``reduce_dtype`` once the bucket's backward
-  is done (one ``_foreach_add_``; the gathered parameters are freed first), as FSDP2 copies them:
-  a buffer made before the backward would raise its peak (see ``_Bucket._copy_in_grads``).
+- Unsharded gradients are copied into one flat buffer in ``reduce_dtype`` once the bucket's backward
+  is done (one ``_foreach_copy_``, ``_foreach_add_`` when accumulating without sync; the gathered
+  parameters are freed first), as FSDP2 copies them: a buffer made before the backward would raise
+  its peak (see ``_Bucket._copy_in_grads``).
 - Post-backward (an identity autograd Function on the module's inputs, whose backward runs once the
   module's backward is done, as FSDP2 does; or the end of backward): reduce-scatter the flat buffer
   (one collective, AVG over ranks, so a per-rank mean loss gives the gradient of the mean over the

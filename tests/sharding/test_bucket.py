@@ -168,9 +168,9 @@ def test_explicit_unshard_is_used_by_the_next_forward_then_freed():
 
 @pytest.mark.parametrize("mp", ["fp32", "bf16_compute_fp32_reduce"])
 def test_gradient_copy_in_is_batched_and_exact(mp):
-    """Every bucket moves its gradients into the flat reduction buffer with one ``_foreach_add_``
-    (no per-parameter ``add_``); the reduced gradients equal a single process's, bitwise in fp32 at
-    W=1."""
+    """Every bucket moves its gradients into the flat reduction buffer with one ``_foreach_copy_``
+    (no per-parameter ``copy_``; ``_foreach_add_`` when accumulating without sync); the reduced
+    gradients equal a single process's, bitwise in fp32 at W=1."""
 
     def fn():
         kwargs = {}
@@ -192,7 +192,7 @@ def test_gradient_copy_in_is_batched_and_exact(mp):
     (names, grads), = run_distributed(fn, world_size=1)
     assert len(names) == 3, names  # one copy-in per bucket
     for children in names:  # one foreach op, never a per-parameter add_ / copy_
-        assert children == ["aten::_foreach_add_"], children
+        assert children == ["aten::_foreach_copy_"], children
     assert set(grads) == {n for n, p in ref.named_parameters() if p.grad is not None}
     for n, p in ref.named_parameters():
         if p.grad is None:
