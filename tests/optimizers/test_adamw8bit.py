@@ -641,3 +641,54 @@ def test_runs_whose_storage_is_replaced_fall_back_to_one_call_per_tensor():
         return all(torch.equal(a, b) for a, b in zip(*outs))
 
     assert run_distributed(fn, world_size=world_size) == [True]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_runs_under_fully_shard_equal_per_tensor_and_torchao(world_size):
+    """Under ``fully_shard`` a bucket's local pieces and their gradients are adjacent views of its
+    segment, so real runs form. Every rank sees the same batch (W a power of two: the averaged gradient
+    is exact), so the result equals unsharded torchao bitwise (sizes torchao quantizes; odd sizes are
+    covered above). Test idea from the q8seg branch."""
+    from fsdp_optim import fully_shard
+    from fsdp_optim.optimizers._quantized_adamw import _adjacent
+    from fsdp_optim.sharding._shard_info import shard_info
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 128, bias=False), torch.nn.Linear(128, 64, bias=False), torch.nn.Linear(64, 80, bias=False),
+            torch.nn.Tanh(), torch.nn.Linear(80, 64), torch.nn.Linear(64, 64, bias=False),
+        )
+
+    def fn():
+        models = {"runs": model(), "per_tensor": model(), "torchao": model()}
+        for name in ("runs", "per_tensor"):
+            fully_shard(models[name], blocks=AdamW8bit.blocks)
+        opts = {
+            "runs": AdamW8bit(models["runs"].parameters(), lr=1e-2, compile=False),
+            "per_tensor": AdamW8bit(models["per_tensor"].parameters(), lr=1e-2, compile=False, fuse_runs=False),
+            "torchao": torchao_optim.AdamW8bit(models["torchao"].parameters(), lr=1e-2),
+        }
+        adjacent_grads = []
+        with dynamo_disabled():
+            for s in range(3):
+                x = torch.randn(5, 64, generator=torch.Generator().manual_seed(s))
+                for m in models.values():
+                    m(x).square().sum().backward()
+                adjacent_grads += [_adjacent([p.grad for p in run]) for run in opts["runs"]._runs]
+                for o in opts.values():
+                    o.step()
+                    o.zero_grad()
+        ps = {k: list(m.parameters()) for k, m in models.items()}
+        same = all(torch.equal(a, b) for a, b in zip(ps["runs"], ps["per_tensor"]))
+        same_torchao = [
+            torch.equal(p.detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank).reshape(p.shape))
+            for p, q in zip(ps["runs"], ps["torchao"])
+        ]
+        return same, same_torchao, [len(r) for r in opts["runs"]._runs], adjacent_grads
+
+    out = run_distributed(fn, world_size=world_size, timeout=300)
+    assert all(o[0] for o in out), "runs differ from per-tensor steps"
+    assert all(all(o[1]) and len(o[1]) == 6 for o in out), [o[1] for o in out]
+    assert any(n >= 2 for o in out for n in o[2]), [o[2] for o in out]
+    assert all(all(o[3]) and o[3] for o in out if o[2]), "fully_shard's gradients are adjacent views of one segment"
