@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(_ROOT, "recipes"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _out import out_dir  # noqa: E402
 
-NAMES = ("adamw", "muon", "shampoo", "soap", "soap_batched")  # soap: the CPU default (one unit at a time); soap_batched: batched=True
+NAMES = ("adamw", "muon", "shampoo", "soap", "soap_looped")  # soap: batched (the default); soap_looped: batched=False
 
 
 def _build(name: str, cfg, world: int):
@@ -46,7 +46,7 @@ def _build(name: str, cfg, world: int):
     torch.manual_seed(0)
     model = build_model(cfg.model)
     o = cfg.optim
-    if name in ("soap", "soap_batched"):
+    if name in ("soap", "soap_looped"):
         mp = fsdp_optim.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         rule = optimizers.SOAP.rule(block_size=o.max_preconditioner_dim) if hasattr(optimizers.SOAP, "rule") else None
         for layer in model.layers:
@@ -55,7 +55,7 @@ def _build(name: str, cfg, world: int):
         groups = fsdp_optim.param_groups(model, weight_decay=o.weight_decay)
         opt = optimizers.SOAP(groups, lr=3e-3, block_size=o.max_preconditioner_dim,
                               precondition_frequency=o.precondition_frequency,
-                              batched=True if name == "soap_batched" else None)  # fmt: skip
+                              batched=False if name == "soap_looped" else None)  # fmt: skip
         return model, opt
     cfg.optim.name = name
     shard_model(model, "fsdp_optim", name, torch.bfloat16, max_preconditioner_dim=o.max_preconditioner_dim)

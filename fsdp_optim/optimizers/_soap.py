@@ -34,7 +34,7 @@ round differently; the basis is only defined up to column signs and near-degener
 agreement is at fp32 rounding amplified by the ``1 / (sqrt(v) + eps)`` scaling (see docs/soap.md).
 
 [Note: batched SOAP]
-With ``batched=True`` (the default for CUDA parameters) a step runs in phases over a parameter
+With ``batched=True`` (the default, ``None``) a step runs in phases over a parameter
 group, as Shampoo's (see [Note: batched Shampoo]): per parameter the step count and gradient; then
 per (unit shape, phase) -- phase: first call, Adam step, Adam step + basis refresh -- the units of
 every parameter stacked into ``[B, *shape]``: rotations and outer products by batched matmuls, the
@@ -130,11 +130,11 @@ class SOAP(torch.optim.Optimizer):
     keeps Shampoo's ``k``-strips whole (large matrices balance at scale). ``SOAP.blocks`` is the
     whole-tensor rule. ``batched``: the work of a parameter group's same-shape units batched (see
     [Note: batched SOAP]); ``False``: one unit at a time (the reference mode); ``None`` (default):
-    batched for CUDA parameters, one unit at a time on CPU, as Shampoo. On CPU batched equals looped
-    bitwise; it halves the step where per-unit Python overhead dominates (``bench_shampoo.py``, W = 2,
-    1 thread per rank, batched / looped: ``k = 32`` 0.42-0.51x, ``k = 64`` 0.49-0.60x, ``k = 128``
-    0.93-1.10x at W) but costs 1.76x on the recipe's model (``recipe_step_share.py``: blocks up to
-    [1024, 256], stacks of 4 falling out of cache), hence looped by default there.
+    batched, on CUDA and on CPU too, unlike Shampoo: on CPU batched equals looped bitwise, and it
+    halves the step where per-unit Python overhead dominates (``bench_shampoo.py``, W = 2, 1 thread
+    per rank, batched / looped: ``k = 32`` 0.42-0.51x, ``k = 64`` 0.49-0.60x) while costing little
+    where it does not (``k = 128``: 0.93-1.10x at W; the recipe's model, ``recipe_step_share.py``:
+    0.97x median, 1.09x averaged over a precondition period).
     """
 
     blocks = staticmethod(soap_rule(None))
@@ -318,8 +318,7 @@ class SOAP(torch.optim.Optimizer):
         for p, _ in todo:
             if p.grad.is_sparse or torch.is_complex(p):
                 raise RuntimeError("SOAP does not support sparse gradients or complex parameters")
-        batched = self._batched if self._batched is not None else any(p.is_cuda for p, _ in todo)
-        if not batched:
+        if self._batched is False:
             for p, group in todo:
                 self._step_param(p, group)
             return loss

@@ -307,10 +307,10 @@ def test_batched_equals_looped_bitwise(block_size, normalize_grads):
             assert torch.equal(v, opt.state[b][key]), (BATCH_SHAPES[i], key)
 
 
-def test_looped_is_the_cpu_default_and_true_batches():
+def test_batched_is_the_default_and_false_loops():
     p = torch.nn.Parameter(torch.randn(4, 4))
     p.grad = torch.randn(4, 4)
-    for batched, other in [(None, "_step_group_batched"), (False, "_step_group_batched"), (True, "_step_param")]:
+    for batched, other in [(None, "_step_param"), (True, "_step_param"), (False, "_step_group_batched")]:
         opt = SOAP([p], batched=batched)
         setattr(opt, other, None)  # a call would raise
         opt.step()
