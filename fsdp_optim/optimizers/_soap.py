@@ -133,8 +133,8 @@ class SOAP(torch.optim.Optimizer):
     batched, on CUDA and on CPU too, unlike Shampoo: on CPU batched equals looped bitwise, and it
     halves the step where per-unit Python overhead dominates (``bench_shampoo.py``, W = 2, 1 thread
     per rank, batched / looped: ``k = 32`` 0.42-0.51x, ``k = 64`` 0.49-0.60x) while costing little
-    where it does not (``k = 128``: 0.93-1.10x at W; the recipe's model, ``recipe_step_share.py``:
-    0.97x median, 1.09x averaged over a precondition period).
+    where it does not (``k = 128``: 0.93-1.10x at W; the recipe's model, ``recipe_step_share.py``,
+    two runs: 0.91-0.97x median, 0.94-1.09x averaged over a precondition period).
     """
 
     blocks = staticmethod(soap_rule(None))
