@@ -19,7 +19,9 @@ Measured per rank, reported as the max over ranks (the slowest rank sets the pac
   runtimes copy from were allocated before the window and are in neither figure. Seen on gloo:
   in either runtime a rank sometimes counts one root-bucket-sized buffer (24 MiB at the default
   size) more, which no other rank or run shows; so the figures are printed per rank, and both the
-  max and the min over ranks are compared.
+  max and the min over ranks are compared. The cause: the profiler records no free made on another
+  thread, and gloo's worker threads often drop a finished collective's buffers. ``step_memory.py``
+  measures peak RSS instead and is the memory comparison to quote.
 
 Usage: ``python benchmarks/bench_fsdp_adamw.py [--world-size 2] [--steps 10] ...``; prints the
 figures and ratios (ours / FSDP2) and writes benchmarks/results/bench_fsdp_adamw.json (a run with any
