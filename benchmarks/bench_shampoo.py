@@ -16,7 +16,7 @@ Per side: the slowest rank's step time each step (sides timed in rotating order 
 the shared machine hits all alike), reported as the median over the steps after ``--warmup`` and
 as the mean over whole ``precondition_frequency`` periods (which include the root / eigenbasis
 steps). The target: ``W step / (1p step / W) <= 1.2``. The batched/looped ratios compare each
-optimizer's two modes at W and in one process; ``batched_equals_looped_bitwise`` checks SOAP's.
+optimizer's two modes at W and in one process; ``soap_batched_equals_looped_bitwise`` checks SOAP's.
 
     python benchmarks/bench_shampoo.py            # -> benchmarks/results/bench_shampoo.json
     python benchmarks/bench_shampoo.py --quick    # -> runs/bench-quick/bench_shampoo.json
