@@ -202,12 +202,12 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5, help="measured steps; the median step is reported")
-    ap.add_argument("--quick", action="store_true", help="W = 2, dim 256, 2 layers")
+    ap.add_argument("--quick", action="store_true", help="W = 2, dim 256, 2 layers, 2 measured steps")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     dest = out_dir(ap, a)
     if a.quick:
-        a.world_sizes, a.dim, a.heads, a.layers, a.mlp, a.vocab = [2], 256, 4, 2, 1024, 4096
+        a.world_sizes, a.dim, a.heads, a.layers, a.mlp, a.vocab, a.steps = [2], 256, 4, 2, 1024, 4096, 2
     rows = []
     print(f"{'W':>2} {'precision':<17} {'runtime':<10} {'persist MiB':>11} {'peak MiB':>9}  breakdown of the peak (MiB)")
     for w in a.world_sizes:
