@@ -404,6 +404,9 @@ def to_markdown(data: dict) -> str:
             f"{r['num_even_buckets']}/{r['num_ragged_buckets']}, {r['num_split_blocks']}, "
             f"{r['bytes_max_over_mean']:.2f} |"
         )
+    wire_rows = [r for r in data["rows"] if r["replicas"] == 1 and "wire" in r]
+    if not wire_rows:  # results made before the wire formats existed
+        return "\n".join(out) + "\n"
     out += [
         "",
         "## Wire formats of ragged buckets (no HSDP rows)",
@@ -417,9 +420,7 @@ def to_markdown(data: dict) -> str:
         "| preset | W | grouped ms | padded ms | auto ms | padded buckets / ragged | (b) FSDP2 + Muon ms |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in data["rows"]:
-        if r["replicas"] > 1 or "wire" not in r:
-            continue
+    for r in wire_rows:
         wr = r["wire"]
         out.append(
             f"| {r['model']} | {r['world_size']} | {_ms(wr['grouped']['seconds'])} | {_ms(wr['padded']['seconds'])} | "
