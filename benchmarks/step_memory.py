@@ -126,6 +126,13 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
+def _train_step(model, opt, batch) -> None:
+    x, y = batch
+    F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def _run(a):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -142,10 +149,8 @@ def _run(a):
         for runtime in ("fsdp_optim", "fsdp2"):
             model = _build(runtime, cfg, full_sd, precision, mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            for x, y in data:
-                F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            for batch in data:
+                _train_step(model, opt, batch)
             del model, opt
     out = {}
     for n, precision in enumerate(PRECISIONS):
@@ -161,10 +166,7 @@ def _run(a):
                     _settle()
                     before.append(_rss_mib()[0] - base)
                     _reset_peak_rss()
-                x, y = data[i % len(data)]
-                F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                _train_step(model, opt, data[i % len(data)])
                 if i >= 1:
                     peaks.append(_rss_mib()[1] - base)
             peak = int(statistics.median(peaks) * MIB)

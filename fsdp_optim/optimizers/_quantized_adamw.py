@@ -310,9 +310,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
 
     def _share_state(self, run: list[Tensor]) -> None:
         """Re-home the run's state in one buffer per key, values kept (``step`` stays per parameter)."""
-        for key, v in self.state[run[0]].items():
-            if key == "step":
-                continue
+        for key in [k for k in self.state[run[0]] if k != "step"]:
             buf = torch.cat([self.state[p][key].reshape(-1) for p in run])
             off = 0
             for p in run:

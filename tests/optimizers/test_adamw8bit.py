@@ -446,6 +446,21 @@ RUN_SHAPES = [(64, 64), (7,), (37, 19), (48, 128), (17, 241), (16, 16, 20), (35,
 NO_GRAD_AT = {(1, 6)}  # (step, param): that parameter has no gradient at that step
 
 
+def shards_in_one_buffer(params, layouts, *, rank: int, bs: int = BS):
+    """This rank's pieces of ``params`` back to back in one flat buffer, as sharded ``nn.Parameter``
+    views of it with their ``ShardInfo`` (what a ``fully_shard`` bucket segment holds); also each
+    piece's offset and size in the buffer."""
+    sizes = [lay.shard(f, rank).numel() for f, lay in zip(params, layouts)]
+    offs = [sum(sizes[:i]) for i in range(len(sizes))]
+    flat = torch.cat([lay.shard(f.detach(), rank).reshape(-1) for f, lay in zip(params, layouts)])
+    ps = []
+    for i, (f, lay) in enumerate(zip(params, layouts)):
+        p = torch.nn.Parameter(flat[offs[i] : offs[i] + sizes[i]])
+        set_shard_info(p, ShardInfo(fqn=f"p{i}", shape=tuple(f.shape), spec=elements(bs), layout=lay, rank=rank))
+        ps.append(p)
+    return ps, offs, sizes
+
+
 def adjacent_run(params, grads, layouts, *, fuse_runs: bool, adjacent_grads: bool = True, cls=AdamW8bit, bs=BS, **kw):
     """Our optimizer on shards laid out back to back in one flat buffer (as a ``fully_shard`` bucket
     segment holds them), gradients views of one flat gradient buffer; counts the step calls."""
@@ -453,21 +468,14 @@ def adjacent_run(params, grads, layouts, *, fuse_runs: bool, adjacent_grads: boo
 
     def fn():
         rank = dist.get_rank()
-        sizes = [lay.shard(f, rank).numel() for f, lay in zip(params, layouts)]
-        flat = torch.cat([lay.shard(f.detach(), rank).reshape(-1) for f, lay in zip(params, layouts)])
-        offs = [sum(sizes[:i]) for i in range(len(sizes))]
-        ps = []
-        for i, (f, lay) in enumerate(zip(params, layouts)):
-            p = torch.nn.Parameter(flat[offs[i] : offs[i] + sizes[i]])
-            set_shard_info(p, ShardInfo(fqn=f"p{i}", shape=tuple(f.shape), spec=elements(bs), layout=lay, rank=rank))
-            ps.append(p)
+        ps, offs, sizes = shards_in_one_buffer(params, layouts, rank=rank, bs=bs)
         calls = []
         real = qa._step_fn(False)
         orig = qa._step_fn
         qa._step_fn = lambda compile: (lambda *a: (calls.append(a[0].numel()), real(*a))[1])
         try:
             opt = cls(ps, fuse_runs=fuse_runs, compile=False, **kw)
-            gbuf = torch.empty_like(flat)
+            gbuf = torch.empty(sum(sizes))
             num_calls = []
             for step, gs in enumerate(grads):
                 calls.clear()
@@ -571,16 +579,9 @@ def test_runs_with_gradients_that_are_not_adjacent_and_a_state_dict_round_trip()
 
     def fn():
         rank = dist.get_rank()
-        flat = torch.cat([lay.shard(f, rank).reshape(-1) for f, lay in zip(params, layouts)])
-        sizes = [lay.shard(f, rank).numel() for f, lay in zip(params, layouts)]
 
         def build():
-            buf, ps, off = flat.clone(), [], 0
-            for i, (f, lay) in enumerate(zip(params, layouts)):
-                p = torch.nn.Parameter(buf[off : off + sizes[i]])
-                set_shard_info(p, ShardInfo(fqn=f"p{i}", shape=tuple(f.shape), spec=elements(BS), layout=lay, rank=rank))
-                ps.append(p)
-                off += sizes[i]
+            ps, _, _ = shards_in_one_buffer(params, layouts, rank=rank)
             return ps, AdamW8bit(ps, compile=False, lr=1e-2)
 
         def steps(ps, opt, which):
@@ -619,15 +620,9 @@ def test_runs_whose_storage_is_replaced_fall_back_to_one_call_per_tensor():
     layouts = [even_block_layout(s, world_size) for s in RUN_SHAPES]
 
     def fn():
-        flat = torch.cat([f.reshape(-1) for f in params])
         outs = []
         for replace in (False, True):
-            buf, ps, off = flat.clone(), [], 0
-            for i, (f, lay) in enumerate(zip(params, layouts)):
-                p = torch.nn.Parameter(buf[off : off + f.numel()])
-                set_shard_info(p, ShardInfo(fqn=f"p{i}", shape=tuple(f.shape), spec=elements(BS), layout=lay, rank=0))
-                ps.append(p)
-                off += f.numel()
+            ps, _, _ = shards_in_one_buffer(params, layouts, rank=0)
             opt = AdamW8bit(ps, compile=False, lr=1e-2)
             assert any(len(r) > 1 for r in opt._runs)
             if replace:
