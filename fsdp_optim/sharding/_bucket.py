@@ -137,7 +137,7 @@ class _Streams:
     Lifetimes: the gathered buffer and the gradient segment are allocated on the compute stream
     before the side stream waits for it, so their use is ordered after the allocation, and they are
     freed on the compute stream after it waited for the side stream. The flat gradient buffer is
-    made on the compute stream (autograd accumulates into it) but read by the reduce-scatter
+    made on the compute stream (the gradients are copied into it there) but read by the reduce-scatter
     stream, so it is marked with ``record_stream`` before its last reference is dropped: the
     allocator does not hand its memory out again until that stream's work is done. Buffers made
     inside a side-stream context (casts, FP8 packs, receive buffers) live and die on that stream.
