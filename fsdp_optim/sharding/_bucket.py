@@ -254,8 +254,6 @@ class _Bucket:
                     plan=plan, fp8=flags, config=fp8, param_dtype=self.param_dtype, group=root.group,
                     device=root.device, even=self.buffer.is_even,
                 )
-        self.num_trainable = sum(1 for e in entries if e.requires_grad)
-        self.trainable_local = [i for i, e in enumerate(entries) if e.requires_grad]
         self._range_name = f"{index}:{plan.name}"
         # Lifecycle (see [Note: bucket lifecycle]).
         self.where = BucketState.SHARDED
@@ -272,10 +270,22 @@ class _Bucket:
         self.explicit_unshard = False  # gathered by ShardedModule.unshard(), not by a forward
         self.gathered_at_step = -1  # the runtime's optimizer step count when the last gather was issued
         self.num_pending_calls = 0
+        self._arrived: list[bool] | None = None  # which parameters got a gradient since the last reduction
+        self._reduced_arrived: list[bool] | None = None  # the same, for the reduction in flight
         self._set_params(self.sharded)
 
     def __repr__(self) -> str:
         return f"_Bucket({self.plan.name!r}, {self.where.value}, {self.phase.value})"
+
+    @property
+    def trainable_local(self) -> list[int]:
+        """Indices of the parameters that take gradients now: ``requires_grad`` of the sharded
+        parameters is read at every use, so freezing or unfreezing after ``fully_shard`` works."""
+        return [i for i, sp in enumerate(self.sharded) if sp.requires_grad]
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(1 for sp in self.sharded if sp.requires_grad)
 
     @property
     def is_gathered(self) -> bool:
@@ -303,6 +313,7 @@ class _Bucket:
         """Make the sharded values readable and writable: allocate a lazy (meta-built) segment and
         finish a pending gradient reduction (its ``.grad`` views are set). Local, idempotent."""
         self.materialize()
+        self.rebind()  # values assigned with ``p.data = ...`` since the last forward
         if self.where is BucketState.REDUCING:
             self.wait_reduces()
 
@@ -342,11 +353,14 @@ class _Bucket:
     @torch._dynamo.disable  # runs eagerly even inside a compiled module's hooks (it makes Parameters)
     def _alloc_gathered(self) -> None:
         if self.gathered is None:
-            self.gathered = torch.empty(self.buffer.total_numel, dtype=self.param_dtype, device=self._device)
-            self.unsharded = [
-                nn.Parameter(view, requires_grad=e.requires_grad)
-                for e, view in zip(self.entries, self.buffer.full_views(self.gathered.data))
-            ]
+            # Never an inference tensor, even when the first forward runs under inference_mode: the
+            # buffer is kept and later training forwards write into it.
+            with torch.inference_mode(False):
+                self.gathered = torch.empty(self.buffer.total_numel, dtype=self.param_dtype, device=self._device)
+                self.unsharded = [
+                    nn.Parameter(view, requires_grad=sp.requires_grad)
+                    for sp, view in zip(self.sharded, self.buffer.full_views(self.gathered.data))
+                ]
         elif self.gathered.untyped_storage().nbytes() == 0:
             self.gathered.untyped_storage().resize_(self._gathered_nbytes)
 
@@ -356,11 +370,21 @@ class _Bucket:
             self.materialize()
             return
         for i, (sp, ptr) in enumerate(zip(self.sharded, self.expected_ptrs)):
-            if sp.data_ptr() != ptr and sp.numel() > 0:
-                view = self.buffer.local_views()[i]
+            if sp.data_ptr() == ptr and sp.dtype == self.buffer.dtype:
+                continue
+            new, view = sp.data, self.buffer.local_views()[i]
+            if new.dtype != view.dtype or (new.device != view.device and new.device.type != "meta"):
+                raise ValueError(
+                    f"fully_shard: parameter {shard_info(sp).fqn!r} (shape {tuple(shard_info(sp).shape)}) was "
+                    f"converted to {new.dtype} on {new.device} after sharding, but its bucket keeps {view.dtype} "
+                    f"on {view.device} (module.to(dtype) / .double() / .to(device) after fully_shard). "
+                    "Convert or move the model before calling fully_shard, or compute in another dtype with "
+                    "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...))"
+                )
+            if sp.numel() > 0 or new.numel() > 0:
                 with torch.no_grad():
-                    if sp.data.device.type != "meta":
-                        view.copy_(sp.data.reshape(-1))
+                    if new.device.type != "meta":
+                        view.copy_(new.reshape(-1))
                 sp.data = view
 
     # ---- gather / free ---------------------------------------------------------------------
@@ -398,6 +422,9 @@ class _Bucket:
         """GATHERING -> UNSHARDED; the modules now show the unsharded parameters."""
         self._finish_gather()
         _invariant(self.where is BucketState.UNSHARDED, f"{self!r}: wait_unshard without unshard")
+        for sp, up in zip(self.sharded, self.unsharded):
+            if up.requires_grad != sp.requires_grad:  # frozen or unfrozen since the last gather
+                up.requires_grad_(sp.requires_grad)
         self._set_params(self.unsharded)
 
     def reshard(self) -> None:
@@ -470,10 +497,13 @@ class _Bucket:
         when few parameter gradients exist. ``benchmarks/step_memory.py`` measured the peak at 1.03x
         (W=2) and 1.05x (W=4) FSDP2's with the views, 0.99x and 1.00x with this copy (fp32)."""
         dst, src = [], []
+        if self._arrived is None:
+            self._arrived = [False] * len(self.sharded)
         for i, up in enumerate(self.unsharded or ()):
             g = up.grad
             if g is None:
                 continue
+            self._arrived[i] = True
             dst.append(self.flat_views[i])
             src.append(g)
             up.grad = None
@@ -499,6 +529,7 @@ class _Bucket:
         if not self.requires_sync:
             return  # keep summing into flat_grad (gradient accumulation without sync)
         self.flat_grad = self.flat_views = None
+        self._reduced_arrived, self._arrived = self._arrived, None
         self.settle()  # a second synced backward before the previous reduction was waited for
         self.runtime.check_collective(self, "reduce_scatter")
         accumulate = self._prepare_grad_segment()
@@ -594,14 +625,33 @@ class _Bucket:
         self.reduce_handle = None
         seg, self.grad_seg = self.grad_seg, None
         views = self.buffer.local_views(seg)
+        arrived, self._reduced_arrived = self._reduced_arrived, None
+        received = []
         for i in self.trainable_local:
             sp = self.sharded[i]
+            got = arrived is not None and arrived[i]
+            if sp.grad is None and not got:
+                # No gradient on this rank: settled at the end of backward ([Note: unused parameters]).
+                self.runtime.unarrived.append((self, i, views[i]))
+                continue
             if sp.grad is None or not _same_view(sp.grad, views[i]):
                 sp.grad = views[i]
+            if got:
+                received.append(sp)
         self._grad_seg_ref = weakref.ref(seg)
         self.where = BucketState.SHARDED
         if sync_compute:
             streams.compute_waits_for(last)
+        run_post_accumulate_grad_hooks(received, streams, last)
+
+    def abandon_backward(self) -> None:
+        """The last backward raised before its end: drop the gradients it left on the gathered
+        parameters (never reduced; a later ``zero_grad`` could not reach them) and reshard."""
+        for up in self.unsharded or ():
+            up.grad = None
+        self.reshard()
+        self.phase = BucketPhase.IDLE
+        self.num_pending_calls = 0
 
     def end_of_backward(self) -> None:
         """The end-of-backward callback, after every reduction was waited for: -> SHARDED / IDLE."""
@@ -639,6 +689,19 @@ class _Done:
 
 
 _DONE = _Done()
+
+
+def run_post_accumulate_grad_hooks(params: list[nn.Parameter], streams: _Streams, last) -> None:
+    """Run the hooks registered with ``register_post_accumulate_grad_hook`` on sharded parameters
+    whose ``.grad`` was just set (as FSDP2 does: e.g. an optimizer step inside backward). The compute
+    stream first waits for the reduction, since the hooks run there."""
+    hooked = [p for p in params if getattr(p, "_post_accumulate_grad_hooks", None)]
+    if not hooked:
+        return
+    streams.compute_waits_for(last)
+    for p in hooked:
+        for hook in list(p._post_accumulate_grad_hooks.values()):
+            hook(p)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

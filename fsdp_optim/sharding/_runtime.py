@@ -48,8 +48,9 @@ and DCP keeps one of each (``dedup_save_plans``); a load reads this rank's range
 mesh.
 
 Collective order is the same on every rank because it follows the autograd graph, which is the
-same on every rank (same model, same code); a data-dependent graph (e.g. a rank skipping an expert)
-is not supported.
+same on every rank (same model, same code). A rank may leave parameters of a module every rank
+runs without a gradient ([Note: unused parameters]); skipping a whole sharded module on one rank
+(e.g. an expert in its own ``fully_shard`` call) is not supported.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._bucket import BucketPhase, BucketState, TrainingState, _Bucket, _Streams
+from ._bucket import BucketPhase, BucketState, TrainingState, _Bucket, _Streams, run_post_accumulate_grad_hooks
 from ._float8 import Float8AllGather
 from ._mixed_precision import MixedPrecisionPolicy
 from ._plan import Plan, PlanConfig
@@ -234,6 +235,9 @@ class _Runtime:
         self.post_forward_order: list[_Bucket] = []
         self.callback_queued = False
         self.pending_reduces: list[_Bucket] = []
+        # (bucket, index, reduced view) of trainable parameters without a gradient on this rank in the
+        # reduction just waited for; settled at the end of backward ([Note: unused parameters]).
+        self.unarrived: list[tuple[_Bucket, int, torch.Tensor]] = []
         self.generation = 0  # bumped at the end of every backward (see _PendingCall)
         self.num_optimizer_steps = 0  # steps of any optimizer since setup (see [Note: stale gathers])
         self.streams = _Streams(root.device)  # side streams on CUDA, none on the CPU ([Note: streams])
@@ -252,7 +256,9 @@ class _Runtime:
     # ---- per-iteration hooks --------------------------------------------------------------
     def root_pre_forward(self) -> None:
         if self.state is TrainingState.PRE_BACKWARD:
-            return  # recomputation inside backward
+            if torch._C._current_graph_task_id() != -1:
+                return  # recomputation inside backward (activation checkpointing)
+            self.abandon_backward()  # the last backward raised before its end-of-backward callback
         self.finish_reduces()
         self.prev_forward_order = self.forward_order
         self.forward_order, self.post_forward_order = [], []
@@ -307,9 +313,50 @@ class _Runtime:
             if b.phase is not BucketPhase.REDUCED:
                 b.post_backward()
         self.finish_reduces()
+        self.settle_unarrived()
         for b in self.buckets:
             b.end_of_backward()
         self.generation += 1  # calls registered by graphs that backward did not reach no longer count
+        self.callback_queued = False
+        self.state = TrainingState.IDLE
+
+    def settle_unarrived(self) -> None:
+        """[Note: unused parameters]
+        A trainable parameter that got no gradient in a backward keeps ``.grad = None``, as in plain
+        PyTorch and FSDP2, so optimizers skip it (no weight decay, no momentum, no step count):
+        a layer skipped in a step, an auxiliary head, ``torch.autograd.grad`` alone. The bucket
+        still reduces (zeros where a rank has no gradient), so the collectives match whatever each
+        rank computed. The autograd graph is the same on every rank, so a parameter without a
+        gradient here normally has none anywhere, and its reduced values are exactly zero; if
+        another rank's gradient did reach it (a data-dependent graph), this rank's reduced piece is
+        nonzero and becomes its ``.grad`` as usual. Telling the two apart reads one flag per such
+        parameter on the host, once per backward, and only when some parameter had no gradient
+        (the common step, where every parameter gets one, reads nothing). A piece that is exactly
+        zero on every rank counts as unused, and an empty piece (the parameter lies on other
+        ranks) has nothing to read and keeps ``None`` when this rank computed no gradient for it."""
+        if not self.unarrived:
+            return
+        pending, self.unarrived = self.unarrived, []
+        nonempty = [x for x in pending if x[2].numel() > 0]
+        if not nonempty:
+            return
+        used = torch.stack([v.ne(0).any() for _, _, v in nonempty]).tolist()
+        received = []
+        for (b, i, view), u in zip(nonempty, used):
+            if u:
+                b.sharded[i].grad = view
+                received.append(b.sharded[i])
+        run_post_accumulate_grad_hooks(received, self.streams, None)
+
+    def abandon_backward(self) -> None:
+        """A backward raised (e.g. a caught out-of-memory error) before its end-of-backward callback,
+        which autograd then drops: wait for the reductions it issued, drop the gradients it left on
+        gathered parameters and reset, so the next forward and backward run normally."""
+        self.finish_reduces()
+        self.unarrived = []
+        for b in self.buckets:
+            b.abandon_backward()
+        self.generation += 1
         self.callback_queued = False
         self.state = TrainingState.IDLE
 

@@ -238,3 +238,266 @@ def test_debug_mode_agrees_on_a_normal_step_and_changes_nothing():
 
     for got in run_distributed(fn, world_size=3):
         _assert_close(got, want)
+
+
+# ---- parameters without gradients, requires_grad changes, failed backwards, hooks --------------
+class _Skippable(TinyTransformer):
+    """TinyTransformer whose forward skips the modules named in ``skip`` (``layers.i``: stochastic
+    depth, a frozen branch; ``norm``): their parameters get no gradient in that step."""
+
+    skip: frozenset = frozenset()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            if f"layers.{i}" not in self.skip:
+                h = layer(h)
+        return self.output(h if "norm" in self.skip else self.norm(h))
+
+
+def _skippable() -> _Skippable:
+    torch.manual_seed(0)
+    return _Skippable(CFG)
+
+
+SKIPS = [frozenset(), frozenset({"layers.1"}), frozenset({"layers.1", "norm"}), frozenset({"layers.0"})]
+
+
+def _train_with_skips(model, opt, local) -> list[list[str]]:
+    """Steps with the layers of ``SKIPS`` skipped; returns the names of parameters without a
+    gradient after each backward."""
+    none = []
+    for step, skip in enumerate(SKIPS):
+        model.skip = skip
+        x, y = _batch(step)
+        _loss(model, local(x), local(y)).backward()
+        none.append(sorted(n for n, p in model.named_parameters() if p.grad is None))
+        opt.step()
+        opt.zero_grad()
+    return none
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_parameters_without_a_gradient_keep_none_and_do_not_move(world_size):
+    """A layer skipped in a step: its parameters' ``.grad`` stays ``None`` as in plain PyTorch, so
+    AdamW applies neither weight decay nor momentum to them (before: a zero gradient was attached
+    and the skipped layer moved by 0.0126 after 3 steps)."""
+    model = _skippable()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    want_none = _train_with_skips(model, opt, lambda t: t)
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert want_none[1] and all(n.startswith("layers.1.") for n in want_none[1]) and "norm.weight" in want_none[2]
+
+    def fn():
+        model = _shard(_skippable())
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+        none = _train_with_skips(model, opt, _local)
+        # torch.autograd.grad alone (a saliency map through every layer) accumulates no .grad: none
+        # is attached.
+        x, y = _batch(9)
+        model.skip = frozenset()
+        embedded = []
+        handle = model.embed.register_forward_hook(lambda m, args, out: embedded.append(out))
+        loss = _loss(model, _local(x), _local(y))
+        torch.autograd.grad(loss, embedded[0])
+        handle.remove()
+        assert all(p.grad is None for p in model.parameters())
+        return none, fsdp_optim.full_state_dict(model)
+
+    for none, got in run_distributed(fn, world_size=world_size):
+        assert none == want_none
+        _assert_close(got, want)
+
+
+def test_a_gradient_from_another_rank_reaches_a_parameter_unused_here():
+    """A data-dependent graph inside a bucket: rank 0 uses the final norm, rank 1 skips it (the
+    root's bucket runs on both, so the collectives match). The averaged gradient (rank 0's half)
+    becomes ``.grad`` on both, as the single-process mean over the global batch has it."""
+
+    def reference():
+        model = _skippable()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+        for step in range(3):
+            x, y = _batch(step)
+            n = x.shape[0] // 2
+            losses = []
+            for r, skip in enumerate([frozenset(), frozenset({"norm"})]):
+                model.skip = skip
+                losses.append(_loss(model, x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]))
+            (sum(losses) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    want = reference()
+
+    def fn():
+        model = _shard(_skippable())
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+        for step in range(3):
+            model.skip = frozenset({"norm"}) if dist.get_rank() == 1 else frozenset()
+            x, y = _batch(step)
+            _loss(model, _local(x), _local(y)).backward()
+            assert all(p.grad is not None for p in model.parameters() if p.requires_grad and p.numel() > 0)
+            opt.step()
+            opt.zero_grad()
+        return fsdp_optim.full_state_dict(model)
+
+    for got in run_distributed(fn, world_size=2):
+        _assert_close(got, want)
+
+
+def _freeze_schedule(model, step: int) -> None:
+    """Progressive (un)freezing: the final norm is frozen at setup and unfrozen at step 2; layer 0
+    is frozen from step 1 on."""
+    model.norm.weight.requires_grad_(step >= 2)
+    for p in model.layers[0].parameters():
+        p.requires_grad_(step < 1)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_requires_grad_changed_after_fully_shard_is_followed(world_size):
+    """Freezing or unfreezing a parameter after ``fully_shard`` (before: ignored both ways; a frozen
+    layer kept training and an unfrozen one never trained)."""
+    num_steps = 4
+
+    def train(model, opt, local):
+        for step in range(num_steps):
+            _freeze_schedule(model, step)
+            x, y = _batch(step)
+            _loss(model, local(x), local(y)).backward()
+            frozen_grads = [p.grad for p in model.parameters() if not p.requires_grad]
+            assert all(g is None for g in frozen_grads)
+            opt.step()
+            opt.zero_grad()
+
+    model = _model()
+    model.norm.weight.requires_grad_(False)
+    train(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1), lambda t: t)
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def fn():
+        model = _model()
+        model.norm.weight.requires_grad_(False)
+        _shard(model)
+        train(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1), _local)
+        return fsdp_optim.full_state_dict(model)
+
+    for got in run_distributed(fn, world_size=world_size):
+        _assert_close(got, want)
+
+
+@pytest.mark.parametrize("where", ["layer", "head"])
+def test_a_backward_that_raised_does_not_break_later_steps(where):
+    """An exception inside backward (e.g. a caught out-of-memory error) drops autograd's
+    end-of-backward callback; the next forward resets the runtime (before: every later backward
+    silently produced no gradient)."""
+    num_steps = 3
+    want = _reference(num_steps)
+
+    def fn():
+        model = _shard(_model())
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        x, y = _batch(0)
+
+        def boom(grad):
+            raise RuntimeError("simulated out of memory")
+
+        target = model.layers[0] if where == "layer" else model.output
+        handle = target.register_full_backward_hook(lambda *a: boom(None))
+        with pytest.raises(RuntimeError, match="simulated out of memory"):
+            _loss(model, _local(x), _local(y)).backward()
+        handle.remove()
+        opt.zero_grad()
+        for step in range(num_steps):
+            x, y = _batch(step)
+            _loss(model, _local(x), _local(y)).backward()
+            assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+            opt.step()
+            opt.zero_grad()
+        return fsdp_optim.full_state_dict(model)
+
+    for got in run_distributed(fn, world_size=2):
+        _assert_close(got, want)
+
+
+def test_post_accumulate_grad_hooks_run_on_the_sharded_gradient():
+    """``register_post_accumulate_grad_hook`` on the sharded parameters (an optimizer step inside
+    backward, as torchtune does) runs once per parameter per backward with the reduced gradient
+    (before: never), and trains like the reference."""
+    num_steps = 3
+    want = _reference(num_steps)
+
+    def fn():
+        model = _shard(_model())
+        opts = {p: torch.optim.AdamW([p], lr=LR) for p in model.parameters()}
+        calls = []
+
+        def step_in_backward(p):
+            calls.append(p)
+            opts[p].step()
+            opts[p].zero_grad()
+
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(step_in_backward)
+        for step in range(num_steps):
+            x, y = _batch(step)
+            _loss(model, _local(x), _local(y)).backward()
+        assert len(calls) == num_steps * sum(p.requires_grad for p in model.parameters())
+        return fsdp_optim.full_state_dict(model)
+
+    for got in run_distributed(fn, world_size=2):
+        _assert_close(got, want)
+
+
+def test_first_forward_under_inference_mode_then_training():
+    """The gathered buffer made by a first forward under ``torch.inference_mode()`` is not an
+    inference tensor (before: every later training forward raised)."""
+    want = _reference(2)
+
+    def fn():
+        model = _shard(_model())
+        x, y = _batch(0)
+        with torch.inference_mode():
+            _loss(model, _local(x), _local(y))
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        for step in range(2):
+            x, y = _batch(step)
+            _loss(model, _local(x), _local(y)).backward()
+            opt.step()
+            opt.zero_grad()
+        return fsdp_optim.full_state_dict(model)
+
+    for got in run_distributed(fn, world_size=2):
+        _assert_close(got, want)
+
+
+def test_dtype_change_after_fully_shard_raises_naming_the_parameter():
+    """``model.double()`` after sharding cannot change the buckets' dtype: a clear error on every
+    rank at the next forward (before: silently ignored, or a crash deep in backward)."""
+
+    def fn():
+        model = _shard(_model()).double()
+        x, _ = _batch(0)
+        with pytest.raises(ValueError, match=r"'embed.weight'.*converted to torch.float64.*before calling fully_shard"):
+            model(_local(x))
+        return True
+
+    assert run_distributed(fn, world_size=2) == [True, True]
+
+
+def test_data_assigned_after_a_forward_is_seen_by_full_state_dict_at_once():
+    """``p.data = ...`` on a sharded parameter reaches ``full_state_dict`` and checkpoints without
+    waiting for the next forward (before: the old values until then)."""
+
+    def fn():
+        model = _shard(_model())
+        x, y = _batch(0)
+        _loss(model, _local(x), _local(y)).backward()
+        for p in model.parameters():
+            p.data = torch.full_like(p.data, 0.5)
+        return fsdp_optim.full_state_dict(model)
+
+    for got in run_distributed(fn, world_size=2):
+        assert all(bool((v == 0.5).all()) for v in got.values())
