@@ -470,8 +470,11 @@ class _Bucket:
     def pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
         rt = self.runtime
         rt.queue_final_callback()
-        if self.phase in (BucketPhase.BACKWARD, BucketPhase.REDUCED):
+        if self.phase is BucketPhase.BACKWARD:
             return grad
+        # IDLE, or REDUCED: the module's backward runs again after its gradients were reduced (a
+        # module called k times whose calls the count no longer covers: ``retain_graph`` or two
+        # forwards before their backwards). Gather again; what comes is reduced and added.
         self.phase = BucketPhase.BACKWARD
         rt.state = TrainingState.PRE_BACKWARD
         self.unshard()
@@ -643,6 +646,11 @@ class _Bucket:
         if sync_compute:
             streams.compute_waits_for(last)
         run_post_accumulate_grad_hooks(received, streams, last)
+
+    @property
+    def has_unreduced_grads(self) -> bool:
+        """Gradients accumulated on the gathered parameters and not reduced yet."""
+        return any(up.grad is not None for up in self.unsharded or ())
 
     def abandon_backward(self) -> None:
         """The last backward raised before its end: drop the gradients it left on the gathered

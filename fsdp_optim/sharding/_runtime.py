@@ -312,6 +312,9 @@ class _Runtime:
         for b in self.buckets:
             if b.phase is not BucketPhase.REDUCED:
                 b.post_backward()
+            elif b.has_unreduced_grads:  # gradients that reached it after its reduction: added
+                b.phase = BucketPhase.BACKWARD
+                b.post_backward()
         self.finish_reduces()
         self.settle_unarrived()
         for b in self.buckets:

@@ -501,3 +501,54 @@ def test_data_assigned_after_a_forward_is_seen_by_full_state_dict_at_once():
 
     for got in run_distributed(fn, world_size=2):
         assert all(bool((v == 0.5).all()) for v in got.values())
+
+
+def _shared_layer_model() -> TinyTransformer:
+    """Three layers, the third one the first again: ``layers.0`` runs twice per forward."""
+    torch.manual_seed(0)
+    model = TinyTransformer(TinyConfig(vocab_size=101, dim=24, num_heads=2, num_layers=3, mlp_dim=40))
+    model.layers[2] = model.layers[0]
+    return model
+
+
+def _two_backwards(model, mode: str, local) -> None:
+    if mode == "retain_graph":
+        x, y = _batch(0)
+        loss = _loss(model, local(x), local(y))
+        loss.backward(retain_graph=True)
+        loss.backward()
+    else:  # two forwards, then their two backwards
+        losses = [_loss(model, local(x), local(y)) for x, y in (_batch(0), _batch(1))]
+        for loss in losses:
+            loss.backward()
+
+
+@pytest.mark.parametrize("mode", ["retain_graph", "two_forwards_two_backwards"])
+def test_a_module_called_twice_with_a_second_backward(mode):
+    """A module called twice per forward and a second backward over calls from an earlier forward:
+    its gradients after the first reduction are gathered again, reduced and added (before: one
+    call's gradient was lost and leaked into the next step)."""
+
+    def train(model, local):
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        _two_backwards(model, mode, local)
+        opt.step()
+        opt.zero_grad()
+        x, y = _batch(2)  # a plain step after it: nothing left over
+        _loss(model, local(x), local(y)).backward()
+        opt.step()
+
+    model = _shared_layer_model()
+    train(model, lambda t: t)
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def fn():
+        model = _shared_layer_model()
+        for layer in model.layers[:2]:
+            fsdp_optim.fully_shard(layer)
+        fsdp_optim.fully_shard(model)
+        train(model, _local)
+        return fsdp_optim.full_state_dict(model)
+
+    for got in run_distributed(fn, world_size=2):
+        _assert_close({k: v for k, v in got.items()}, {k: want[k] for k in got})
