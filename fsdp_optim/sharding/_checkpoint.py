@@ -51,6 +51,8 @@ import os
 import shutil
 import types
 import pickle
+import re
+import sys
 import warnings
 import zlib
 from collections.abc import Iterable, Mapping
@@ -499,10 +501,82 @@ def _group_info() -> tuple[int, int]:
     return 0, 1
 
 
-def _to_bytes(obj: Any) -> bytes:
+def _to_bytes(obj: Any, what: str) -> bytes:
+    """``torch.save`` bytes of ``obj``, refused now (``ValueError``) if ``load_checkpoint`` would refuse
+    them (see [Note: loading runs no code]): a checkpoint is never written that cannot be loaded."""
     buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+    try:
+        torch.save(obj, buf)
+        data = buf.getvalue()
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unpicklable or refused: find the value to name
+        where, bad = _first_refused(obj, what)
+        raise ValueError(
+            f"save_checkpoint: {where} is a {_type_name(bad)}, which load_checkpoint cannot load "
+            f"({_refusal(e)}); checkpoints load only tensors, numbers, strings, lists, tuples and dicts: "
+            "convert it (a numpy scalar: int(x) / float(x) or x.item(); an array: torch.from_numpy(x)), or, "
+            "if you trust the class, allow it with torch.serialization.add_safe_globals([...]) in the saving "
+            "and the loading processes"
+        ) from None
+    return data
+
+
+def _loads_safely(obj: Any) -> bool:
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def _first_refused(obj: Any, where: str) -> tuple[str, Any]:
+    """The path and value of the first part of ``obj`` that ``torch.load(weights_only=True)`` refuses."""
+    if isinstance(obj, Mapping):
+        items = [(f"{where}[{k!r}]", v) for k, v in obj.items()] + [(f"the key {k!r} of {where}", k) for k in obj]
+    elif isinstance(obj, list | tuple):
+        items = [(f"{where}[{i}]", v) for i, v in enumerate(obj)]
+    else:
+        return where, obj
+    for child_where, child in items:
+        if not _loads_safely(child):
+            return _first_refused(child, child_where)
+    return where, obj  # every part loads: the container's own class is refused
+
+
+def _type_name(obj: Any) -> str:
+    t = type(obj)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _refusal(e: BaseException) -> str:
+    """The useful line of a ``torch.load(weights_only=True)`` error (the refused global), without ANSI codes."""
+    text = _ANSI.sub("", str(e))
+    for marker in ("WeightsUnpickler error:", "Unsupported global:"):
+        if marker in text:
+            line = text[text.index(marker) :].splitlines()[0].strip()
+            line = line.split(" by default.")[0]  # (torch's advice follows; ours is in the caller's message)
+            return f"{type(e).__name__}: {line}"[:600]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0][:600] if lines else ''}"
+
+
+def _numbers_from_numpy(obj: Any) -> Any:
+    """``obj`` with numpy scalars (``np.float64`` from a numpy LR schedule) as the equal Python numbers."""
+    np = sys.modules.get("numpy")
+    if np is None:  # numpy was never imported: no numpy scalar can exist
+        return obj
+    if isinstance(obj, np.generic) and isinstance(obj, np.number | np.bool_):
+        return obj.item()
+    if type(obj) is dict:
+        return {k: _numbers_from_numpy(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_numbers_from_numpy(v) for v in obj)
+    return obj
 
 
 def _from_bytes(data: Any, what: str) -> Any:
@@ -513,8 +587,9 @@ def _from_bytes(data: Any, what: str) -> Any:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # noqa: BLE001 - refused (a class or callable) or undecodable
         raise ValueError(
-            f"checkpoint entry {what!r} cannot be loaded safely: {type(e).__name__}: {str(e).splitlines()[0][:300]}. "
-            "Only tensors, numbers, strings, lists, tuples and dicts are loaded (for extra=, store such values)"
+            f"checkpoint entry {what!r} cannot be loaded safely: {_refusal(e)}. Only tensors, numbers, strings, "
+            "lists, tuples and dicts are loaded (a checkpoint of another writer; save_checkpoint refuses such values), "
+            "unless the class is allowed with torch.serialization.add_safe_globals([...]), if you trust it"
         ) from None
 
 
@@ -581,10 +656,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(
-                f"checkpoint byte record {fqn!r} cannot be loaded safely: {type(e).__name__}: "
-                f"{str(e).splitlines()[0][:300]}"
-            ) from None
+            raise ValueError(f"checkpoint byte record {fqn!r} cannot be loaded safely: {_refusal(e)}") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
@@ -619,9 +691,13 @@ def save_checkpoint(
 ) -> None:
     """Save model, optimizer, scheduler, RNG states and ``extra`` to directory ``path`` (every rank).
 
-    Each rank writes only its own shards (no gather). ``extra`` (any ``torch.save``-able object,
-    e.g. the data position) is taken from rank 0. Atomic: the checkpoint is written to
-    ``<path>.tmp`` and moved into place after every rank is done, replacing a previous checkpoint.
+    Each rank writes only its own shards (no gather). ``extra`` (e.g. the data position: tensors,
+    numbers, strings, lists, tuples and dicts, what ``load_checkpoint`` loads) is taken from rank 0.
+    A value a load would refuse (a numpy scalar in ``extra``, a custom class) raises a ``ValueError``
+    naming it on every rank before anything is written; numpy scalars in param groups, optimizer
+    scalars and scheduler state (an LR from a numpy schedule) are saved as the equal Python numbers.
+    Atomic: the checkpoint is written to ``<path>.tmp`` and moved into place after every rank is
+    done, replacing a previous checkpoint.
     """
     path = os.fspath(path)
     rank, world_size = _group_info()
@@ -646,16 +722,20 @@ def save_checkpoint(
                 manifest["inner_optimizer"] = _class_name(optimizer.optim)
             else:
                 state, scalars, schema = _optim_state(optimizer, names)
-            groups = _param_groups(optimizer, names)
-            sd["optim"] = {"state": state, "scalars": _to_bytes(scalars), "param_groups": _to_bytes(groups)}
+            groups = _numbers_from_numpy(_param_groups(optimizer, names))
+            sd["optim"] = {
+                "state": state,
+                "scalars": _to_bytes(_numbers_from_numpy(scalars), "optim.scalars"),
+                "param_groups": _to_bytes(groups, "optimizer.param_groups"),
+            }
             manifest["optimizer"] = _class_name(optimizer)
             manifest["optim_schema"] = schema
             manifest["optim_groups"] = [g["params"] for g in groups]
         if scheduler is not None:
-            sd["scheduler"] = _to_bytes(scheduler.state_dict())
+            sd["scheduler"] = _to_bytes(_numbers_from_numpy(scheduler.state_dict()), "scheduler.state_dict()")
         if extra is not None and rank == 0:
-            sd["extra"] = _to_bytes(extra)
-        sd[f"rng.rank{rank}"] = _to_bytes(_rng_state())
+            sd["extra"] = _to_bytes(extra, "extra")
+        sd[f"rng.rank{rank}"] = _to_bytes(_rng_state(), "the RNG state")
         if rank == 0:
             if os.path.exists(path) and not _is_checkpoint(path):
                 raise ValueError(
@@ -667,7 +747,12 @@ def save_checkpoint(
             os.makedirs(tmp)
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         err = e
-    _agree(err)  # a collective: the temp dir exists before anyone writes
+    try:
+        _agree(err)  # a collective: the temp dir exists before anyone writes
+    except Exception:
+        if rank == 0 and err is None:
+            shutil.rmtree(tmp, ignore_errors=True)  # another rank refused: leave nothing behind
+        raise
     # A collective; .metadata is written when it returns. DCP raises on every rank if any rank fails.
     try:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
