@@ -699,7 +699,7 @@ def save_checkpoint(
     Atomic: the checkpoint is written to ``<path>.tmp`` and moved into place after every rank is
     done, replacing a previous checkpoint.
     """
-    path = os.fspath(path)
+    path = _normalize(path)
     rank, world_size = _group_info()
     tmp, old = path + ".tmp", path + ".old"
     sd: dict[str, Any] = {}
@@ -737,6 +737,13 @@ def save_checkpoint(
             sd["extra"] = _to_bytes(extra, "extra")
         sd[f"rng.rank{rank}"] = _to_bytes(_rng_state(), "the RNG state")
         if rank == 0:
+            if os.path.islink(path):  # see [Note: saving onto a symlink]
+                raise ValueError(
+                    f"save_checkpoint: {path} is a symbolic link (to {os.readlink(path)}); a save replaces the "
+                    "directory at the path, so it would replace the link, not the checkpoint it points to. Save to "
+                    f"a real directory (e.g. the target {os.path.realpath(path)}, to overwrite it, or a new one) and "
+                    "then point the link at it"
+                )
             if os.path.exists(path) and not _is_checkpoint(path):
                 raise ValueError(
                     f"save_checkpoint: {path} exists and is not a checkpoint (no {MANIFEST} or .metadata); "
@@ -785,6 +792,20 @@ def save_checkpoint(
     _agree(err)
 
 
+def _normalize(path: str | os.PathLike) -> str:
+    """``path`` without a trailing separator (``ck/`` is ``ck``), so ``<path>.tmp`` is its sibling."""
+    path = os.fspath(path)
+    if not path:
+        raise ValueError("save_checkpoint / load_checkpoint: path is empty; pass a directory path")
+    return os.path.normpath(path)
+
+
+# [Note: saving onto a symlink]
+# A save writes <path>.tmp and renames it onto <path>; onto a symlink (``latest -> step_1``) that would
+# replace the link by a directory (or, before, crashed in rmtree after moving the link aside). Following
+# the link instead would silently overwrite the checkpoint it points to, which a ``latest`` link
+# usually means to keep. Neither is what the caller can be assumed to want, so a save onto a symlink is
+# refused (on every rank, before anything is written); loading through a symlink is fine.
 def _is_checkpoint(path: str) -> bool:
     return os.path.isdir(path) and (
         not os.listdir(path) or any(os.path.exists(os.path.join(path, f)) for f in (MANIFEST, ".metadata"))
@@ -1127,7 +1148,7 @@ def load_checkpoint(
     the world size matches. Errors (missing/unexpected keys under ``strict``, shapes, another
     optimizer, missing or truncated files) are raised on every rank before anything is loaded.
     """
-    path = os.fspath(path)
+    path = _normalize(path)
     rank, world_size = _group_info()
     err, plan = None, None
     try:

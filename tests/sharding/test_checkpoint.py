@@ -536,6 +536,56 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path):
     assert run_distributed(reload, world_size=1)[0][0] == {"version": 3}
 
 
+def test_trailing_slash_names_the_same_checkpoint(tmp_path):
+    """``ck/`` is ``ck``: saved twice (the second replaces the first), loaded with and without the slash.
+    Before: the second save failed renaming ``ck/`` and left ``ck/.tmp`` inside the checkpoint."""
+    full = _full_tensors(9)
+    ck = str(tmp_path / "ck") + os.sep
+
+    def fn():
+        save_checkpoint(ck, model=build_sharded({k: v + 1 for k, v in full.items()}, _torch_rule, seed=1), extra=1)
+        save_checkpoint(ck, model=build_sharded(full, _torch_rule, seed=2), extra=2)
+        out = []
+        for path in (ck, ck.rstrip(os.sep)):
+            m = build_sharded({k: torch.zeros_like(v) for k, v in full.items()}, _torch_rule, seed=3)
+            out.append((load_checkpoint(path, model=m), full_params(m)))
+        return out
+
+    for loads in run_distributed(fn, world_size=2):
+        for extra, p in loads:
+            assert extra == 2
+            assert_same(full, p)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert ".tmp" not in os.listdir(tmp_path / "ck")
+
+
+def test_save_onto_a_symlink_is_refused_and_changes_nothing(tmp_path):
+    """A save onto ``latest -> step_1`` raises a ValueError on every rank before writing anything (see
+    [Note: saving onto a symlink]); the link and its checkpoint stay, and a load through the link works.
+    Before: an OSError from rmtree, the link moved to ``latest.old`` and every later save lost."""
+    full = _full_tensors(10)
+    step_1, latest = str(tmp_path / "step_1"), str(tmp_path / "latest")
+
+    def first():
+        save_checkpoint(step_1, model=build_sharded(full, _torch_rule, seed=1), extra={"step": 1})
+
+    run_distributed(first, world_size=2)
+    os.symlink(step_1, latest)
+
+    def fn():
+        m = build_sharded({k: v + 1 for k, v in full.items()}, _torch_rule, seed=2)
+        for _ in range(2):
+            with pytest.raises(ValueError, match=r"latest is a symbolic link \(to .*step_1\).*Save to a real directory"):
+                save_checkpoint(latest, model=m, extra={"step": 2})
+        m = build_sharded({k: torch.zeros_like(v) for k, v in full.items()}, _torch_rule, seed=3)
+        return load_checkpoint(latest, model=m), full_params(m)
+
+    for extra, p in run_distributed(fn, world_size=2):
+        assert extra == {"step": 1}
+        assert_same(full, p)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_1"] and os.path.islink(latest)
+
+
 # =====================================================================================================
 # fully_shard models with every optimizer
 # =====================================================================================================
