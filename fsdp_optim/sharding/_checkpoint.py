@@ -1320,6 +1320,15 @@ def _broadcast_full_state(
 _HOOKED = "_fsdp_optim_ckpt_hooks"
 
 
+# [Note: load_state_dict(assign=True) on sharded parameters]
+# ``nn.Module.load_state_dict(sd, assign=True)`` replaces each parameter object by the state dict's
+# tensor. A sharded parameter is a view into its bucket's flat segment, which the runtime gathers
+# from and the reduce-scatter writes into; a new object there is read by no one (the load reported
+# success and loaded nothing). So for sharded parameters the root's pre-hook copies this rank's
+# range into the runtime's parameter (materializing a meta-built bucket first, as every load does)
+# and hands nn.Module that same parameter to assign: the objects, device and dtype stay the
+# runtime's (a dtype the state dict would have changed is warned about). Unsharded parameters and
+# buffers are assigned as torch does (so a meta-built model's buffers become real).
 def register_state_dict_hooks(module: nn.Module) -> None:
     """Make ``module.state_dict()`` return ``FlatShardTensor`` for sharded parameters (DCP-ready, as
     FSDP2's DTensors) and ``module.load_state_dict()`` accept those or full tensors. Idempotent;
@@ -1336,6 +1345,7 @@ def register_state_dict_hooks(module: nn.Module) -> None:
 
     def load_pre_hook(mod, sd, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
         _ensure_sharded(mod)
+        assign = bool(local_metadata.get("assign_to_params_buffers", False))
         for name, p in mod.named_parameters(remove_duplicate=False):
             key = prefix + name
             info = shard_info(p)
@@ -1349,9 +1359,24 @@ def register_state_dict_hooks(module: nn.Module) -> None:
                         f"shard is [{info.start}, {info.end}); dcp.load into model.state_dict() to reshard"
                     )
                     continue
-                sd[key] = v.to_local()
+                local = v.to_local()
             elif torch.is_tensor(v) and tuple(v.shape) == info.shape:
-                sd[key] = v.detach().reshape(-1)[info.start : info.end]  # a full tensor: take this rank's range
+                local = v.detach().reshape(-1)[info.start : info.end]  # a full tensor: take this rank's range
+            else:
+                continue
+            if assign:  # see [Note: load_state_dict(assign=True) on sharded parameters]
+                if local.dtype != p.dtype:
+                    warnings.warn(
+                        f"load_state_dict(assign=True): {key} is {local.dtype} in the state dict but the sharded "
+                        f"parameter is {p.dtype}; assign=True cannot change a sharded parameter's dtype, the values "
+                        f"are copied as {p.dtype} (cast the model before fully_shard to change it)",
+                        stacklevel=3,
+                    )
+                with torch.no_grad():
+                    p.copy_(local)
+                sd[key] = p  # assigning the parameter to itself: nn.Module keeps the runtime's object
+            else:
+                sd[key] = local
 
     module.register_state_dict_pre_hook(pre_hook)
     module.register_state_dict_post_hook(post_hook)

@@ -801,6 +801,62 @@ def test_full_state_round_trip():
         assert torch.equal(y_fresh, y_pre) and torch.equal(y_also, y_pre)
 
 
+@pytest.mark.parametrize("meta", [False, True])
+def test_load_state_dict_assign_true_loads_into_the_runtimes_parameters(meta):
+    """``model.load_state_dict(full_sd, assign=True)`` on a sharded (plain- or meta-built) model: the values
+    land in the parameters the runtime gathers and steps (the same objects as before), and forward plus
+    two torch.optim.AdamW steps equal the unsharded model bitwise. Before: the load reported success,
+    replaced the parameters by objects the runtime never reads, and the model kept its old values."""
+    torch.manual_seed(3)
+    pretrained = TinyTransformer(CFG)
+    full = {k: v.clone() for k, v in pretrained.state_dict().items()}
+    ref_opt = torch.optim.AdamW(pretrained.parameters(), lr=1e-2)
+    x, _ = make_batch(batch_size=2, seq_len=8, vocab_size=CFG.vocab_size, seed=5)
+    with torch.no_grad():
+        y_ref = pretrained(x)
+    train(pretrained, ref_opt, range(2))  # (each rank's batch is the same: the averaged gradient is this one)
+    want = {k: v.detach().clone() for k, v in pretrained.state_dict().items()}
+
+    def fn():
+        torch.manual_seed(9)
+        if meta:
+            with torch.device("meta"):
+                model = TinyTransformer(CFG)
+        else:
+            model = TinyTransformer(CFG)
+        for layer in model.layers:
+            fsdp_optim.fully_shard(layer, blocks=adamw_rule)
+        fsdp_optim.fully_shard(model, blocks=adamw_rule)
+        before = list(model.parameters())
+        result = model.load_state_dict(full, assign=True)
+        same_objects = all(a is b for a, b in zip(before, model.parameters()))
+        with torch.no_grad():
+            y = model(x)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train(model, opt, range(2))
+        return str(result), same_objects, y, fsdp_optim.full_state_dict(model)
+
+    for result, same_objects, y, got in run_distributed(fn, world_size=2):
+        assert result == "<All keys matched successfully>" and same_objects
+        assert torch.equal(y, y_ref)
+        assert_same(want, got)
+
+
+def test_load_state_dict_assign_true_keeps_the_sharded_dtype_with_a_warning():
+    torch.manual_seed(3)
+    half = {k: v.to(torch.bfloat16) for k, v in TinyTransformer(CFG).state_dict().items()}
+
+    def fn():
+        model = sharded_model(adamw_rule, "even_layers", seed=4)
+        with pytest.warns(UserWarning, match=r"is torch\.bfloat16 .* assign=True cannot change a sharded parameter's dtype"):
+            model.load_state_dict(half, assign=True)
+        return {k: v.dtype for k, v in model.named_parameters()}, fsdp_optim.full_state_dict(model)
+
+    for dtypes, got in run_distributed(fn, world_size=2):
+        assert set(dtypes.values()) == {torch.float32}
+        assert_same({k: v.float() for k, v in half.items()}, got)
+
+
 def test_state_dicts_are_dcp_ready_under_fully_shard(tmp_path):
     """fully_shard's root registers the model hooks and our optimizers their own (a torch optimizer
     needs ``register_optimizer_hooks``): plain ``dcp.save`` / ``dcp.load`` on ``model.state_dict()``
