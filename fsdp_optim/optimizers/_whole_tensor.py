@@ -14,11 +14,12 @@ no broadcast after the step: FSDP's next all-gather moves the parameters anyway.
 ``param_groups`` are this optimizer's (every parameter, owned or not), so LR schedulers and
 ``add_param_group`` work; before each step and each ``state_dict()`` their hyperparameters are
 copied into the inner optimizer's groups, and ``load_state_dict()`` copies the loaded ones back
-(so a round trip restores ``lr`` and the rest, as with ``optimizer_class`` itself). Plain (unsharded) parameters are owned by every rank. A parameter whose
-layout cuts it across ranks (a plan that had to split it, or other block rules) is rejected with
-the parameter's name. State lives in the inner optimizer (lazily, as torch's optimizers create
-it); ``self.state[p]`` mirrors it for owned parameters after each step. ``state_dict()`` /
-``load_state_dict()`` are the inner optimizer's per rank (same world size and plan).
+(so a round trip restores ``lr`` and the rest, as with ``optimizer_class`` itself). Plain
+(unsharded) parameters are owned by every rank. A parameter whose layout cuts it across ranks
+(a plan that had to split it, or other block rules) is rejected with the parameter's name. State
+lives in the inner optimizer (lazily, as torch's optimizers create it); ``self.state[p]`` mirrors it
+for owned parameters after each step. ``state_dict()`` / ``load_state_dict()`` are the inner
+optimizer's per rank (same world size and plan).
 
 [Note: whole-tensor checkpoints]
 ``save_checkpoint`` / ``load_checkpoint`` reshard this optimizer across world sizes and plans.

@@ -52,12 +52,12 @@ import shutil
 import types
 import pickle
 import re
-import sys
 import warnings
 import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -567,9 +567,6 @@ def _refusal(e: BaseException) -> str:
 
 def _numbers_from_numpy(obj: Any) -> Any:
     """``obj`` with numpy scalars (``np.float64`` from a numpy LR schedule) as the equal Python numbers."""
-    np = sys.modules.get("numpy")
-    if np is None:  # numpy was never imported: no numpy scalar can exist
-        return obj
     if isinstance(obj, np.generic) and isinstance(obj, np.number | np.bool_):
         return obj.item()
     if type(obj) is dict:

@@ -222,11 +222,13 @@ def test_state_dict_round_trip_with_a_scheduler_restores_hyperparameters_as_torc
                 p.grad = g.clone() if cls is None else lay.shard(g, rank).clone()
             opt.step()
             sched.step()
-        return [p.detach() for p in ps], saved_groups, [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        return [p.detach() for p in ps], saved_groups, groups
 
     want, want_saved, want_groups = run(None, 0, resume_at=2)
     assert want_saved[0]["lr"] == pytest.approx(1e-4)
-    uninterrupted = [lay.unshard([run(WholeTensorOptimizer, r, None)[0][i] for r in range(2)]) for i, lay in enumerate(layouts)]
+    straight = [run(WholeTensorOptimizer, r, None)[0] for r in range(2)]
+    uninterrupted = [lay.unshard([straight[r][i] for r in range(2)]) for i, lay in enumerate(layouts)]
     resumed = [run(WholeTensorOptimizer, r, 2) for r in range(2)]
     for r, (_, saved, groups) in enumerate(resumed):
         assert saved == want_saved, f"rank {r}: state_dict()['param_groups'] {saved} != torch's {want_saved}"

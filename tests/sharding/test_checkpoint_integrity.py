@@ -181,7 +181,9 @@ def test_payload_in_a_blob_does_not_run(tmp_path, monkeypatch):
     assert not os.path.exists(marker)
     # The refused global is named, on one line, without torch's ANSI escapes.
     _expect_refused(
-        tmp_path / "ckpt", r"^[^\x1b\n]*'extra' cannot be loaded safely: UnpicklingError: [^\x1b\n]*GLOBAL io\.open [^\x1b\n]*$", marker
+        tmp_path / "ckpt",
+        r"^[^\x1b\n]*'extra' cannot be loaded safely: UnpicklingError: [^\x1b\n]*GLOBAL io\.open [^\x1b\n]*$",
+        marker,
     )
 
 
@@ -192,7 +194,8 @@ def test_payload_in_a_dcp_byte_record_does_not_run(tmp_path, monkeypatch):
 
     marker = str(tmp_path / "ran_record")
     real = ckpt._to_bytes
-    monkeypatch.setattr(ckpt, "_to_bytes", lambda obj, what: _Payload(marker) if obj == {"step": 1} else real(obj, what))
+    payload = lambda obj, what: _Payload(marker) if obj == {"step": 1} else real(obj, what)  # noqa: E731
+    monkeypatch.setattr(ckpt, "_to_bytes", payload)
 
     def fn():
         model, opt = _trained(seed=0)
