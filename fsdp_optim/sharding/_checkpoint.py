@@ -598,6 +598,8 @@ def _from_bytes(data: Any, what: str) -> Any:
 # ``_SafeLoadPlanner`` reads with ``weights_only=True``; and DCP's ``.metadata`` file, a plain pickle,
 # which ``_SafeReader`` reads through an unpickler that resolves only DCP's metadata classes and the
 # few torch and pathlib names they use (``_METADATA_GLOBALS``). Anything else raises a clear error.
+# ``save_checkpoint`` reads each small entry back the same way before writing (``_to_bytes``), so it
+# never writes one that a load would refuse.
 _METADATA_GLOBALS = {
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
