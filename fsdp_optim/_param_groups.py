@@ -31,7 +31,8 @@ def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
 
     The nanoGPT grouping, correct on sharded models. Frozen parameters (``requires_grad=False``) are
     left out; tied parameters appear once; an empty group is dropped. Pass the result to any
-    optimizer: ``AdamW(param_groups(model, weight_decay=0.1), lr=3e-4)``.
+    optimizer: ``AdamW(param_groups(model, weight_decay=0.1), lr=3e-4)``. ``Muon`` applies each
+    group's ``weight_decay`` to its AdamW part too (norms, biases: 0; embeddings, head: ``weight_decay``).
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"param_groups: model must be an nn.Module, got {type(model).__name__}")

@@ -320,7 +320,10 @@ class Muon(torch.optim.Optimizer):
     Each parameter group is split into a Muon group (``group["use_muon"] is True``: ``lr``,
     ``weight_decay``, ``momentum``, ...) and an AdamW group (``lr`` = ``adamw_lr``, ``betas``,
     ``eps``, ``weight_decay``), so LR schedulers scale both. Defaults are torch.optim.Muon's and
-    torch.optim.AdamW's.
+    torch.optim.AdamW's. A group's own ``weight_decay`` is its AdamW part's too unless the group
+    also sets ``adamw_weight_decay``: ``Muon(fsdp_optim.param_groups(model, weight_decay=0.1))``
+    decays nothing in the no-decay group (norms, biases) and 0.1 elsewhere, as AdamW would; the
+    constructor's ``adamw_weight_decay`` applies to groups that set neither.
 
     ``lr``, ``weight_decay`` (decoupled, ``param *= 1 - lr * wd``), ``momentum``, ``nesterov``,
     ``ns_coefficients``, ``eps``, ``ns_steps``, ``adjust_lr_fn``: as torch.optim.Muon, except that the
@@ -454,12 +457,21 @@ class Muon(torch.optim.Optimizer):
             )
         opts = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
         get = lambda k: opts.get(k, self.defaults[k])  # noqa: E731
+        if "betas" in opts:
+            warnings.warn(
+                "Muon: 'betas' ignored in a param group without use_muon (Muon has no betas); its AdamW part "
+                "takes adamw_betas: set adamw_betas in the group, or pass a use_muon=False group",
+                stacklevel=3,
+            )
+        # A group's weight_decay is its AdamW part's too, unless the group sets adamw_weight_decay, so
+        # param_groups(model, weight_decay=...) decays as on AdamW (docs/muon.md, "Weight decay in groups").
+        adamw_wd = opts.get("adamw_weight_decay", opts.get("weight_decay", self.defaults["adamw_weight_decay"]))
         if muon or not adamw:
             self._add_split_group({"params": muon, "use_muon": True, **{k: get(k) for k in _MUON_KEYS}})
         if adamw:
             self._add_split_group({
                 "params": adamw, "use_muon": False, "lr": get("adamw_lr"), "betas": tuple(get("adamw_betas")),
-                "eps": get("adamw_eps"), "weight_decay": get("adamw_weight_decay"),
+                "eps": get("adamw_eps"), "weight_decay": adamw_wd,
             })  # fmt: skip
 
     def _add_explicit_group(self, param_group: dict[str, Any]) -> None:

@@ -12,12 +12,14 @@ and skips the others: the result equals ``optimizer_class`` unsharded, bitwise, 
 no broadcast after the step: FSDP's next all-gather moves the parameters anyway.)
 
 ``param_groups`` are this optimizer's (every parameter, owned or not), so LR schedulers and
-``add_param_group`` work; before each step their hyperparameters are copied into the inner
-optimizer's groups. Plain (unsharded) parameters are owned by every rank. A parameter whose
-layout cuts it across ranks (a plan that had to split it, or other block rules) is rejected with
-the parameter's name. State lives in the inner optimizer (lazily, as torch's optimizers create
-it); ``self.state[p]`` mirrors it for owned parameters after each step. ``state_dict()`` /
-``load_state_dict()`` are the inner optimizer's per rank (same world size and plan).
+``add_param_group`` work; before each step and each ``state_dict()`` their hyperparameters are
+copied into the inner optimizer's groups, and ``load_state_dict()`` copies the loaded ones back
+(so a round trip restores ``lr`` and the rest, as with ``optimizer_class`` itself). Plain
+(unsharded) parameters are owned by every rank. A parameter whose layout cuts it across ranks
+(a plan that had to split it, or other block rules) is rejected with the parameter's name. State
+lives in the inner optimizer (lazily, as torch's optimizers create it); ``self.state[p]`` mirrors it
+for owned parameters after each step. ``state_dict()`` / ``load_state_dict()`` are the inner
+optimizer's per rank (same world size and plan).
 
 [Note: whole-tensor checkpoints]
 ``save_checkpoint`` / ``load_checkpoint`` reshard this optimizer across world sizes and plans.
@@ -134,10 +136,8 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for g, inner in zip(self.param_groups, self.optim.param_groups):
-            for k, v in g.items():
-                if k != "params":
-                    inner[k] = v
+        self._push_hyperparameters()
+        for g in self.param_groups:
             for p in g["params"]:
                 view = self._view(p)
                 if view is None or view is p:
@@ -153,6 +153,21 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
                     view.grad = None  # no extra reference to the gradient segment
         self._mirror_state()
         return loss
+
+    def _push_hyperparameters(self) -> None:
+        """Copy this optimizer's hyperparameters (set by the user or a scheduler) into the inner groups."""
+        for g, inner in zip(self.param_groups, self.optim.param_groups):
+            for k, v in g.items():
+                if k != "params":
+                    inner[k] = v
+
+    def _pull_hyperparameters(self) -> None:
+        """Make this optimizer's groups hold exactly the inner groups' hyperparameters (after a load)."""
+        for g, inner in zip(self.param_groups, self.optim.param_groups):
+            params = g["params"]
+            g.clear()
+            g["params"] = params
+            g.update({k: v for k, v in inner.items() if k != "params"})
 
     def _mirror_state(self) -> None:
         for p, view in self._views.items():
@@ -185,11 +200,15 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
         self._mirror_state()
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state dict on this rank (this rank's owned parameters only)."""
+        """The inner optimizer's state dict on this rank (this rank's owned parameters only), with
+        this optimizer's current hyperparameters (``lr`` as a scheduler left it)."""
+        self._push_hyperparameters()
         return self.optim.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load an inner state dict (from ``state_dict()``): state and hyperparameters, as torch's optimizers do."""
         self.optim.load_state_dict(state_dict)
+        self._pull_hyperparameters()
         self._mirror_state()
 
     def __repr__(self) -> str:

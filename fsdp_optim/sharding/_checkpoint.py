@@ -51,11 +51,13 @@ import os
 import shutil
 import types
 import pickle
+import re
 import warnings
 import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -499,10 +501,79 @@ def _group_info() -> tuple[int, int]:
     return 0, 1
 
 
-def _to_bytes(obj: Any) -> bytes:
+def _to_bytes(obj: Any, what: str) -> bytes:
+    """``torch.save`` bytes of ``obj``, refused now (``ValueError``) if ``load_checkpoint`` would refuse
+    them (see [Note: loading runs no code]): a checkpoint is never written that cannot be loaded."""
     buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+    try:
+        torch.save(obj, buf)
+        data = buf.getvalue()
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unpicklable or refused: find the value to name
+        where, bad = _first_refused(obj, what)
+        raise ValueError(
+            f"save_checkpoint: {where} is a {_type_name(bad)}, which load_checkpoint cannot load "
+            f"({_refusal(e)}); checkpoints load only tensors, numbers, strings, lists, tuples and dicts: "
+            "convert it (a numpy scalar: int(x) / float(x) or x.item(); an array: torch.from_numpy(x)), or, "
+            "if you trust the class, allow it with torch.serialization.add_safe_globals([...]) in the saving "
+            "and the loading processes"
+        ) from None
+    return data
+
+
+def _loads_safely(obj: Any) -> bool:
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def _first_refused(obj: Any, where: str) -> tuple[str, Any]:
+    """The path and value of the first part of ``obj`` that ``torch.load(weights_only=True)`` refuses."""
+    if isinstance(obj, Mapping):
+        items = [(f"{where}[{k!r}]", v) for k, v in obj.items()] + [(f"the key {k!r} of {where}", k) for k in obj]
+    elif isinstance(obj, list | tuple):
+        items = [(f"{where}[{i}]", v) for i, v in enumerate(obj)]
+    else:
+        return where, obj
+    for child_where, child in items:
+        if not _loads_safely(child):
+            return _first_refused(child, child_where)
+    return where, obj  # every part loads: the container's own class is refused
+
+
+def _type_name(obj: Any) -> str:
+    t = type(obj)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _refusal(e: BaseException) -> str:
+    """The useful line of a ``torch.load(weights_only=True)`` error (the refused global), without ANSI codes."""
+    text = _ANSI.sub("", str(e))
+    for marker in ("WeightsUnpickler error:", "Unsupported global:"):
+        if marker in text:
+            line = text[text.index(marker) :].splitlines()[0].strip()
+            line = line.split(" by default.")[0]  # (torch's advice follows; ours is in the caller's message)
+            return f"{type(e).__name__}: {line}"[:600]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0][:600] if lines else ''}"
+
+
+def _numbers_from_numpy(obj: Any) -> Any:
+    """``obj`` with numpy scalars (``np.float64`` from a numpy LR schedule) as the equal Python numbers."""
+    if isinstance(obj, np.generic) and isinstance(obj, np.number | np.bool_):
+        return obj.item()
+    if type(obj) is dict:
+        return {k: _numbers_from_numpy(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_numbers_from_numpy(v) for v in obj)
+    return obj
 
 
 def _from_bytes(data: Any, what: str) -> Any:
@@ -513,8 +584,9 @@ def _from_bytes(data: Any, what: str) -> Any:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # noqa: BLE001 - refused (a class or callable) or undecodable
         raise ValueError(
-            f"checkpoint entry {what!r} cannot be loaded safely: {type(e).__name__}: {str(e).splitlines()[0][:300]}. "
-            "Only tensors, numbers, strings, lists, tuples and dicts are loaded (for extra=, store such values)"
+            f"checkpoint entry {what!r} cannot be loaded safely: {_refusal(e)}. Only tensors, numbers, strings, "
+            "lists, tuples and dicts are loaded (a checkpoint of another writer; save_checkpoint refuses such values), "
+            "unless the class is allowed with torch.serialization.add_safe_globals([...]), if you trust it"
         ) from None
 
 
@@ -526,6 +598,8 @@ def _from_bytes(data: Any, what: str) -> Any:
 # ``_SafeLoadPlanner`` reads with ``weights_only=True``; and DCP's ``.metadata`` file, a plain pickle,
 # which ``_SafeReader`` reads through an unpickler that resolves only DCP's metadata classes and the
 # few torch and pathlib names they use (``_METADATA_GLOBALS``). Anything else raises a clear error.
+# ``save_checkpoint`` reads each small entry back the same way before writing (``_to_bytes``), so it
+# never writes one that a load would refuse.
 _METADATA_GLOBALS = {
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
@@ -581,10 +655,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(
-                f"checkpoint byte record {fqn!r} cannot be loaded safely: {type(e).__name__}: "
-                f"{str(e).splitlines()[0][:300]}"
-            ) from None
+            raise ValueError(f"checkpoint byte record {fqn!r} cannot be loaded safely: {_refusal(e)}") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
@@ -619,11 +690,15 @@ def save_checkpoint(
 ) -> None:
     """Save model, optimizer, scheduler, RNG states and ``extra`` to directory ``path`` (every rank).
 
-    Each rank writes only its own shards (no gather). ``extra`` (any ``torch.save``-able object,
-    e.g. the data position) is taken from rank 0. Atomic: the checkpoint is written to
-    ``<path>.tmp`` and moved into place after every rank is done, replacing a previous checkpoint.
+    Each rank writes only its own shards (no gather). ``extra`` (e.g. the data position: tensors,
+    numbers, strings, lists, tuples and dicts, what ``load_checkpoint`` loads) is taken from rank 0.
+    A value a load would refuse (a numpy scalar in ``extra``, a custom class) raises a ``ValueError``
+    naming it on every rank before anything is written; numpy scalars in param groups, optimizer
+    scalars and scheduler state (an LR from a numpy schedule) are saved as the equal Python numbers.
+    Atomic: the checkpoint is written to ``<path>.tmp`` and moved into place after every rank is
+    done, replacing a previous checkpoint.
     """
-    path = os.fspath(path)
+    path = _normalize(path)
     rank, world_size = _group_info()
     tmp, old = path + ".tmp", path + ".old"
     sd: dict[str, Any] = {}
@@ -646,17 +721,28 @@ def save_checkpoint(
                 manifest["inner_optimizer"] = _class_name(optimizer.optim)
             else:
                 state, scalars, schema = _optim_state(optimizer, names)
-            groups = _param_groups(optimizer, names)
-            sd["optim"] = {"state": state, "scalars": _to_bytes(scalars), "param_groups": _to_bytes(groups)}
+            groups = _numbers_from_numpy(_param_groups(optimizer, names))
+            sd["optim"] = {
+                "state": state,
+                "scalars": _to_bytes(_numbers_from_numpy(scalars), "optim.scalars"),
+                "param_groups": _to_bytes(groups, "optimizer.param_groups"),
+            }
             manifest["optimizer"] = _class_name(optimizer)
             manifest["optim_schema"] = schema
             manifest["optim_groups"] = [g["params"] for g in groups]
         if scheduler is not None:
-            sd["scheduler"] = _to_bytes(scheduler.state_dict())
+            sd["scheduler"] = _to_bytes(_numbers_from_numpy(scheduler.state_dict()), "scheduler.state_dict()")
         if extra is not None and rank == 0:
-            sd["extra"] = _to_bytes(extra)
-        sd[f"rng.rank{rank}"] = _to_bytes(_rng_state())
+            sd["extra"] = _to_bytes(extra, "extra")
+        sd[f"rng.rank{rank}"] = _to_bytes(_rng_state(), "the RNG state")
         if rank == 0:
+            if os.path.islink(path):  # see [Note: saving onto a symlink]
+                raise ValueError(
+                    f"save_checkpoint: {path} is a symbolic link (to {os.readlink(path)}); a save replaces the "
+                    "directory at the path, so it would replace the link, not the checkpoint it points to. Save to "
+                    f"a real directory (e.g. the target {os.path.realpath(path)}, to overwrite it, or a new one) and "
+                    "then point the link at it"
+                )
             if os.path.exists(path) and not _is_checkpoint(path):
                 raise ValueError(
                     f"save_checkpoint: {path} exists and is not a checkpoint (no {MANIFEST} or .metadata); "
@@ -667,7 +753,12 @@ def save_checkpoint(
             os.makedirs(tmp)
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         err = e
-    _agree(err)  # a collective: the temp dir exists before anyone writes
+    try:
+        _agree(err)  # a collective: the temp dir exists before anyone writes
+    except Exception:
+        if rank == 0 and err is None:
+            shutil.rmtree(tmp, ignore_errors=True)  # another rank refused: leave nothing behind
+        raise
     # A collective; .metadata is written when it returns. DCP raises on every rank if any rank fails.
     try:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
@@ -700,6 +791,20 @@ def save_checkpoint(
     _agree(err)
 
 
+def _normalize(path: str | os.PathLike) -> str:
+    """``path`` without a trailing separator (``ck/`` is ``ck``), so ``<path>.tmp`` is its sibling."""
+    path = os.fspath(path)
+    if not path:
+        raise ValueError("save_checkpoint / load_checkpoint: path is empty; pass a directory path")
+    return os.path.normpath(path)
+
+
+# [Note: saving onto a symlink]
+# A save writes <path>.tmp and renames it onto <path>; onto a symlink (``latest -> step_1``) that would
+# replace the link by a directory (or, before, crashed in rmtree after moving the link aside). Following
+# the link instead would silently overwrite the checkpoint it points to, which a ``latest`` link
+# usually means to keep. Neither is what the caller can be assumed to want, so a save onto a symlink is
+# refused (on every rank, before anything is written); loading through a symlink is fine.
 def _is_checkpoint(path: str) -> bool:
     return os.path.isdir(path) and (
         not os.listdir(path) or any(os.path.exists(os.path.join(path, f)) for f in (MANIFEST, ".metadata"))
@@ -1042,7 +1147,7 @@ def load_checkpoint(
     the world size matches. Errors (missing/unexpected keys under ``strict``, shapes, another
     optimizer, missing or truncated files) are raised on every rank before anything is loaded.
     """
-    path = os.fspath(path)
+    path = _normalize(path)
     rank, world_size = _group_info()
     err, plan = None, None
     try:
@@ -1214,6 +1319,15 @@ def _broadcast_full_state(
 _HOOKED = "_fsdp_optim_ckpt_hooks"
 
 
+# [Note: load_state_dict(assign=True) on sharded parameters]
+# ``nn.Module.load_state_dict(sd, assign=True)`` replaces each parameter object by the state dict's
+# tensor. A sharded parameter is a view into its bucket's flat segment, which the runtime gathers
+# from and the reduce-scatter writes into; a new object there is read by no one (the load reported
+# success and loaded nothing). So for sharded parameters the root's pre-hook copies this rank's
+# range into the runtime's parameter (materializing a meta-built bucket first, as every load does)
+# and hands nn.Module that same parameter to assign: the objects, device and dtype stay the
+# runtime's (a dtype the state dict would have changed is warned about). Unsharded parameters and
+# buffers are assigned as torch does (so a meta-built model's buffers become real).
 def register_state_dict_hooks(module: nn.Module) -> None:
     """Make ``module.state_dict()`` return ``FlatShardTensor`` for sharded parameters (DCP-ready, as
     FSDP2's DTensors) and ``module.load_state_dict()`` accept those or full tensors. Idempotent;
@@ -1230,6 +1344,7 @@ def register_state_dict_hooks(module: nn.Module) -> None:
 
     def load_pre_hook(mod, sd, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
         _ensure_sharded(mod)
+        assign = bool(local_metadata.get("assign_to_params_buffers", False))
         for name, p in mod.named_parameters(remove_duplicate=False):
             key = prefix + name
             info = shard_info(p)
@@ -1243,9 +1358,24 @@ def register_state_dict_hooks(module: nn.Module) -> None:
                         f"shard is [{info.start}, {info.end}); dcp.load into model.state_dict() to reshard"
                     )
                     continue
-                sd[key] = v.to_local()
+                local = v.to_local()
             elif torch.is_tensor(v) and tuple(v.shape) == info.shape:
-                sd[key] = v.detach().reshape(-1)[info.start : info.end]  # a full tensor: take this rank's range
+                local = v.detach().reshape(-1)[info.start : info.end]  # a full tensor: take this rank's range
+            else:
+                continue
+            if assign:  # see [Note: load_state_dict(assign=True) on sharded parameters]
+                if local.dtype != p.dtype:
+                    warnings.warn(
+                        f"load_state_dict(assign=True): {key} is {local.dtype} in the state dict but the sharded "
+                        f"parameter is {p.dtype}; assign=True cannot change a sharded parameter's dtype, the values "
+                        f"are copied as {p.dtype} (cast the model before fully_shard to change it)",
+                        stacklevel=3,
+                    )
+                with torch.no_grad():
+                    p.copy_(local)
+                sd[key] = p  # assigning the parameter to itself: nn.Module keeps the runtime's object
+            else:
+                sd[key] = local
 
     module.register_state_dict_pre_hook(pre_hook)
     module.register_state_dict_post_hook(post_hook)

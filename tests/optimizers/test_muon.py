@@ -796,3 +796,70 @@ def test_batched_step_memory_is_one_stack_at_a_time(monkeypatch, nesterov):
     stack_bytes = 4 * 256 * 2  # 4 bf16 matrices
     assert 0 < extra[4 * 256] <= 8 * stack_bytes, extra
     assert extra[None] >= 4 * extra[4 * 256], extra  # one stack of all 64: the cap is what bounds it
+
+
+# ---- weight decay of param groups (fsdp_optim.param_groups) ---------------------------------------
+class _Decay(torch.nn.Module):
+    """An embedding, a hidden matrix with a bias, a norm and a head: every kind of parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(11, 6)
+        self.hidden = torch.nn.Linear(6, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.head = torch.nn.Linear(8, 11, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.tanh(self.hidden(self.embed(x)))))
+
+
+def test_param_groups_weight_decay_reaches_the_adamw_part_equals_torch():
+    """``Muon(fsdp_optim.param_groups(model, weight_decay=0.1))`` on a sharded model: the no-decay
+    group's norms and bias get no decay, the decay group's embedding and head AdamW's 0.1, as with
+    torch.optim.Muon + two torch.optim.AdamW groups unsharded (W=2, the same batch on every rank:
+    bitwise). Before: the no-decay group's AdamW part got adamw_weight_decay (0.01)."""
+    import fsdp_optim
+
+    with _one_thread():
+        ref = _Decay()
+        muon = torch.optim.Muon([ref.hidden.weight], lr=0.02, weight_decay=0.1)
+        adamw = torch.optim.AdamW([{"params": [ref.embed.weight, ref.head.weight], "weight_decay": 0.1},
+                                   {"params": [ref.hidden.bias, ref.norm.weight, ref.norm.bias], "weight_decay": 0.0}],
+                                  lr=3e-3)  # fmt: skip
+        for s in range(STEPS):
+            ref(torch.arange(s, s + 5) % 11).square().sum().backward()
+            for o in (muon, adamw):
+                o.step()
+                o.zero_grad()
+    want = {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+    def fn():
+        model = _Decay()
+        fsdp_optim.fully_shard(model, blocks=Muon.blocks)
+        opt = Muon(fsdp_optim.param_groups(model, weight_decay=0.1), lr=0.02, adamw_lr=3e-3)
+        decays = [(g["use_muon"], g["weight_decay"], len(g["params"])) for g in opt.param_groups]
+        for s in range(STEPS):
+            model(torch.arange(s, s + 5) % 11).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return decays, fsdp_optim.full_state_dict(model)
+
+    for decays, got in run_distributed(fn, world_size=2):
+        assert decays == [(True, 0.1, 1), (False, 0.1, 2), (False, 0.0, 3)]
+        assert_bitwise(got, want)
+
+
+def test_group_weight_decay_precedence_and_ignored_betas():
+    """The AdamW part's decay: the group's adamw_weight_decay, else its weight_decay, else the
+    constructor's adamw_weight_decay. ``betas`` in a group without use_muon is ignored, with a warning."""
+    def parts(**group):
+        w, b = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(3))
+        opt = Muon([{"params": [("w", w), ("b", b)], **group}], weight_decay=0.2, adamw_weight_decay=0.03)
+        return [(g["use_muon"], g["weight_decay"]) for g in opt.param_groups]
+
+    assert parts() == [(True, 0.2), (False, 0.03)]
+    assert parts(weight_decay=0.0) == [(True, 0.0), (False, 0.0)]
+    assert parts(weight_decay=0.1, adamw_weight_decay=0.05) == [(True, 0.1), (False, 0.05)]
+    with pytest.warns(UserWarning, match=r"'betas' ignored in a param group without use_muon.*adamw_betas"):
+        assert parts(betas=(0.8, 0.9)) == [(True, 0.2), (False, 0.03)]

@@ -189,6 +189,56 @@ def test_param_groups_add_param_group_zero_grad_and_state_dict_round_trip():
     assert all(p not in opt.state for p in ps if not opt.owns(p))  # no state for what another rank steps
 
 
+def test_state_dict_round_trip_with_a_scheduler_restores_hyperparameters_as_torch_does():
+    """Resuming through state_dict() / load_state_dict() (and a scheduler's) equals the uninterrupted
+    run bitwise, and the saved param groups hold the scheduler's lr, exactly as with torch.optim.NAdam."""
+    shapes = SHAPES[:3]
+    params, grads = make_data(shapes, 4, seed=7)
+    layouts = owner_layouts(shapes, 2, seed=3)
+
+    def build(cls, rank):
+        if cls is None:  # the unsharded reference
+            ps = [nn.Parameter(p.clone()) for p in params]
+            opt = torch.optim.NAdam(ps, lr=1e-2)
+        else:
+            ps = [sharded(f, lay, rank, f"p{i}") for i, (f, lay) in enumerate(zip(params, layouts))]
+            opt = WholeTensorOptimizer(ps, torch.optim.NAdam, lr=1e-2)
+        return ps, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.1**s)
+
+    def run(cls, rank, resume_at):
+        ps, opt, sched = build(cls, rank)
+        saved_groups = None
+        for t in range(4):
+            if t == resume_at:
+                osd, ssd = copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict())
+                saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]
+                old = ps
+                ps, opt, sched = build(cls, rank)
+                for a, b in zip(ps, old):
+                    a.data.copy_(b.detach())
+                opt.load_state_dict(osd)
+                sched.load_state_dict(ssd)
+            for p, g, lay in zip(ps, grads[t], layouts):
+                p.grad = g.clone() if cls is None else lay.shard(g, rank).clone()
+            opt.step()
+            sched.step()
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        return [p.detach() for p in ps], saved_groups, groups
+
+    want, want_saved, want_groups = run(None, 0, resume_at=2)
+    assert want_saved[0]["lr"] == pytest.approx(1e-4)
+    straight = [run(WholeTensorOptimizer, r, None)[0] for r in range(2)]
+    uninterrupted = [lay.unshard([straight[r][i] for r in range(2)]) for i, lay in enumerate(layouts)]
+    resumed = [run(WholeTensorOptimizer, r, 2) for r in range(2)]
+    for r, (_, saved, groups) in enumerate(resumed):
+        assert saved == want_saved, f"rank {r}: state_dict()['param_groups'] {saved} != torch's {want_saved}"
+        assert groups == want_groups, f"rank {r}: param_groups after the resume {groups} != torch's {want_groups}"
+    got = [lay.unshard([resumed[r][0][i] for r in range(2)]) for i, lay in enumerate(layouts)]
+    for i in range(len(shapes)):
+        assert torch.equal(got[i], uninterrupted[i]), f"param {i}: resumed != uninterrupted"
+        assert torch.equal(got[i], want[i]), f"param {i}: resumed != torch.optim.NAdam resumed"
+
+
 def test_a_rank_owning_nothing_skips_and_plain_parameters_are_stepped_everywhere():
     full = torch.randn(6, 4)
     lay = RaggedShard((6, 4), (0, 24, 24))  # rank 1 holds nothing

@@ -536,6 +536,56 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path):
     assert run_distributed(reload, world_size=1)[0][0] == {"version": 3}
 
 
+def test_trailing_slash_names_the_same_checkpoint(tmp_path):
+    """``ck/`` is ``ck``: saved twice (the second replaces the first), loaded with and without the slash.
+    Before: the second save failed renaming ``ck/`` and left ``ck/.tmp`` inside the checkpoint."""
+    full = _full_tensors(9)
+    ck = str(tmp_path / "ck") + os.sep
+
+    def fn():
+        save_checkpoint(ck, model=build_sharded({k: v + 1 for k, v in full.items()}, _torch_rule, seed=1), extra=1)
+        save_checkpoint(ck, model=build_sharded(full, _torch_rule, seed=2), extra=2)
+        out = []
+        for path in (ck, ck.rstrip(os.sep)):
+            m = build_sharded({k: torch.zeros_like(v) for k, v in full.items()}, _torch_rule, seed=3)
+            out.append((load_checkpoint(path, model=m), full_params(m)))
+        return out
+
+    for loads in run_distributed(fn, world_size=2):
+        for extra, p in loads:
+            assert extra == 2
+            assert_same(full, p)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert ".tmp" not in os.listdir(tmp_path / "ck")
+
+
+def test_save_onto_a_symlink_is_refused_and_changes_nothing(tmp_path):
+    """A save onto ``latest -> step_1`` raises a ValueError on every rank before writing anything (see
+    [Note: saving onto a symlink]); the link and its checkpoint stay, and a load through the link works.
+    Before: an OSError from rmtree, the link moved to ``latest.old`` and every later save lost."""
+    full = _full_tensors(10)
+    step_1, latest = str(tmp_path / "step_1"), str(tmp_path / "latest")
+
+    def first():
+        save_checkpoint(step_1, model=build_sharded(full, _torch_rule, seed=1), extra={"step": 1})
+
+    run_distributed(first, world_size=2)
+    os.symlink(step_1, latest)
+
+    def fn():
+        m = build_sharded({k: v + 1 for k, v in full.items()}, _torch_rule, seed=2)
+        for _ in range(2):
+            with pytest.raises(ValueError, match=r"latest is a symbolic link \(to .*step_1\).*Save to a real dir"):
+                save_checkpoint(latest, model=m, extra={"step": 2})
+        m = build_sharded({k: torch.zeros_like(v) for k, v in full.items()}, _torch_rule, seed=3)
+        return load_checkpoint(latest, model=m), full_params(m)
+
+    for extra, p in run_distributed(fn, world_size=2):
+        assert extra == {"step": 1}
+        assert_same(full, p)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_1"] and os.path.islink(latest)
+
+
 # =====================================================================================================
 # fully_shard models with every optimizer
 # =====================================================================================================
@@ -749,6 +799,62 @@ def test_full_state_round_trip():
         # Same kernels on the same full weights and input (one thread per rank): bitwise.
         assert torch.equal(y_sharded, y_plain)
         assert torch.equal(y_fresh, y_pre) and torch.equal(y_also, y_pre)
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_load_state_dict_assign_true_loads_into_the_runtimes_parameters(meta):
+    """``model.load_state_dict(full_sd, assign=True)`` on a sharded (plain- or meta-built) model: the values
+    land in the parameters the runtime gathers and steps (the same objects as before), and forward plus
+    two torch.optim.AdamW steps equal the unsharded model bitwise. Before: the load reported success,
+    replaced the parameters by objects the runtime never reads, and the model kept its old values."""
+    torch.manual_seed(3)
+    pretrained = TinyTransformer(CFG)
+    full = {k: v.clone() for k, v in pretrained.state_dict().items()}
+    ref_opt = torch.optim.AdamW(pretrained.parameters(), lr=1e-2)
+    x, _ = make_batch(batch_size=2, seq_len=8, vocab_size=CFG.vocab_size, seed=5)
+    with torch.no_grad():
+        y_ref = pretrained(x)
+    train(pretrained, ref_opt, range(2))  # (each rank's batch is the same: the averaged gradient is this one)
+    want = {k: v.detach().clone() for k, v in pretrained.state_dict().items()}
+
+    def fn():
+        torch.manual_seed(9)
+        if meta:
+            with torch.device("meta"):
+                model = TinyTransformer(CFG)
+        else:
+            model = TinyTransformer(CFG)
+        for layer in model.layers:
+            fsdp_optim.fully_shard(layer, blocks=adamw_rule)
+        fsdp_optim.fully_shard(model, blocks=adamw_rule)
+        before = list(model.parameters())
+        result = model.load_state_dict(full, assign=True)
+        same_objects = all(a is b for a, b in zip(before, model.parameters()))
+        with torch.no_grad():
+            y = model(x)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train(model, opt, range(2))
+        return str(result), same_objects, y, fsdp_optim.full_state_dict(model)
+
+    for result, same_objects, y, got in run_distributed(fn, world_size=2):
+        assert result == "<All keys matched successfully>" and same_objects
+        assert torch.equal(y, y_ref)
+        assert_same(want, got)
+
+
+def test_load_state_dict_assign_true_keeps_the_sharded_dtype_with_a_warning():
+    torch.manual_seed(3)
+    half = {k: v.to(torch.bfloat16) for k, v in TinyTransformer(CFG).state_dict().items()}
+
+    def fn():
+        model = sharded_model(adamw_rule, "even_layers", seed=4)
+        with pytest.warns(UserWarning, match=r"is torch\.bfloat16 .* assign=True cannot change a sharded parameter's"):
+            model.load_state_dict(half, assign=True)
+        return {k: v.dtype for k, v in model.named_parameters()}, fsdp_optim.full_state_dict(model)
+
+    for dtypes, got in run_distributed(fn, world_size=2):
+        assert set(dtypes.values()) == {torch.float32}
+        assert_same({k: v.float() for k, v in half.items()}, got)
 
 
 def test_state_dicts_are_dcp_ready_under_fully_shard(tmp_path):

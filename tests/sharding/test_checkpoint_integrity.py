@@ -157,16 +157,34 @@ def _expect_refused(path, match: str, marker) -> None:
     assert not os.path.exists(marker), "loading the checkpoint ran code"
 
 
-def test_payload_in_a_blob_does_not_run(tmp_path):
+def _unchecked_to_bytes(obj, what: str) -> bytes:
+    """``torch.save`` without save_checkpoint's check: a checkpoint from another writer."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_payload_in_a_blob_does_not_run(tmp_path, monkeypatch):
+    import fsdp_optim.sharding._checkpoint as ckpt
+
     marker = str(tmp_path / "ran_blob")
+    monkeypatch.setattr(ckpt, "_to_bytes", _unchecked_to_bytes)  # (save_checkpoint itself refuses it)
 
     def fn():
         model, opt = _trained(seed=0)
         fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, extra={"x": _Payload(marker)})
 
     run_distributed(fn, world_size=2)
+    monkeypatch.undo()
     assert not os.path.exists(marker)
-    _expect_refused(tmp_path / "ckpt", r"'extra' cannot be loaded safely", marker)
+    # The refused global is named, on one line, without torch's ANSI escapes.
+    _expect_refused(
+        tmp_path / "ckpt",
+        r"^[^\x1b\n]*'extra' cannot be loaded safely: UnpicklingError: [^\x1b\n]*GLOBAL io\.open [^\x1b\n]*$",
+        marker,
+    )
 
 
 def test_payload_in_a_dcp_byte_record_does_not_run(tmp_path, monkeypatch):
@@ -176,7 +194,8 @@ def test_payload_in_a_dcp_byte_record_does_not_run(tmp_path, monkeypatch):
 
     marker = str(tmp_path / "ran_record")
     real = ckpt._to_bytes
-    monkeypatch.setattr(ckpt, "_to_bytes", lambda obj: _Payload(marker) if obj == {"step": 1} else real(obj))
+    payload = lambda obj, what: _Payload(marker) if obj == {"step": 1} else real(obj, what)  # noqa: E731
+    monkeypatch.setattr(ckpt, "_to_bytes", payload)
 
     def fn():
         model, opt = _trained(seed=0)
@@ -252,3 +271,79 @@ def test_temporary_directory_removed_mid_save(tmp_path, monkeypatch):
         return not (tmp_path / "ckpt").exists()
 
     assert run_distributed(fn, world_size=2) == [True, True]
+
+
+# ---- a save never writes what a load would refuse --------------------------------------------------
+def test_save_refuses_what_load_cannot_load_on_every_rank(tmp_path):
+    """A numpy scalar in extra, or a refused value in one rank's param group, raises a ValueError naming
+    the entry, the type and the fix at save, on every rank (none left waiting); the previous checkpoint
+    stays. Before: both saved, and load_checkpoint then refused the whole checkpoint."""
+    import fractions
+
+    import numpy as np
+
+    def fn():
+        model, opt = _trained(seed=0)
+        want = _snapshot(model, opt)
+        fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, extra={"step": 1})
+        with pytest.raises(ValueError, match=r"extra\['step'\] is a numpy\.int64, .*int\(x\).*add_safe_globals"):
+            fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, extra={"step": np.int64(2)})
+        if dist.get_rank() == 1:
+            opt.param_groups[0]["note"] = fractions.Fraction(1, 3)
+        with pytest.raises(ValueError, match=r"optimizer\.param_groups\[0\]\['note'\] is a fractions\.Fraction"):
+            fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, extra={"step": 2})
+        model2, opt2 = _trained(seed=1)
+        extra = fsdp_optim.load_checkpoint(tmp_path / "ckpt", model=model2, optimizer=opt2)
+        got = _snapshot(model2, opt2)
+        return extra, all(torch.equal(got[k], want[k]) for k in want), sorted(os.listdir(tmp_path))
+
+    for extra, same, files in run_distributed(fn, world_size=2, timeout=60):
+        assert extra == {"step": 1} and same and files == ["ckpt"]
+
+
+def test_numpy_scalars_in_param_groups_are_saved_as_python_numbers(tmp_path):
+    """A numpy LR schedule (np.float64 in param_groups and the scheduler's state): the checkpoint loads,
+    with the equal Python floats, and the resumed sharded run equals unsharded torch.optim.AdamW bitwise.
+    Before: save_checkpoint wrote it and load_checkpoint refused it."""
+    import numpy as np
+
+    def factor(s: int):
+        return 0.5 * (1 + np.cos(np.pi * s / 10))  # a numpy float64
+
+    def train(model, opt, sched, steps):
+        for t in steps:
+            x, y = make_batch(batch_size=4, seq_len=8, vocab_size=CFG.vocab_size, seed=t)
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+
+    def build(seed: int, shard: bool):
+        torch.manual_seed(seed)
+        model = TinyTransformer(CFG)
+        if shard:
+            for layer in model.layers:
+                fsdp_optim.fully_shard(layer)
+            fsdp_optim.fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+    model, opt, sched = build(0, shard=False)
+    train(model, opt, sched, range(4))
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def fn():
+        model, opt, sched = build(0, shard=True)
+        train(model, opt, sched, range(2))
+        assert isinstance(opt.param_groups[0]["lr"], np.float64)
+        fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, scheduler=sched)
+        model, opt, sched = build(1, shard=True)
+        fsdp_optim.load_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt, scheduler=sched)
+        lrs = (opt.param_groups[0]["lr"], sched.get_last_lr()[0])
+        train(model, opt, sched, range(2, 4))
+        return [type(v) for v in lrs], lrs, fsdp_optim.full_state_dict(model)
+
+    for types, lrs, got in run_distributed(fn, world_size=2, timeout=60):
+        assert types == [float, float] and lrs == (1e-2 * factor(2), 1e-2 * factor(2))
+        for k, v in want.items():
+            assert torch.equal(got[k], v), f"{k}: max diff {(got[k] - v).abs().max()}"
