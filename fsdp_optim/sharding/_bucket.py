@@ -654,7 +654,19 @@ class _Bucket:
 
     def abandon_backward(self) -> None:
         """The last backward raised before its end: drop the gradients it left on the gathered
-        parameters (never reduced; a later ``zero_grad`` could not reach them) and reshard."""
+        parameters and a reduction still in flight (neither reached ``.grad`` before the user's
+        ``zero_grad``, which must not be undone now), then reshard."""
+        if self.where is BucketState.REDUCING:
+            streams = self.runtime.streams
+            with streams.on(streams.reduce_scatter):
+                self.reduce_handle.cancel()
+                if self.replica_work is not None:
+                    self.replica_work.wait()
+            streams.compute_waits_for(streams.all_reduce)
+            streams.compute_waits_for(streams.reduce_scatter)
+            self.reduce_handle = self.replica_work = self._replica_out = self.grad_seg = None
+            self._reduced_arrived = None
+            self.where = BucketState.SHARDED
         for up in self.unsharded or ():
             up.grad = None
         self.reshard()

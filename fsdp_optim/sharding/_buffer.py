@@ -132,6 +132,14 @@ class CollectiveHandle:
             self._works, self._finish, self._keep, self._done = [], None, (), True
         return self._result
 
+    def cancel(self) -> None:
+        """Wait for the communication (the peers take part in it) but skip the post-processing: the
+        output is left as the collective wrote it, and nothing is added to an accumulation target."""
+        if not self._done:
+            for w in self._works:
+                w.wait()
+            self._works, self._finish, self._keep, self._done = [], None, (), True
+
     def is_completed(self) -> bool:
         """Whether ``wait()`` would return without blocking on communication."""
         return self._done or all(w.is_completed() for w in self._works)
