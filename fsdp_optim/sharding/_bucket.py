@@ -232,7 +232,7 @@ class _Bucket:
                 self.sharded.append(sp)
                 e.full = None
                 if e.param is not sp:
-                    mark_replaced(e.param, e.fqn)
+                    mark_replaced(e.param, e.fqn, replacement=sp)
                 e.param = sp  # drop the original (full) tensor: it is not kept alive by the runtime
         self.expected_ptrs = [sp.data_ptr() for sp in self.sharded]
         if self._lazy:

@@ -42,7 +42,7 @@ from ._checkpoint import register_state_dict_hooks
 from ._plan import PlanConfig, TensorSpec
 from ._planner import plan_model
 from ._runtime import _STATE, _ModuleState, _Runtime, _same_group
-from ._shard_info import shard_info
+from ._shard_info import replacement_of, shard_info
 
 logger = logging.getLogger(__name__)  # a child of "fsdp_optim": logging.getLogger("fsdp_optim").setLevel(...)
 
@@ -141,6 +141,8 @@ def _discover(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry]]:
     seen_states: set[int] = set()
     regs: dict[int, list] = {}
     order: list[torch.Tensor] = []
+    mapped: dict[int, tuple[str, torch.Tensor]] = {}  # replacements reached through an original still registered somewhere
+    direct: set[int] = set()  # parameters registered as themselves
     stack = [(root.module, "", ())]
     seen_mod: set[tuple[int, tuple]] = set()
     while stack:
@@ -158,6 +160,19 @@ def _discover(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry]]:
         for name, p in m._parameters.items():
             if p is None:
                 continue
+            r = replacement_of(p)
+            if r is not None:
+                # A module outside an earlier fully_shard call still holds the parameter that call
+                # replaced (a weight tied across the call's boundary): it is the same parameter.
+                mapped[id(r)] = (prefix + name, r)
+                p = r
+            elif getattr(p, "_fsdp_optim_replaced_by", None) is not None:
+                raise ValueError(
+                    f"fully_shard: {prefix + name} holds a parameter that an earlier fully_shard call replaced and "
+                    "freed; register the sharded parameter (or shard the model before replacing parameters)"
+                )
+            else:
+                direct.add(id(p))
             if id(p) not in regs:
                 regs[id(p)] = []
                 order.append(p)
@@ -165,6 +180,14 @@ def _discover(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry]]:
         for name, c in reversed(list(m._modules.items())):
             if c is not None:
                 stack.append((c, f"{prefix}{name}.", chain))
+    for pid, (where, r) in mapped.items():
+        if pid not in direct:  # the call that replaced it is not under this one
+            raise ValueError(
+                f"fully_shard: {where} (shape {tuple(shard_info(r).shape)}) shares its parameter with a module "
+                "sharded by a separate fully_shard call, not nested in this one. "
+                "Modules sharing a parameter (e.g. a tied embedding and output head) must be sharded by one call "
+                "containing all of them: call fully_shard on their common parent (e.g. the root) and not on each"
+            )
     entries = []
     for p in order:
         rs = regs[id(p)]

@@ -9,6 +9,7 @@ matching flat view into the gradient segment. ``shard_info(p)`` returns the meta
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -18,10 +19,11 @@ import torch.distributed as dist
 from ._blocks import BlockSpec
 from ._ragged import RaggedShard
 
-__all__ = ["ShardInfo", "shard_info", "set_shard_info", "mark_replaced", "check_not_replaced"]
+__all__ = ["ShardInfo", "shard_info", "set_shard_info", "mark_replaced", "replacement_of", "check_not_replaced"]
 
 _ATTR = "_fsdp_optim_shard"
 _REPLACED = "_fsdp_optim_replaced_by"
+_REPLACEMENT = "_fsdp_optim_replacement"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,13 +90,32 @@ def set_shard_info(p: torch.Tensor, info: ShardInfo | None) -> None:
     setattr(p, _ATTR, info)
 
 
-def mark_replaced(p: object, fqn: str) -> None:
-    """Mark a parameter object that ``fully_shard`` replaced (an optimizer holding it trains nothing)."""
+def mark_replaced(p: object, fqn: str, *, replacement: torch.Tensor | None = None) -> None:
+    """Mark a parameter object that ``fully_shard`` replaced (an optimizer holding it trains nothing),
+    and, when given, the parameter that replaced it (a weak reference; see ``replacement_of``)."""
     if isinstance(p, torch.Tensor):
         try:
             setattr(p, _REPLACED, fqn)
+            if replacement is not None:
+                setattr(p, _REPLACEMENT, weakref.ref(replacement))
         except (AttributeError, RuntimeError):  # pragma: no cover - tensors that refuse attributes
             pass
+
+
+def replacement_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The live parameter that (through any number of ``fully_shard`` calls) replaced ``p``; ``None``
+    if ``p`` was not replaced or its replacement is gone. Used to keep a parameter shared with a
+    module outside an inner ``fully_shard`` call tied (that module still holds the original)."""
+    if getattr(p, _REPLACED, None) is None:
+        return None
+    cur = p
+    while getattr(cur, _REPLACED, None) is not None:
+        ref = getattr(cur, _REPLACEMENT, None)
+        nxt = ref() if ref is not None else None
+        if nxt is None:
+            return None
+        cur = nxt
+    return cur
 
 
 def check_not_replaced(params: Iterable[torch.Tensor], *, owner: str) -> None:

@@ -552,3 +552,47 @@ def test_a_module_called_twice_with_a_second_backward(mode):
 
     for got in run_distributed(fn, world_size=2):
         _assert_close({k: v for k, v in got.items()}, {k: want[k] for k in got})
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_weight_tied_across_an_inner_call_stays_tied(world_size):
+    """Embedding and output head share their weight; the embedding gets its own inner
+    ``fully_shard`` call, the head does not. The head still holds the original tensor the inner call
+    replaced: the root call resolves it to the same sharded parameter, so the tie holds and training
+    equals the reference (before: silently untied, a second parameter, wrong at W = 1 too)."""
+    tied = _model()
+    assert tied.output.weight is tied.embed.weight
+    num_steps = 3
+    want = _reference(num_steps)
+
+    def fn():
+        model = _model()
+        fsdp_optim.fully_shard(model.embed)
+        _shard(model)
+        assert model.output.weight is model.embed.weight
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        for step in range(num_steps):
+            x, y = _batch(step)
+            _loss(model, _local(x), _local(y)).backward()
+            opt.step()
+            opt.zero_grad()
+        return fsdp_optim.full_state_dict(model)
+
+    for got in run_distributed(fn, world_size=world_size):
+        _assert_close(got, want)
+
+
+def test_a_weight_tied_across_separate_calls_is_refused_on_every_rank():
+    """Two sibling layers sharing a weight, each in its own ``fully_shard`` call: the second call
+    cannot share the first one's bucket, so it raises naming the parameter and the fix (before:
+    silently untied)."""
+
+    def fn():
+        model = _model()
+        model.layers[1].mlp.w1.weight = model.layers[0].mlp.w1.weight
+        fsdp_optim.fully_shard(model.layers[0])
+        with pytest.raises(ValueError, match=r"mlp.w1.weight.*shares its parameter.*separate fully_shard call.*common parent"):
+            fsdp_optim.fully_shard(model.layers[1])
+        return True
+
+    assert run_distributed(fn, world_size=2) == [True, True]
