@@ -17,9 +17,13 @@ Then call ``init_weights(model)`` (``fsdp_optim.init_weights``): for each
 module in ``model.modules()`` order it materializes the module's *own* parameters at full shape,
 runs ``init_fn(module)`` (default ``module.reset_parameters()``) and keeps this rank's piece. With
 the same seed on every rank the result equals the same initialization run unsharded, bitwise.
-Element-wise in-place initialization of the flat shards (``p.normal_()``) also works;
+Element-wise in-place initialization of the flat shards (``p.normal_()``) draws from each rank's
+own generator: with the same seed on every rank, every rank's piece of a tensor gets the same
+numbers (duplicated rows), so seed each rank differently (``torch.manual_seed(seed + rank)``), or
+use ``init_weights`` to equal the unsharded initialization. On a meta-built model do it after
+``init_weights`` or a first forward (a lazy bucket's shards have no memory before).
 ``model.to_empty(device=...)`` is not needed (if called, values are moved back into the segments
-at the next forward).
+at the next use).
 """
 
 from __future__ import annotations
