@@ -67,6 +67,17 @@ def _assert_close(got: dict, want: dict) -> None:
     assert_close_after_adamw(got, want, lr=LR)
 
 
+def _train_sharded(model: nn.Module, num_steps: int) -> dict[str, torch.Tensor]:
+    """AdamW on this rank's share of the reference batches for ``num_steps`` steps; the full state."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(num_steps):
+        x, y = _batch(step)
+        _loss(model, _local(x), _local(y)).backward()
+        opt.step()
+        opt.zero_grad()
+    return fsdp_optim.full_state_dict(model)
+
+
 @pytest.mark.parametrize("eval_mode", ["no_grad", "grad_enabled", "grad_enabled_kept"])
 def test_evaluation_forward_between_backward_and_step_trains_like_the_reference(eval_mode):
     """A validation forward between backward and step, with or without ``torch.no_grad()``: the next
@@ -227,14 +238,7 @@ def test_debug_mode_agrees_on_a_normal_step_and_changes_nothing():
 
     def fn():
         os.environ["FSDP_OPTIM_DEBUG"] = "1"
-        model = _shard(_model())
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        for step in range(2):
-            x, y = _batch(step)
-            _loss(model, _local(x), _local(y)).backward()
-            opt.step()
-            opt.zero_grad()
-        return fsdp_optim.full_state_dict(model)
+        return _train_sharded(_shard(_model()), 2)
 
     for got in run_distributed(fn, world_size=3):
         _assert_close(got, want)
@@ -461,13 +465,7 @@ def test_first_forward_under_inference_mode_then_training():
         x, y = _batch(0)
         with torch.inference_mode():
             _loss(model, _local(x), _local(y))
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        for step in range(2):
-            x, y = _batch(step)
-            _loss(model, _local(x), _local(y)).backward()
-            opt.step()
-            opt.zero_grad()
-        return fsdp_optim.full_state_dict(model)
+        return _train_sharded(model, 2)
 
     for got in run_distributed(fn, world_size=2):
         _assert_close(got, want)
@@ -570,13 +568,7 @@ def test_a_weight_tied_across_an_inner_call_stays_tied(world_size):
         fsdp_optim.fully_shard(model.embed)
         _shard(model)
         assert model.output.weight is model.embed.weight
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        for step in range(num_steps):
-            x, y = _batch(step)
-            _loss(model, _local(x), _local(y)).backward()
-            opt.step()
-            opt.zero_grad()
-        return fsdp_optim.full_state_dict(model)
+        return _train_sharded(model, num_steps)
 
     for got in run_distributed(fn, world_size=world_size):
         _assert_close(got, want)
