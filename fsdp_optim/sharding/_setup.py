@@ -46,7 +46,7 @@ from ._checkpoint import register_state_dict_hooks
 from ._plan import PlanConfig, TensorSpec
 from ._planner import plan_model
 from ._runtime import _STATE, _ModuleState, _Runtime, _same_group
-from ._shard_info import replacement_of, shard_info
+from ._shard_info import replacement_of, shard_info, was_replaced
 
 logger = logging.getLogger(__name__)  # a child of "fsdp_optim": logging.getLogger("fsdp_optim").setLevel(...)
 
@@ -145,7 +145,7 @@ def _discover(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry]]:
     seen_states: set[int] = set()
     regs: dict[int, list] = {}
     order: list[torch.Tensor] = []
-    mapped: dict[int, tuple[str, torch.Tensor]] = {}  # replacements reached through an original still registered somewhere
+    mapped: dict[int, tuple[str, torch.Tensor]] = {}  # replacements reached through a registered original
     direct: set[int] = set()  # parameters registered as themselves
     stack = [(root.module, "", ())]
     seen_mod: set[tuple[int, tuple]] = set()
@@ -170,7 +170,7 @@ def _discover(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry]]:
                 # replaced (a weight tied across the call's boundary): it is the same parameter.
                 mapped[id(r)] = (prefix + name, r)
                 p = r
-            elif getattr(p, "_fsdp_optim_replaced_by", None) is not None:
+            elif was_replaced(p):
                 raise ValueError(
                     f"fully_shard: {prefix + name} holds a parameter that an earlier fully_shard call replaced and "
                     "freed; register the sharded parameter (or shard the model before replacing parameters)"

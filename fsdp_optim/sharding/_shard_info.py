@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ._blocks import BlockSpec
 from ._ragged import RaggedShard
 
-__all__ = ["ShardInfo", "shard_info", "set_shard_info", "mark_replaced", "replacement_of", "check_not_replaced"]
+__all__ = ["ShardInfo", "shard_info", "set_shard_info", "mark_replaced", "was_replaced", "replacement_of", "check_not_replaced"]
 
 _ATTR = "_fsdp_optim_shard"
 _REPLACED = "_fsdp_optim_replaced_by"
@@ -102,14 +102,19 @@ def mark_replaced(p: object, fqn: str, *, replacement: torch.Tensor | None = Non
             pass
 
 
+def was_replaced(p: torch.Tensor) -> bool:
+    """Whether ``fully_shard`` replaced the parameter object ``p``."""
+    return getattr(p, _REPLACED, None) is not None
+
+
 def replacement_of(p: torch.Tensor) -> torch.Tensor | None:
     """The live parameter that (through any number of ``fully_shard`` calls) replaced ``p``; ``None``
     if ``p`` was not replaced or its replacement is gone. Used to keep a parameter shared with a
     module outside an inner ``fully_shard`` call tied (that module still holds the original)."""
-    if getattr(p, _REPLACED, None) is None:
+    if not was_replaced(p):
         return None
     cur = p
-    while getattr(cur, _REPLACED, None) is not None:
+    while was_replaced(cur):
         ref = getattr(cur, _REPLACEMENT, None)
         nxt = ref() if ref is not None else None
         if nxt is None:
