@@ -564,16 +564,17 @@ class _Bucket:
         ``zero_grad``), the reduction adds into that segment; if all are ``None`` a new segment is
         allocated and overwritten (a segment someone else still references is never reused)."""
         seg = self._grad_seg_ref() if self._grad_seg_ref is not None else None
-        grads = [self.sharded[i].grad for i in self.trainable_local]
+        trainable = self.trainable_local  # (read once: a property over every parameter)
+        grads = [self.sharded[i].grad for i in trainable]
         if all(g is None for g in grads):
             self.grad_seg = torch.empty(self.buffer.segment_numel, dtype=self.buffer.dtype, device=self.buffer.device)
             return False
         views = self.buffer.local_views(seg) if seg is not None else None
-        if views is None or not any(g is not None and _same_view(g, views[i]) for i, g in zip(self.trainable_local, grads)):
+        if views is None or not any(g is not None and _same_view(g, views[i]) for i, g in zip(trainable, grads)):
             seg = torch.zeros(self.buffer.segment_numel, dtype=self.buffer.dtype, device=self.buffer.device)
             views = self.buffer.local_views(seg)
         with torch.no_grad():
-            for i, g in zip(self.trainable_local, grads):
+            for i, g in zip(trainable, grads):
                 view = views[i]
                 if view.numel() == 0 or (g is not None and _same_view(g, view)):
                     continue
