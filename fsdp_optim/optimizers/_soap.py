@@ -44,8 +44,12 @@ moments' rotations and the refresh per batch. Per unit these are ``_step_param``
 order, with every operand laid out as there (``_outer_batched`` mirrors ``tensordot``'s layouts).
 On CPU batched equals looped bitwise (tested): LAPACK ``syevd`` / ``geqrf`` and BLAS ``gemm`` run
 per matrix, except that ATen's CPU ``bmm`` multiplies products with ``m k n < 400`` in its own loop
-kernel, which rounds differently from ``mm``, and a size-1 dim changes the strides (hence the path)
-BLAS sees: such products (``_per_matrix``) run one matrix at a time with the looped step's own op. A
+kernel, which rounds differently from ``mm``, a size-1 dim changes the strides (hence the path)
+BLAS sees, and MKL's kernels for products with a dim below ~12 round by the operands' *alignment*
+(a stack's later matrix, a factor's view into the flat state at an odd offset; seen on an AVX-512
+CPU, not on AVX2): such products (``_per_matrix``, a dim < 16) run one matrix at a time with the
+looped step's own op, and every CPU product in both modes reads 64-byte-aligned operands
+(``_aligned``: a copy where a view is not), so no result depends on where an operand lies. A
 degenerate factor (a rank-deficient ``GG``, e.g. a 1-D unit's ``g g^T``) turns such last-bit
 differences into different bases, so this matters. Since no CPU result depends on batch-mates,
 batched block SOAP sharded equals the single-process run bitwise (W = 1..4 tested). On CUDA the
@@ -379,12 +383,13 @@ class SOAP(torch.optim.Optimizer):
                 for dim, (n, off) in enumerate(zip(u.shape, u.factors)):
                     if off is None:
                         continue
-                    f, o = gg[off : off + n * n].view(n, n), qq[off : off + n * n].view(n, n)
+                    out = qq[off : off + n * n].view(n, n)
+                    f, o = _aligned(gg[off : off + n * n].view(n, n)), _aligned(out)
                     est = torch.diag(o.T @ f @ o)
                     idx = torch.argsort(est, descending=True)
                     v = v.index_select(dim, idx)
                     q, _ = torch.linalg.qr(f @ o[:, idx])
-                    o.copy_(q)
+                    out.copy_(q)
             m = _rotate(m, [None if off is None else qq[off : off + n * n].view(n, n)
                             for n, off in zip(u.shape, u.factors)], back=False)  # fmt: skip
             self._put_moment(m_all, u, m)
@@ -498,14 +503,32 @@ class SOAP(torch.optim.Optimizer):
 
 def _outer(g: Tensor, dim: int) -> Tensor:
     other = [d for d in range(g.ndim) if d != dim]
+    g = _aligned(g)
     return torch.tensordot(g, g, dims=(other, other))
 
 
+_ALIGN_BYTES = 64
+_SKINNY = 16  # a product with a dim below this takes MKL's alignment-dependent small kernels
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t``, or a copy at a fresh (64-byte aligned) address with the same strides when ``t`` is a
+    view at another offset (a state view, a stack's later matrix). On CPU, MKL's kernels for
+    products with a dim below ~12 round by the operands' alignment (seen on an AVX-512 CPU: ``[1, 600]
+    x [600, 600]`` differs in the last bit at float offsets that are not multiples of 4), so every
+    CPU product here reads aligned operands, whichever mode or layout put them where they are."""
+    if t.is_cuda or t.data_ptr() % _ALIGN_BYTES == 0:
+        return t
+    return t.clone()
+
+
 def _per_matrix(m: int, k: int, n: int, x: Tensor) -> bool:
-    """Whether a batched ``[m, k] x [k, n]`` product must run one matrix at a time to round as the
-    looped step does on CPU: ATen's CPU ``bmm`` multiplies products with ``m k n < 400`` in its own
-    loop kernel (not BLAS), and a size-1 dim changes the strides BLAS sees (see [Note: batched SOAP])."""
-    return not x.is_cuda and (m * k * n < 400 or min(m, k, n) == 1)
+    """Whether a batched ``[m, k] x [k, n]`` product must run one matrix at a time, on aligned
+    operands, to round as the looped step does on CPU: ATen's CPU ``bmm`` multiplies products with
+    ``m k n < 400`` in its own loop kernel (not BLAS), a size-1 dim changes the strides BLAS sees,
+    and a stack's later matrices lie at offsets whose alignment MKL's small kernels (a dim below
+    ``_SKINNY``) round by (see [Note: batched SOAP])."""
+    return not x.is_cuda and (m * k * n < 400 or min(m, k, n) < _SKINNY)
 
 
 def _bmm(a: Tensor, b: Tensor) -> Tensor:
@@ -513,7 +536,7 @@ def _bmm(a: Tensor, b: Tensor) -> Tensor:
     bitwise its own ``@`` on CPU."""
     if not _per_matrix(a.shape[-2], a.shape[-1], b.shape[-1], a):
         return a @ b
-    return torch.stack([x @ y for x, y in zip(a.unbind(0), b.unbind(0))])
+    return torch.stack([_aligned(x) @ _aligned(y) for x, y in zip(a.unbind(0), b.unbind(0))])
 
 
 def _outer_batched(g: Tensor, dim: int) -> Tensor:
@@ -532,7 +555,7 @@ def _rotate_batched(x: Tensor, qs: list[Tensor | None], *, back: bool) -> Tensor
         if q is None:
             x = x.movedim(1, -1)
         elif _per_matrix(x[0].numel() // x.shape[1], x.shape[1], q.shape[-1], x):
-            x = torch.stack([torch.tensordot(xi, qi, dims=([0], [1 if back else 0]))
+            x = torch.stack([torch.tensordot(_aligned(xi), _aligned(qi), dims=([0], [1 if back else 0]))
                              for xi, qi in zip(x.unbind(0), q.unbind(0))])  # fmt: skip
         else:
             x = x.movedim(1, -1)
@@ -548,5 +571,5 @@ def _rotate(x: Tensor, qs: list[Tensor | None], *, back: bool) -> Tensor:
         if q is None:
             x = x.permute(*range(1, x.ndim), 0)
         else:
-            x = torch.tensordot(x, q, dims=([0], [1 if back else 0]))
+            x = torch.tensordot(_aligned(x), _aligned(q), dims=([0], [1 if back else 0]))
     return x

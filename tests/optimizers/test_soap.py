@@ -15,7 +15,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed
 from fsdp_optim.optimizers import SOAP
-from fsdp_optim.optimizers._soap import reference_merge_dims
+from fsdp_optim.optimizers._soap import _outer, _rotate, reference_merge_dims
 from fsdp_optim.optimizers._shampoo import shampoo_blocks
 from fsdp_optim.sharding import RaggedShard, elements, whole
 
@@ -305,6 +305,31 @@ def test_batched_equals_looped_bitwise(block_size, normalize_grads):
         assert torch.equal(a, b), f"{BATCH_SHAPES[i]}: max |diff| {(a - b).abs().max():.3e}"
         for key, v in ref_opt.state[a].items():
             assert torch.equal(v, opt.state[b][key]), (BATCH_SHAPES[i], key)
+
+
+@pytest.mark.parametrize("shape", [(1, 600), (5,), (3, 37)])
+def test_products_do_not_depend_on_where_their_operands_lie(shape):
+    """The rotations and outer products read the same bits at any float offset (a factor's view into
+    the flat state lies at sums of ``n * n``): MKL's kernels for products with a small dim round by
+    operand alignment on AVX-512 CPUs, which made batched and looped SOAP differ there."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen)
+    qs = [torch.linalg.qr(torch.randn(n, n, generator=gen))[0].contiguous() for n in shape]  # as the state holds them
+
+    def at(t, offset):  # ``t``'s values in a view ``offset`` floats into a larger buffer
+        buf = torch.zeros(t.numel() + 16)
+        view = buf[offset : offset + t.numel()].view(t.shape)
+        view.copy_(t)
+        return view
+
+    for back in (False, True):
+        ref = _rotate(x, qs, back=back)
+        for offset in range(1, 16):
+            moved = _rotate(at(x, offset), [at(q, offset) for q in qs], back=back)
+            assert torch.equal(moved, ref), (back, offset)
+    for dim in range(len(shape)):
+        ref = _outer(x, dim)
+        assert all(torch.equal(_outer(at(x, o), dim), ref) for o in range(1, 16)), dim
 
 
 def test_batched_is_the_default_and_false_loops():
