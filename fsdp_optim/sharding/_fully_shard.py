@@ -101,8 +101,10 @@ def fully_shard(
         info = shard_info(p)
         if info is not None and not _is_managed_inside(module, p):
             raise ValueError(
-                f"fully_shard: parameter {name} of {type(module).__name__} is already sharded by a call on an "
-                f"enclosing module (as {info.fqn}); call fully_shard on inner modules before their root"
+                f"fully_shard: parameter {name} (shape {tuple(info.shape)}) of {type(module).__name__} is already "
+                f"sharded (as {info.fqn}) by a fully_shard call on a module outside this one: either an enclosing "
+                "module (call fully_shard on inner modules before their root) or another model sharing this "
+                "module (e.g. a student and a teacher: shard one module containing both, or give each its own copy)"
             )
     state = _ModuleState(
         module=module,

@@ -588,3 +588,23 @@ def test_a_weight_tied_across_separate_calls_is_refused_on_every_rank():
         return True
 
     assert run_distributed(fn, world_size=2) == [True, True]
+
+
+def test_two_models_sharing_a_module_or_a_weight_are_refused_naming_it():
+    """A student and a teacher sharing a module (or a parameter): the second root's call cannot
+    share the first one's bucket, so it raises naming the parameter (neither is silently untied)."""
+
+    def fn():
+        student, teacher = _model(), _model()
+        teacher.embed = student.embed  # a shared module
+        fsdp_optim.fully_shard(student)
+        with pytest.raises(ValueError, match=r"embed.weight \(shape \(\d+, \d+\)\).*another model sharing this module"):
+            fsdp_optim.fully_shard(teacher)
+        student, teacher = _model(), _model()
+        teacher.embed.weight = student.embed.weight  # a shared parameter
+        fsdp_optim.fully_shard(student)
+        with pytest.raises(ValueError, match=r"embed.weight.*shares its parameter.*separate fully_shard call"):
+            fsdp_optim.fully_shard(teacher)
+        return True
+
+    assert run_distributed(fn, world_size=2) == [True, True]
