@@ -27,8 +27,15 @@ moment (the root's bucket plus two layer buckets, current and prefetched, in the
 layer's flat reduction buffer (reduce dtype), and the rest of the peak (activations, autograd
 temporaries, the loss, allocator slack): ``peak - (the others)``.
 
+Where each runtime peaks: ``--trace`` runs one step per runtime with RSS read at every module's
+forward pre/post hook and at the start of its backward (a hook on its output's gradient), and prints,
+per event, RSS now and the peak since the previous event, both runtimes side by side (rank 0). It
+tells *where* each runtime peaks and what is alive then; the peak and ratio above are the measured
+figures (the trace's absolute values run a few MiB higher: one step, the hooks' own reads).
+
     python benchmarks/step_memory.py                   # W = 2 and 4, both precisions
     python benchmarks/step_memory.py --quick           # W = 2, a smaller model; writes runs/bench-quick/
+    python benchmarks/step_memory.py --trace           # W = 2, both precisions: the per-event trace
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _out import out_dir  # noqa: E402
+from _out import RESULTS, SCRATCH, out_dir  # noqa: E402
 from bench_fsdp_adamw import _settle  # noqa: E402
 
 import fsdp_optim  # noqa: E402
@@ -133,6 +140,84 @@ def _train_step(model, opt, batch) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+def _traced_step(model, opt, batch, base: float) -> list[tuple[str, float, float]]:
+    """One training step with RSS read at every module event: ``(event, RSS now, peak since the
+    previous event)`` in MiB above ``base``. The same hooks (and so the same overhead) on both runtimes."""
+    events: list[tuple[str, float, float]] = []
+
+    def mark(name: str) -> None:
+        now, peak = _rss_mib()
+        events.append((name, now - base, peak - base))
+        _reset_peak_rss()
+
+    mods = [("embed", model.embed), *((f"layers.{i}", m) for i, m in enumerate(model.layers)),
+            ("norm", model.norm), ("output", model.output)]  # fmt: skip
+    handles = []
+    for name, m in mods:
+        def post(_m, _args, out, name=name):
+            mark(f"forward done: {name}")
+            if torch.is_tensor(out) and out.requires_grad:
+                out.register_hook(lambda g, name=name: mark(f"backward of {name}") or None)
+
+        handles.append(m.register_forward_pre_hook(lambda _m, _args, name=name: mark(f"forward of {name}")))
+        handles.append(m.register_forward_hook(post))
+    x, y = batch
+    _reset_peak_rss()
+    mark("step start")
+    logits = model(x)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    mark("loss")
+    loss.backward()
+    mark("end of backward")
+    opt.step()
+    mark("optimizer step")
+    opt.zero_grad(set_to_none=True)
+    for h in handles:
+        h.remove()
+    return events
+
+
+def _run_trace(a):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    w, r = dist.get_world_size(), dist.get_rank()
+    cfg = TinyConfig(vocab_size=a.vocab, dim=a.dim, num_heads=a.heads, num_layers=a.layers, mlp_dim=a.mlp,
+                     tie_embeddings=False, frozen=False)  # fmt: skip
+    torch.manual_seed(0)
+    full_sd = {k: v.detach().clone() for k, v in TinyTransformer(cfg).state_dict().items()}
+    mesh = init_device_mesh("cpu", (w,))
+    data = [make_batch(batch_size=a.batch * w, seq_len=a.seq, vocab_size=a.vocab, seed=s) for s in range(2)]
+    data = [(x[r * a.batch : (r + 1) * a.batch], y[r * a.batch : (r + 1) * a.batch]) for x, y in data]
+    out = {}
+    for precision in PRECISIONS:
+        for n, runtime in enumerate(("fsdp_optim", "fsdp2") * 2):  # the first pass of each is a warm-up
+            _settle()
+            base, _ = _rss_mib()
+            model = _build(runtime, cfg, full_sd, precision, mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            _train_step(model, opt, data[0])  # optimizer state made
+            _settle()
+            events = _traced_step(model, opt, data[1], base)
+            if n >= 2:
+                out[f"{precision}|{runtime}"] = events
+            del model, opt
+    return out
+
+
+def _print_trace(trace: dict, w: int) -> None:
+    for precision in PRECISIONS:
+        ours, peer = trace[f"{precision}|fsdp_optim"], trace[f"{precision}|fsdp2"]
+        print(f"\nW={w} {precision}, rank 0: RSS now / peak since the previous event (MiB above the baseline)")
+        print(f"{'event':<26} {'fsdp_optim':>17} {'FSDP2':>17}")
+        for (name, now, peak), (name2, now2, peak2) in zip(ours, peer):
+            assert name == name2, (name, name2)
+            print(f"{name:<26} {now:8.1f} /{peak:7.1f} {now2:8.1f} /{peak2:7.1f}")
+        top, top2 = max(ours, key=lambda e: e[2]), max(peer, key=lambda e: e[2])
+        print(f"{'peak of the step':<26} {top[2]:17.1f} {top2[2]:17.1f}   (ours / FSDP2 {top[2] / top2[2]:.3f}; "
+              f"ours just before {top[0]!r}, FSDP2 just before {top2[0]!r})")  # fmt: skip
+
+
 def _run(a):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -205,11 +290,21 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5, help="measured steps; the median step is reported")
     ap.add_argument("--quick", action="store_true", help="W = 2, dim 256, 2 layers, 2 measured steps")
+    ap.add_argument("--trace", action="store_true", help="per-event RSS of one step, both runtimes (W = first of --world-sizes)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     dest = out_dir(ap, a)
     if a.quick:
         a.world_sizes, a.dim, a.heads, a.layers, a.mlp, a.vocab, a.steps = [2], 256, 4, 2, 1024, 4096, 2
+    if a.trace:
+        w = a.world_sizes[0]
+        trace = run_distributed(lambda: _run_trace(a), world_size=w, timeout=1800)[0]
+        _print_trace(trace, w)
+        dest = SCRATCH if dest == RESULTS else dest  # a trace is a diagnosis, not a committed result
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "step_memory_trace.json").write_text(json.dumps({"config": vars(a), "trace": trace}, indent=1))
+        print(f"wrote {dest / 'step_memory_trace.json'}")
+        return
     rows = []
     print(f"{'W':>2} {'precision':<17} {'runtime':<10} {'persist MiB':>11} {'peak MiB':>9}  breakdown of the peak (MiB)")
     for w in a.world_sizes:
