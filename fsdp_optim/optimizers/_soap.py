@@ -47,7 +47,7 @@ per matrix, except that ATen's CPU ``bmm`` multiplies products with ``m k n < 40
 kernel, which rounds differently from ``mm``, a size-1 dim changes the strides (hence the path)
 BLAS sees, and MKL's kernels for products with a dim below ~12 round by the operands' *alignment*
 (a stack's later matrix, a factor's view into the flat state at an odd offset; seen on an AVX-512
-CPU, not on AVX2): such products (``_per_matrix``, a dim < 16) run one matrix at a time with the
+CPU): such products (``_per_matrix``, a dim < 16) run one matrix at a time with the
 looped step's own op, and every CPU product in both modes reads 64-byte-aligned operands
 (``_aligned``: a copy where a view is not), so no result depends on where an operand lies. A
 degenerate factor (a rank-deficient ``GG``, e.g. a 1-D unit's ``g g^T``) turns such last-bit
