@@ -68,8 +68,10 @@ into one ``[B, *shape]`` tensor: outer products by ``bmm``, the factor EMA as tw
 all factors, ``eigh`` and the root's matmuls on ``[B, n, n]`` stacks, preconditioning by ``bmm`` and
 the grafting norms by one batched ``vector_norm``; then the update per parameter. Which blocks share
 a batch depends on the world size, so bitwise W-invariance needs a kernel whose result for one
-matrix does not depend on its batch-mates or the batch size. CPU kernels (LAPACK ``syevd`` per
-matrix, ``bmm``'s per-matrix loops) satisfy this and the W = 1..4 tests check it. On CUDA, batched
+matrix does not depend on its batch-mates, the batch size or its place in the stack. On CPU the
+stacks go through ``_linalg`` (LAPACK ``syevd`` and BLAS per matrix; a stack whose matrices are not
+64-byte aligned, or a product with a small dim, one matrix at a time: [Note: alignment-independent
+kernels]), and the W = 1..4 and batch-mate tests check it. On CUDA, batched
 ``eigh`` of matrices up to 32 x 32 uses a batched Jacobi solver for batches > 1 but ``syevd`` for
 one matrix, so a block alone in its batch can round differently from the same block batched at
 another world size: use ``batched=False`` where bitwise W-invariance on GPUs matters (it is also
@@ -96,6 +98,7 @@ from torch import Tensor
 from ..sharding._blocks import BlockKind, BlockRule, BlockSpec, merge_small_dims
 from ..sharding._shard_info import ShardInfo, shard_info
 from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec, profiled_step
+from ._linalg import aligned, bmm, eigh
 from ._rules import shampoo_rule
 
 __all__ = ["Shampoo", "Grafting", "shampoo_blocks", "matrix_inverse_root"]
@@ -266,21 +269,22 @@ def _precondition(g: Tensor, roots: list[Tensor]) -> Tensor:
 
 
 def _outer_batched(g: Tensor, dim: int) -> Tensor:
-    """``_outer`` of every ``g[i]`` of a ``[B, *shape]`` stack: ``[B, n, n]``."""
+    """``_outer`` of every ``g[i]`` of a ``[B, *shape]`` stack: ``[B, n, n]`` (each matrix's result
+    independent of its batch-mates: [Note: alignment-independent kernels])."""
     if g.ndim == 2:
         return g.unsqueeze(-1) * g.unsqueeze(-2)
     if g.ndim == 3:
-        return g @ g.mT if dim == 0 else g.mT @ g
-    return torch.stack([_outer(x, dim) for x in g.unbind(0)])
+        return bmm(g, g.mT) if dim == 0 else bmm(g.mT, g)
+    return torch.stack([_outer(aligned(x), dim) for x in g.unbind(0)])
 
 
 def _precondition_batched(x: Tensor, roots: list[Tensor]) -> Tensor:
     """``_precondition`` of every ``x[i]`` of a ``[B, *shape]`` stack with the roots stacked per dim."""
     if x.ndim == 2:
-        return (roots[0] @ x.unsqueeze(-1)).squeeze(-1)
+        return bmm(roots[0], x.unsqueeze(-1)).squeeze(-1)
     if x.ndim == 3:
-        return roots[0] @ x @ roots[1]
-    return torch.stack([_precondition(xi, [r[i] for r in roots]) for i, xi in enumerate(x.unbind(0))])
+        return bmm(bmm(roots[0], x), roots[1])
+    return torch.stack([_precondition(aligned(xi), [aligned(r[i]) for r in roots]) for i, xi in enumerate(x.unbind(0))])
 
 
 def matrix_inverse_root(a: Tensor, root: float, epsilon: float) -> Tensor:
@@ -289,10 +293,11 @@ def matrix_inverse_root(a: Tensor, root: float, epsilon: float) -> Tensor:
     ``epsilon - min(w)`` (``w - min(w) + epsilon``). Returns fp32 (the stored roots' dtype)."""
     n = a.shape[-1]
     a64 = a.double() + epsilon * torch.eye(n, dtype=torch.float64, device=a.device)
-    w, q = torch.linalg.eigh(a64)
+    w, q = eigh(a64)
     lam_min = w.min(dim=-1, keepdim=True).values
     w = torch.where(lam_min < epsilon, (w - lam_min) + epsilon, w)
-    return ((q * w.pow(-1.0 / root).unsqueeze(-2)) @ q.mT).float()
+    scaled = q * w.pow(-1.0 / root).unsqueeze(-2)
+    return (bmm(scaled, q.mT) if a.ndim == 3 else scaled @ q.mT).float()
 
 
 # ---- the optimizer ----------------------------------------------------------------------

@@ -43,13 +43,11 @@ stacks, the factor EMA as one foreach ``lerp`` per batch; then the update per pa
 moments' rotations and the refresh per batch. Per unit these are ``_step_param``'s ops in its
 order, with every operand laid out as there (``_outer_batched`` mirrors ``tensordot``'s layouts).
 On CPU batched equals looped bitwise (tested): LAPACK ``syevd`` / ``geqrf`` and BLAS ``gemm`` run
-per matrix, except that ATen's CPU ``bmm`` multiplies products with ``m k n < 400`` in its own loop
-kernel, which rounds differently from ``mm``, a size-1 dim changes the strides (hence the path)
-BLAS sees, and MKL's kernels for products with a dim below ~12 round by the operands' *alignment*
-(a stack's later matrix, a factor's view into the flat state at an odd offset; seen on an AVX-512
-CPU): such products (``_per_matrix``, a dim < 16) run one matrix at a time with the
-looped step's own op, and every CPU product in both modes reads 64-byte-aligned operands
-(``_aligned``: a copy where a view is not), so no result depends on where an operand lies. A
+per matrix, and stacks go through ``_linalg``'s kernels ([Note: alignment-independent kernels]):
+a product runs batched only where ATen would hand it to BLAS (``m k n >= 400``; below, its own loop
+kernel rounds differently from ``mm``) with no dim below 16 and every matrix of the stack 64-byte
+aligned, and ``eigh`` / ``qr`` of a stack whose ``n * n`` is not a multiple of 16 floats run per
+matrix; otherwise the looped step's own op runs one matrix at a time on aligned operands. A
 degenerate factor (a rank-deficient ``GG``, e.g. a 1-D unit's ``g g^T``) turns such last-bit
 differences into different bases, so this matters. Since no CPU result depends on batch-mates,
 batched block SOAP sharded equals the single-process run bitwise (W = 1..4 tested). On CUDA the
@@ -68,7 +66,8 @@ import torch
 from torch import Tensor, nn
 
 from ..sharding._blocks import BlockRule, BlockSpec, elements, whole
-from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec, profiled_step
+from ._base import StateShard, checked_param_info, make_dcp_ready, profiled_step, require_spec
+from ._linalg import aligned, batched_ok, bmm, eigh, qr_q
 from ._rules import shampoo_rule
 from ._shampoo import BlockGeometry, shampoo_blocks
 
@@ -384,7 +383,7 @@ class SOAP(torch.optim.Optimizer):
                     if off is None:
                         continue
                     out = qq[off : off + n * n].view(n, n)
-                    f, o = _aligned(gg[off : off + n * n].view(n, n)), _aligned(out)
+                    f, o = aligned(gg[off : off + n * n].view(n, n)), aligned(out)
                     est = torch.diag(o.T @ f @ o)
                     idx = torch.argsort(est, descending=True)
                     v = v.index_select(dim, idx)
@@ -437,7 +436,7 @@ class SOAP(torch.optim.Optimizer):
                 for d, (n, off) in enumerate(zip(shape, items[0][1].factors)):
                     if off is not None:
                         f = torch.stack(views("GG", items, d))
-                        _, q = torch.linalg.eigh(f + 1e-30 * torch.eye(n, device=f.device))
+                        _, q = eigh(f + 1e-30 * torch.eye(n, device=f.device))
                         torch._foreach_copy_(views("Q", items, d), list(torch.flip(q, [2]).unbind(0)))
                 continue
             qs = stacked_q(items)
@@ -474,11 +473,11 @@ class SOAP(torch.optim.Optimizer):
                     if off is None:
                         continue
                     f, o = torch.stack(views("GG", items, d)), qs[d]
-                    est = torch.diagonal(_bmm(_bmm(o.mT, f), o), dim1=-2, dim2=-1)
+                    est = torch.diagonal(bmm(bmm(o.mT, f), o), dim1=-2, dim2=-1)
                     idx = torch.argsort(est, dim=-1, descending=True)
                     vs = torch.gather(vs, d + 1, idx.view(-1, *(n if e == d else 1 for e in range(len(shape))))
                                       .expand(vs.shape))  # fmt: skip
-                    q, _ = torch.linalg.qr(_bmm(f, torch.gather(o, 2, idx.unsqueeze(1).expand(o.shape))))
+                    q = qr_q(bmm(f, torch.gather(o, 2, idx.unsqueeze(1).expand(o.shape))))
                     torch._foreach_copy_(views("Q", items, d), list(q.unbind(0)))
                 ms = _rotate_batched(ms, stacked_q(items), back=False)
             else:
@@ -503,40 +502,8 @@ class SOAP(torch.optim.Optimizer):
 
 def _outer(g: Tensor, dim: int) -> Tensor:
     other = [d for d in range(g.ndim) if d != dim]
-    g = _aligned(g)
+    g = aligned(g)
     return torch.tensordot(g, g, dims=(other, other))
-
-
-_ALIGN_BYTES = 64
-_SKINNY = 16  # a product with a dim below this takes MKL's alignment-dependent small kernels
-
-
-def _aligned(t: Tensor) -> Tensor:
-    """``t``, or a copy at a fresh (64-byte aligned) address with the same strides when ``t`` is a
-    view at another offset (a state view, a stack's later matrix). On CPU, MKL's kernels for
-    products with a dim below ~12 round by the operands' alignment (seen on an AVX-512 CPU: ``[1, 600]
-    x [600, 600]`` differs in the last bit at float offsets that are not multiples of 4), so every
-    CPU product here reads aligned operands, whichever mode or layout put them where they are."""
-    if t.is_cuda or t.data_ptr() % _ALIGN_BYTES == 0:
-        return t
-    return t.clone()
-
-
-def _per_matrix(m: int, k: int, n: int, x: Tensor) -> bool:
-    """Whether a batched ``[m, k] x [k, n]`` product must run one matrix at a time, on aligned
-    operands, to round as the looped step does on CPU: ATen's CPU ``bmm`` multiplies products with
-    ``m k n < 400`` in its own loop kernel (not BLAS), a size-1 dim changes the strides BLAS sees,
-    and a stack's later matrices lie at offsets whose alignment MKL's small kernels (a dim below
-    ``_SKINNY``) round by (see [Note: batched SOAP])."""
-    return not x.is_cuda and (m * k * n < 400 or min(m, k, n) < _SKINNY)
-
-
-def _bmm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` on ``[B, m, k] x [B, k, n]`` stacks of contiguous matrices (or their ``mT``), each
-    bitwise its own ``@`` on CPU."""
-    if not _per_matrix(a.shape[-2], a.shape[-1], b.shape[-1], a):
-        return a @ b
-    return torch.stack([_aligned(x) @ _aligned(y) for x, y in zip(a.unbind(0), b.unbind(0))])
 
 
 def _outer_batched(g: Tensor, dim: int) -> Tensor:
@@ -544,7 +511,7 @@ def _outer_batched(g: Tensor, dim: int) -> Tensor:
     layouts, so each product is the same ``mm``."""
     other = [d + 1 for d in range(g.ndim - 1) if d != dim]
     b, n = g.shape[0], g.shape[dim + 1]
-    if _per_matrix(n, g[0].numel() // max(n, 1), n, g):
+    if not batched_ok(n, g[0].numel() // max(n, 1), n, g):
         return torch.stack([_outer(x, dim) for x in g.unbind(0)])
     return g.permute(0, dim + 1, *other).reshape(b, n, -1) @ g.permute(0, *other, dim + 1).reshape(b, -1, n)
 
@@ -554,8 +521,8 @@ def _rotate_batched(x: Tensor, qs: list[Tensor | None], *, back: bool) -> Tensor
     for q in qs:
         if q is None:
             x = x.movedim(1, -1)
-        elif _per_matrix(x[0].numel() // x.shape[1], x.shape[1], q.shape[-1], x):
-            x = torch.stack([torch.tensordot(_aligned(xi), _aligned(qi), dims=([0], [1 if back else 0]))
+        elif not batched_ok(x[0].numel() // x.shape[1], x.shape[1], q.shape[-1], x):
+            x = torch.stack([torch.tensordot(aligned(xi), aligned(qi), dims=([0], [1 if back else 0]))
                              for xi, qi in zip(x.unbind(0), q.unbind(0))])  # fmt: skip
         else:
             x = x.movedim(1, -1)
@@ -571,5 +538,5 @@ def _rotate(x: Tensor, qs: list[Tensor | None], *, back: bool) -> Tensor:
         if q is None:
             x = x.permute(*range(1, x.ndim), 0)
         else:
-            x = torch.tensordot(_aligned(x), _aligned(q), dims=([0], [1 if back else 0]))
+            x = torch.tensordot(aligned(x), aligned(q), dims=([0], [1 if back else 0]))
     return x
