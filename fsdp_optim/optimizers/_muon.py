@@ -142,6 +142,19 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> floa
     return lr * ratio
 
 
+def _decay(params: list[Tensor], factor: float) -> None:
+    """``p.mul_(factor)`` for every parameter, as torch.optim.Muon: one foreach call for fp32 / fp64
+    parameters; a loop for lower precisions, where the CPU foreach kernel casts the scalar to the
+    parameters' dtype first (bf16: 0.998 becomes 0.99609375, twice the decay; below ~0.002 of decay
+    it becomes 1.0, none) while ``mul_`` multiplies in fp32 and rounds once."""
+    exact = [p for p in params if p.dtype in (torch.float32, torch.float64)]
+    if exact:
+        torch._foreach_mul_(exact, factor)
+    for p in params:
+        if p.dtype not in (torch.float32, torch.float64):
+            p.mul_(factor)
+
+
 def _ns_cost(rows: int, cols: int) -> int:
     """Newton–Schulz flops per iteration of one matrix (``4 m^2 n + 2 m^3``, ``m <= n``)."""
     m, n = min(rows, cols), max(rows, cols)
@@ -670,7 +683,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p in updates] if group["use_muon"] else []
             if params and group["weight_decay"] != 0:  # x * 1.0 == x: skipping it changes no bits
-                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+                _decay(params, 1 - group["lr"] * group["weight_decay"])
         group_of = {p: g for g in self.param_groups if g["use_muon"] for p in g["params"]}
         jobs = self._local_jobs(updates, group_of)
         recvs = [self._exchange_out(ex, updates, group_of, jobs) for ex in self._exchanges]

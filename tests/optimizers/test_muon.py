@@ -863,3 +863,24 @@ def test_group_weight_decay_precedence_and_ignored_betas():
     assert parts(weight_decay=0.1, adamw_weight_decay=0.05) == [(True, 0.1), (False, 0.05)]
     with pytest.warns(UserWarning, match=r"'betas' ignored in a param group without use_muon.*adamw_betas"):
         assert parts(betas=(0.8, 0.9)) == [(True, 0.2), (False, 0.03)]
+
+
+@pytest.mark.parametrize("weight_decay", [0.1, 0.05])
+def test_bf16_matrices_with_weight_decay_equal_torch_muon_bitwise(weight_decay):
+    """bf16 parameters decay as torch.optim.Muon's ``mul_`` does (fp32 multiply, one rounding):
+    the CPU foreach kernel rounded ``1 - lr * wd`` to bf16 first (0.998 -> 0.99609375, twice the
+    decay; 0.999 -> 1.0, none). lr * wd = 2e-3 and 1e-3 cover both."""
+    torch.manual_seed(0)
+    init = [torch.randn(53, 19).bfloat16() * 3, torch.randn(64, 64).bfloat16()]
+    grads = [[torch.randn(p.shape).bfloat16() for p in init] for _ in range(3)]
+    ours = [torch.nn.Parameter(p.clone()) for p in init]
+    ref = [torch.nn.Parameter(p.clone()) for p in init]
+    opt = Muon(ours, lr=0.02, weight_decay=weight_decay)
+    ref_opt = torch.optim.Muon(ref, lr=0.02, weight_decay=weight_decay)
+    for step_grads in grads:
+        for a, b, g in zip(ours, ref, step_grads):
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b)
