@@ -331,8 +331,10 @@ class QuantizedAdamW(torch.optim.Optimizer):
             return {k: elems for k, _ in _MOMENTS if k in self.state[p]}
         cpb = self._format.codes_per_byte
         # A rank's range starts on a block boundary (a multiple of codes_per_byte) and ends on one or
-        # at the tensor's end, so its codes are whole bytes of the global byte vector.
-        code_bytes = StateShard(self._format.num_code_bytes(info.numel), info.start // cpb, -(-info.end // cpb))
+        # at the tensor's end, so its codes are whole bytes of the global byte vector. An empty range
+        # may sit at the end of a tensor of odd length: it holds no byte (not the half-used last one).
+        lo = info.start // cpb
+        code_bytes = StateShard(self._format.num_code_bytes(info.numel), lo, -(-info.end // cpb) if info.end > info.start else lo)
         bs = self.block_size
         blocks = StateShard(-(-info.numel // bs), -(-info.start // bs), -(-info.end // bs))
         out = {}

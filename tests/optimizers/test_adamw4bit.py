@@ -206,9 +206,27 @@ def test_step_is_collective_free_and_state_is_checkpoint_shaped():
     assert out[0][1][0]["exp_avg_codes"][0] == -(-n // 2) and out[0][1][0]["exp_avg_scale"][0] == -(-n // BS)
 
 
-def test_checkpoint_reshards_2_to_3_bitwise(tmp_path):
+def _empty_tail_layout(shape, world_size: int, seed: int) -> RaggedShard:
+    """Everything on the ranks before the last, which holds an empty range at the tensor's end."""
+    del seed
+    n = shape[0] * shape[1]
+    if world_size == 1:
+        return RaggedShard(tuple(shape), (0, n))
+    cuts = [min(n, BS * -(-n * r // (world_size - 1) // BS)) for r in range(world_size)]
+    return RaggedShard(tuple(shape), (*cuts, n))
+
+
+@pytest.mark.parametrize(
+    ("shapes", "layout"),
+    [
+        ({"a.weight": (37, 130), "b.weight": (64, 64), "c.bias": (7,)}, random_block_layout),
+        # odd length >= 4096 (4-bit codes end in a half-used byte) with an empty range at its end
+        ({"a.weight": (37, 131), "b.weight": (64, 65)}, _empty_tail_layout),
+    ],
+    ids=["random-layouts", "odd-length-empty-tail"],
+)
+def test_checkpoint_reshards_2_to_3_bitwise(tmp_path, shapes, layout):
     """Saved on 2 ranks, loaded on 3 with other layouts: the next steps equal an uninterrupted run."""
-    shapes = {"a.weight": (37, 130), "b.weight": (64, 64), "c.bias": (7,)}
     g = torch.Generator().manual_seed(3)
     full = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
     grads = [{k: torch.randn(s, generator=g) * 0.1 for k, s in shapes.items()} for _ in range(4)]
@@ -220,7 +238,7 @@ def test_checkpoint_reshards_2_to_3_bitwise(tmp_path):
             mod_name, leaf = fqn.split(".")
             if not hasattr(root, mod_name):
                 root.add_module(mod_name, nn.Module())
-            lay = random_block_layout(t.shape, dist.get_world_size(), seed=rng.randrange(1000))
+            lay = layout(t.shape, dist.get_world_size(), seed=rng.randrange(1000))
             getattr(root, mod_name).register_parameter(leaf, make_sharded_param(t, spec=elements(BS), layout=lay, fqn=fqn))
         return root, AdamW4bit(root.parameters(), lr=1e-2, compile=False)
 
