@@ -281,6 +281,46 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
             )
 
 
+_FINGERPRINT_PARTS = {
+    "layout": "the planned layout (parameter names, shapes, dtypes or block specs)",
+    "plan_config": "plan_config",
+    "mp_policy": "a bucket's mp_policy (param_dtype, reduce_dtype, output_dtype or cast_forward_inputs)",
+    "reshard_after_forward": "a bucket's reshard_after_forward",
+    "fp8_all_gather": "a bucket's fp8_all_gather",
+}
+
+
+def _fingerprint(root: _ModuleState, plan, bucket_states: list[_ModuleState]) -> dict[str, str]:
+    """Digests, by what a user sets, of everything that decides which collectives a bucket issues and
+    their sizes: the plan itself (not only its inputs), and the per-call settings the buckets are
+    built from (the wire mode follows from the plan, ``plan_config.wire`` and ``param_dtype``). Ranks
+    that differ in any must not enter mismatched collectives (a hang, or gloo aborting the process
+    on a size mismatch); hashed so it stays small at any W."""
+
+    def digest(x: Any) -> str:
+        return hashlib.sha256(repr(x).encode()).hexdigest()[:32]
+
+    return {
+        "layout": digest(
+            [
+                (b.name, b.layout.value, b.itemsize, tuple(b.rank_bounds),
+                 [(p.name, p.shape, str(p.spec), p.offset) for p in b.placements])
+                for b in plan.buckets
+            ]  # fmt: skip
+        ),
+        "plan_config": digest(root.plan_config or PlanConfig()),
+        "mp_policy": digest([st.mp_policy or root.mp_policy for st in bucket_states]),
+        "reshard_after_forward": digest([st.reshard_after_forward and st is not root for st in bucket_states]),
+        "fp8_all_gather": digest([st.fp8_all_gather or root.fp8_all_gather for st in bucket_states]),
+    }
+
+
+def _differences(mine: dict[str, str] | None, theirs: dict[str, str] | None) -> str:
+    if mine is None or theirs is None:
+        return "the planned layout"
+    return ", ".join(_FINGERPRINT_PARTS[k] for k in mine if mine[k] != theirs.get(k)) or "the planned layout"
+
+
 def _agree(err: BaseException | None, root: _ModuleState, fingerprint: Any) -> None:
     """All ranks exchange their verdict (and a plan fingerprint) so an error raises everywhere.
 
@@ -303,9 +343,10 @@ def _agree(err: BaseException | None, root: _ModuleState, fingerprint: Any) -> N
             problem = f"fully_shard failed on rank {r} of {root.world_size}: {msg}"
         elif bad:
             problem = (
-                f"fully_shard: ranks {bad} plan a different layout than rank {root.rank} (parameter names, shapes, "
-                "dtypes, block specs or plan_config differ); build the same model and pass the same block rule and "
-                "plan_config on every rank"
+                f"fully_shard: ranks {bad} of {root.world_size} differ from rank {root.rank} in "
+                f"{_differences(fingerprint, out[bad[0]][1])}; build the same model and pass the same block rule "
+                "and the same fully_shard arguments (plan_config, mp_policy, reshard_after_forward, fp8_all_gather) "
+                "on every rank"
             )
     elif err is not None:
         problem = f"fully_shard failed on shard rank 0 of 1: {type(err).__name__}: {err}"
@@ -320,8 +361,9 @@ def _agree(err: BaseException | None, root: _ModuleState, fingerprint: Any) -> N
                 problem = f"replica {failed[0][0]} of {root.num_replicas}: {failed[0][1]}"
             elif bad:
                 problem = (
-                    f"fully_shard: replicas {bad} see a different model than replica {me} (parameter names, "
-                    "shapes or block specs differ); every replica must build the same model and block rule"
+                    f"fully_shard: replicas {bad} of {root.num_replicas} differ from replica {me} in "
+                    f"{_differences(fingerprint, out[bad[0]][1])}; every replica must build the same model and "
+                    "pass the same block rule and fully_shard arguments"
                 )
     if err is not None:
         raise err
@@ -364,17 +406,7 @@ def build_runtime(root: _ModuleState) -> _Runtime:
             for st in bucket_states
         ]
         plan = plan_model(specs, world_size=root.world_size, config=root.plan_config or PlanConfig())
-        # A digest of the plan itself (not only its inputs): ranks that differ in dtypes or plan
-        # config must not enter mismatched collectives; hashed so it stays small at any W.
-        fingerprint = hashlib.sha256(
-            repr(
-                [
-                    (b.name, b.layout.value, b.itemsize, tuple(b.rank_bounds),
-                     [(p.name, p.shape, str(p.spec), p.offset) for p in b.placements])
-                    for b in plan.buckets
-                ]  # fmt: skip
-            ).encode()
-        ).hexdigest()
+        fingerprint = _fingerprint(root, plan, bucket_states)
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         err = e
     _agree(err, root, fingerprint)

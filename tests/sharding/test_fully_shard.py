@@ -585,6 +585,47 @@ def test_bad_block_rule_raises_naming_the_parameter(rule, match):
     assert all(fsdp_optim.shard_info(p) is not None for p in model.parameters())
 
 
+@pytest.mark.parametrize(
+    ("inner", "root", "named"),
+    [
+        ({}, {"plan_config": "wire"}, "plan_config"),
+        ({"mp_policy": "param_dtype"}, {}, "mp_policy (param_dtype"),
+        ({"mp_policy": "reduce_dtype"}, {}, "mp_policy (param_dtype"),
+        ({"reshard_after_forward": None}, {}, "reshard_after_forward"),
+        ({"fp8_all_gather": None}, {}, "fp8_all_gather"),
+    ],
+    ids=["wire", "param_dtype", "reduce_dtype", "reshard_after_forward", "fp8_all_gather"],
+)
+def test_ranks_given_different_settings_raise_naming_them_instead_of_hanging(inner, root, named):
+    """A fully_shard argument that changes a bucket's collectives but not its layout, set differently
+    on one rank: every rank raises naming it (before: a hang, or gloo aborting the process on a size
+    mismatch at the first gather)."""
+
+    def setting(key: str, r: int):
+        if key == "plan_config":
+            return PlanConfig(layout="ragged", wire="padded" if r == 0 else "grouped")
+        if key == "mp_policy":
+            dtype = torch.bfloat16 if r == 0 else None
+            return fsdp_optim.MixedPrecisionPolicy(**{inner["mp_policy"]: dtype})
+        if key == "reshard_after_forward":
+            return r == 0
+        return fsdp_optim.Float8AllGather(tile="1x128", min_numel=64) if r == 0 else None
+
+    def fn():
+        r = dist.get_rank()
+        model = _new_model()
+        try:
+            for layer in model.layers:
+                fsdp_optim.fully_shard(layer, **{k: setting(k, r) for k in inner})
+            fsdp_optim.fully_shard(model, **{k: setting(k, r) for k in root})
+        except ValueError as e:
+            return str(e)
+        return None
+
+    for msg in run_distributed(fn, world_size=2, timeout=60):
+        assert msg is not None and "differ from rank" in msg and named in msg, msg
+
+
 def test_errors_raise_on_every_rank_without_hanging():
     def fn():
         r = dist.get_rank()
@@ -616,5 +657,5 @@ def test_errors_raise_on_every_rank_without_hanging():
     for r, msgs in enumerate(out):
         assert len(msgs) == 3, msgs
         assert "returned None" in msgs[0] and ("rank 1" in msgs[0] or r == 1)
-        assert "plan a different layout" in msgs[1]
+        assert "differ from rank" in msgs[1] and "planned layout (parameter names" in msgs[1]
         assert "world size 1" in msgs[2] and "world size 2" in msgs[2] and "same mesh" in msgs[2]

@@ -477,4 +477,4 @@ def test_hsdp_bad_input_raises_on_every_rank():
         assert len(msgs) == 3, msgs
         assert "3-D mesh of shape (1, 1, 2)" in msgs[0] and "mesh['replicate', 'shard']" in msgs[0]
         assert "2 replicas" in msgs[1] and "same mesh" in msgs[1]
-        assert "see a different model" in msgs[2] and "replica" in msgs[2]
+        assert "differ from replica" in msgs[2] and "planned layout" in msgs[2]
