@@ -442,14 +442,14 @@ class Muon(torch.optim.Optimizer):
                 ambiguous.append((info.fqn, info.spec.is_matrix))
             elif not plain and not info.spec.is_matrix:  # the rule given here would make it a matrix
                 if self._rule(info.fqn, torch.empty(info.shape, device="meta"), None).is_matrix:
-                    unexpected.append(info.fqn or f"<shape {info.shape}>")
+                    unexpected.append((info.fqn or f"<shape {info.shape}>", info.spec))
         if any(shard_info(p) is not None and shard_info(p).spec.is_matrix for _, p in named):
             unexpected = []  # sharded with a Muon rule: its element-wise specs were decided (nn.Embedding by type)
         if unexpected:
             warnings.warn(
-                f"Muon: {len(unexpected)} sharded matrix parameter(s) (e.g. {unexpected[0]}) carry element-wise "
-                "blocks and get the AdamW fallback; shard with fully_shard(..., blocks=Muon.blocks) to "
-                "orthogonalize them",
+                f"Muon: {len(unexpected)} sharded matrix parameter(s) (e.g. {unexpected[0][0]}, block spec "
+                f"{unexpected[0][1]}) were not sharded as whole matrices, so they get the AdamW fallback; shard "
+                "with fully_shard(..., blocks=Muon.blocks) to orthogonalize them",
                 stacklevel=3,
             )
         if unnamed:

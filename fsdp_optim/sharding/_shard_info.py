@@ -24,6 +24,7 @@ __all__ = ["ShardInfo", "shard_info", "set_shard_info", "mark_replaced", "was_re
 _ATTR = "_fsdp_optim_shard"
 _REPLACED = "_fsdp_optim_replaced_by"
 _REPLACEMENT = "_fsdp_optim_replacement"
+_ORIGINALS = "_fsdp_optim_replaced_originals"  # weak references to the objects a parameter replaced
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,14 +93,26 @@ def set_shard_info(p: torch.Tensor, info: ShardInfo | None) -> None:
 
 def mark_replaced(p: object, fqn: str, *, replacement: torch.Tensor | None = None) -> None:
     """Mark a parameter object that ``fully_shard`` replaced (an optimizer holding it trains nothing),
-    and, when given, the parameter that replaced it (a weak reference; see ``replacement_of``)."""
-    if isinstance(p, torch.Tensor):
-        try:
-            setattr(p, _REPLACED, fqn)
-            if replacement is not None:
-                setattr(p, _REPLACEMENT, weakref.ref(replacement))
-        except (AttributeError, RuntimeError):  # pragma: no cover - tensors that refuse attributes
-            pass
+    and, when given, the parameter that replaced it (a weak reference; see ``replacement_of``).
+
+    The name is the newest call's: an inner call names parameters from its own module (``0.weight``),
+    and the root that absorbs it renames them from the root (``layers.0.0.weight``), here and on
+    every earlier object it replaced (weak back-references), so errors name them unambiguously. A
+    later mark without a replacement (an absorbed bucket's release) keeps the name already given."""
+    if not isinstance(p, torch.Tensor):
+        return
+    try:
+        if replacement is None and getattr(p, _REPLACED, None) is not None:
+            return
+        earlier = [ref for ref in getattr(p, _ORIGINALS, ()) if ref() is not None]
+        for ref in earlier:
+            setattr(ref(), _REPLACED, fqn)
+        setattr(p, _REPLACED, fqn)
+        if replacement is not None:
+            setattr(p, _REPLACEMENT, weakref.ref(replacement))
+            setattr(replacement, _ORIGINALS, [*earlier, weakref.ref(p)])
+    except (AttributeError, RuntimeError, TypeError):  # pragma: no cover - tensors that refuse attributes
+        pass
 
 
 def was_replaced(p: torch.Tensor) -> bool:

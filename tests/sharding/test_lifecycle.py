@@ -175,11 +175,16 @@ def test_optimizer_built_before_the_root_call_raises_at_its_first_step(optimizer
         for layer in model.layers:
             fsdp_optim.fully_shard(layer)
         opt = torch.optim.AdamW(model.parameters(), lr=LR) if optimizer == "torch" else AdamW(model.parameters(), lr=LR)
+        layer_params = list(model.layers[1].parameters())
         fsdp_optim.fully_shard(model)
         x, y = _batch(0)
         _loss(model, _local(x), _local(y)).backward()
         with pytest.raises(ValueError, match=r"fully_shard replaced.*after the outermost fully_shard"):
             opt.step()
+        # A layer's parameter is named from the root (layers.1.*), not from the layer's own call (the
+        # same name in every layer).
+        with pytest.raises(ValueError, match=r"parameter layers\.1\.\S+ \(shape .*fully_shard replaced"):
+            torch.optim.AdamW(layer_params, lr=LR).step()
         # Built after the root: fine.
         torch.optim.AdamW(model.parameters(), lr=LR).step()
         return True
@@ -191,8 +196,10 @@ def test_ours_built_from_parameters_replaced_earlier_raises_at_construction():
     model = _model()
     params = list(model.parameters())
     _shard(model)
-    with pytest.raises(ValueError, match="fully_shard replaced"):
+    with pytest.raises(ValueError, match=r"parameter embed\.weight .*fully_shard replaced"):
         AdamW(params, lr=LR)
+    with pytest.raises(ValueError, match=r"parameter layers\.1\.\S+ .*fully_shard replaced"):
+        AdamW(params[len(params) // 2 :], lr=LR)
 
 
 def test_forgotten_root_call_warns_naming_the_unmanaged_parameters():
