@@ -29,6 +29,14 @@ def clip_grad_norm_(
     replicated) parameters are counted once, after the reduction. Every rank of the group must call
     it with the same parameter list (ranks whose pieces are empty still join the all-reduce).
     Accumulated in fp32 (float64 for fp64 gradients).
+
+    Tolerance: the total norm equals torch's on the unsharded model to fp32 rounding, not bitwise:
+    torch sums each tensor whole, here each rank sums its pieces and the ranks' sums are added, so
+    the order of the additions (and the norm's last bits) depends on the world size. Where it
+    clips, the gradients are scaled by a coefficient that may differ in its last bit, and training
+    carries that on (4 steps of the README's loop: ~4e-7 for AdamW, ~1.5e-3 for Muon, whose bf16
+    Newton-Schulz turns last-bit differences into bf16 rounding flips). Runs without clipping, or
+    where the norm stays below ``max_norm``, keep the optimizers' bitwise W-invariance.
     """
     params = [parameters] if torch.is_tensor(parameters) else list(parameters)
     norm_type = float(norm_type)
