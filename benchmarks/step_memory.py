@@ -177,7 +177,8 @@ def _traced_step(model, opt, batch, base: float) -> list[tuple[str, float, float
     return events
 
 
-def _run_trace(a):
+def _setup(a):
+    """(config, full state dict, mesh, this rank's two batches): the same for every measurement."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
@@ -189,6 +190,11 @@ def _run_trace(a):
     mesh = init_device_mesh("cpu", (w,))
     data = [make_batch(batch_size=a.batch * w, seq_len=a.seq, vocab_size=a.vocab, seed=s) for s in range(2)]
     data = [(x[r * a.batch : (r + 1) * a.batch], y[r * a.batch : (r + 1) * a.batch]) for x, y in data]
+    return cfg, full_sd, mesh, data
+
+
+def _run_trace(a):
+    cfg, full_sd, mesh, data = _setup(a)
     out = {}
     for precision in PRECISIONS:
         for n, runtime in enumerate(("fsdp_optim", "fsdp2") * 2):  # the first pass of each is a warm-up
@@ -219,17 +225,7 @@ def _print_trace(trace: dict, w: int) -> None:
 
 
 def _run(a):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    torch.set_num_threads(1)
-    w, r = dist.get_world_size(), dist.get_rank()
-    cfg = TinyConfig(vocab_size=a.vocab, dim=a.dim, num_heads=a.heads, num_layers=a.layers, mlp_dim=a.mlp,
-                     tie_embeddings=False, frozen=False)  # fmt: skip
-    torch.manual_seed(0)
-    full_sd = {k: v.detach().clone() for k, v in TinyTransformer(cfg).state_dict().items()}
-    mesh = init_device_mesh("cpu", (w,))
-    data = [make_batch(batch_size=a.batch * w, seq_len=a.seq, vocab_size=a.vocab, seed=s) for s in range(2)]
-    data = [(x[r * a.batch : (r + 1) * a.batch], y[r * a.batch : (r + 1) * a.batch]) for x, y in data]
+    cfg, full_sd, mesh, data = _setup(a)
     for precision in PRECISIONS:  # warm-up: first-use costs (libraries, gloo, autograd threads) leave RSS
         for runtime in ("fsdp_optim", "fsdp2"):
             model = _build(runtime, cfg, full_sd, precision, mesh)
@@ -290,7 +286,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5, help="measured steps; the median step is reported")
     ap.add_argument("--quick", action="store_true", help="W = 2, dim 256, 2 layers, 2 measured steps")
-    ap.add_argument("--trace", action="store_true", help="per-event RSS of one step, both runtimes (W = first of --world-sizes)")
+    ap.add_argument("--trace", action="store_true",
+                    help="per-event RSS of one step, both runtimes (W = the first of --world-sizes)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     dest = out_dir(ap, a)

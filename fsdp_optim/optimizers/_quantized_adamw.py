@@ -334,7 +334,8 @@ class QuantizedAdamW(torch.optim.Optimizer):
         # at the tensor's end, so its codes are whole bytes of the global byte vector. An empty range
         # may sit at the end of a tensor of odd length: it holds no byte (not the half-used last one).
         lo = info.start // cpb
-        code_bytes = StateShard(self._format.num_code_bytes(info.numel), lo, -(-info.end // cpb) if info.end > info.start else lo)
+        hi = -(-info.end // cpb) if info.end > info.start else lo
+        code_bytes = StateShard(self._format.num_code_bytes(info.numel), lo, hi)
         bs = self.block_size
         blocks = StateShard(-(-info.numel // bs), -(-info.start // bs), -(-info.end // bs))
         out = {}

@@ -10,6 +10,23 @@ import torch
 from fsdp_optim.optimizers._linalg import aligned, batched_ok, bmm, eigh, qr_q
 
 
+def last_param_after(make_optimizer, shape: tuple[int, ...], num_params: int, *, steps: int = 4) -> torch.Tensor:
+    """The last of ``num_params`` same-shape parameters after ``steps`` steps of
+    ``make_optimizer(params)``; its initial value and gradients do not depend on ``num_params``, so a
+    whole-block optimizer gives the same result alone and as a later batch-mate."""
+    torch.manual_seed(0)
+    mine_init = torch.randn(shape)
+    ps = [torch.nn.Parameter(torch.randn(shape)) for _ in range(num_params - 1)] + [torch.nn.Parameter(mine_init)]
+    opt = make_optimizer(ps)
+    mates, mine = torch.Generator().manual_seed(2), torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in ps[:-1]:
+            p.grad = torch.randn(shape, generator=mates)
+        ps[-1].grad = torch.randn(shape, generator=mine)
+        opt.step()
+    return ps[-1].detach()
+
+
 def _at(t: torch.Tensor, offset: int) -> torch.Tensor:
     """``t``'s values in a view ``offset`` elements into a larger buffer (same strides)."""
     buf = torch.zeros(t.numel() + 16, dtype=t.dtype)

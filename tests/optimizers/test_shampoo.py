@@ -18,6 +18,7 @@ from fsdp_optim.optimizers import Shampoo
 from fsdp_optim.optimizers._shampoo import matrix_inverse_root, shampoo_blocks
 from fsdp_optim.sharding import RaggedShard, elements, expert, rows
 from fsdp_optim.sharding._shard_info import ShardInfo, set_shard_info
+from tests.optimizers.test_linalg import last_param_after
 
 K = 4  # max_preconditioner_dim: small, so that shapes below have partial strips and column blocks
 SHAPES = {
@@ -589,18 +590,8 @@ def test_batched_block_steps_alike_alone_and_later_in_a_stack(shape, k):
     world size decides (on AVX-512 CPUs the stacked float64 ``eigh`` and small products rounded by
     address: 4.5e-3 after 4 steps for a ``[37]`` bias; [Note: alignment-independent kernels])."""
 
-    def last_after(num_params: int) -> torch.Tensor:
-        torch.manual_seed(0)
-        mine_init = torch.randn(shape)
-        ps = [torch.nn.Parameter(torch.randn(shape)) for _ in range(num_params - 1)] + [torch.nn.Parameter(mine_init)]
-        opt = Shampoo(ps, lr=1e-2, grafting="adam", precondition_frequency=2, batched=True, max_preconditioner_dim=k)
-        mates, mine = torch.Generator().manual_seed(2), torch.Generator().manual_seed(1)
-        for _ in range(4):
-            for p in ps[:-1]:
-                p.grad = torch.randn(shape, generator=mates)
-            ps[-1].grad = torch.randn(shape, generator=mine)
-            opt.step()
-        return ps[-1].detach()
+    def make(ps):
+        return Shampoo(ps, lr=1e-2, grafting="adam", precondition_frequency=2, batched=True, max_preconditioner_dim=k)
 
-    alone = last_after(1)
-    assert torch.equal(last_after(2), alone) and torch.equal(last_after(3), alone)
+    alone = last_param_after(make, shape, 1)
+    assert torch.equal(last_param_after(make, shape, 2), alone) and torch.equal(last_param_after(make, shape, 3), alone)

@@ -18,6 +18,7 @@ from fsdp_optim.optimizers import SOAP
 from fsdp_optim.optimizers._soap import _outer, _rotate, reference_merge_dims
 from fsdp_optim.optimizers._shampoo import shampoo_blocks
 from fsdp_optim.sharding import RaggedShard, elements, whole
+from tests.optimizers.test_linalg import last_param_after
 
 
 # ---- an independent float64 SOAP (Vyas et al. 2024, Algorithm 1 + the reference's schedule) -------
@@ -339,21 +340,11 @@ def test_batched_unit_steps_alike_alone_and_later_in_a_stack(shape, kw):
     rank-deficient factors of a tall matrix turned that into 4.2e-2 after 4 steps at lr 1e-2
     ([Note: alignment-independent kernels])."""
 
-    def last_after(num_params: int) -> torch.Tensor:
-        torch.manual_seed(0)
-        mine_init = torch.randn(shape)
-        ps = [torch.nn.Parameter(torch.randn(shape)) for _ in range(num_params - 1)] + [torch.nn.Parameter(mine_init)]
-        opt = SOAP(ps, lr=1e-2, precondition_frequency=2, **kw)
-        mates, mine = torch.Generator().manual_seed(2), torch.Generator().manual_seed(1)
-        for _ in range(4):
-            for p in ps[:-1]:
-                p.grad = torch.randn(shape, generator=mates)
-            ps[-1].grad = torch.randn(shape, generator=mine)
-            opt.step()
-        return ps[-1].detach()
+    def make(ps):
+        return SOAP(ps, lr=1e-2, precondition_frequency=2, **kw)
 
-    alone = last_after(1)
-    assert torch.equal(last_after(2), alone) and torch.equal(last_after(3), alone)
+    alone = last_param_after(make, shape, 1)
+    assert torch.equal(last_param_after(make, shape, 2), alone) and torch.equal(last_param_after(make, shape, 3), alone)
 
 
 def test_batched_is_the_default_and_false_loops():
