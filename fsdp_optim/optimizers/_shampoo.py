@@ -284,7 +284,9 @@ def _precondition_batched(x: Tensor, roots: list[Tensor]) -> Tensor:
         return bmm(roots[0], x.unsqueeze(-1)).squeeze(-1)
     if x.ndim == 3:
         return bmm(bmm(roots[0], x), roots[1])
-    return torch.stack([_precondition(aligned(xi), [aligned(r[i]) for r in roots]) for i, xi in enumerate(x.unbind(0))])
+    return torch.stack(
+        [_precondition(aligned(xi), [aligned(r[i]) for r in roots]) for i, xi in enumerate(x.unbind(0))]
+    )
 
 
 def matrix_inverse_root(a: Tensor, root: float, epsilon: float) -> Tensor:

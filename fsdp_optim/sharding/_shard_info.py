@@ -104,13 +104,13 @@ def mark_replaced(p: object, fqn: str, *, replacement: torch.Tensor | None = Non
     try:
         if replacement is None and getattr(p, _REPLACED, None) is not None:
             return
-        earlier = [ref for ref in getattr(p, _ORIGINALS, ()) if ref() is not None]
-        for ref in earlier:
-            setattr(ref(), _REPLACED, fqn)
+        earlier = [o for o in (ref() for ref in getattr(p, _ORIGINALS, ())) if o is not None]
+        for o in earlier:
+            setattr(o, _REPLACED, fqn)
         setattr(p, _REPLACED, fqn)
         if replacement is not None:
             setattr(p, _REPLACEMENT, weakref.ref(replacement))
-            setattr(replacement, _ORIGINALS, [*earlier, weakref.ref(p)])
+            setattr(replacement, _ORIGINALS, [weakref.ref(o) for o in (*earlier, p)])
     except (AttributeError, RuntimeError, TypeError):  # pragma: no cover - tensors that refuse attributes
         pass
 
