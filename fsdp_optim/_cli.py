@@ -93,6 +93,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     num_replicas = args.world_size // shard_size
     if args.bucket_layers < 1:
         raise ValueError(f"--bucket-layers must be >= 1, got {args.bucket_layers}")
+    if args.itemsize < 1:
+        raise ValueError(f"--itemsize must be >= 1 (bytes per element: 4 for fp32, 2 for bf16), got {args.itemsize}")
+    if args.align is not None and args.align < 1:
+        raise ValueError(f"--align must be >= 1 (a segment size multiple, in elements), got {args.align}")
+    if args.padding_cap is not None and not args.padding_cap >= 0:  # (also NaN)
+        raise ValueError(f"--padding-cap must be >= 0 (the padding ratio tolerated), got {args.padding_cap}")
     kw = {"layout": args.layout, "wire": args.wire}
     if args.padding_cap is not None:
         kw["padding_cap"] = args.padding_cap

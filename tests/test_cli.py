@@ -104,3 +104,16 @@ def test_help_is_plain_text(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     assert "``" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--itemsize", "0"), ("--itemsize", "-2"), ("--align", "0"), ("--padding-cap", "-0.5"), ("--padding-cap", "nan")],
+)
+def test_plan_rejects_bad_numbers_naming_the_flag(capsys, flag, value):
+    # (--itemsize 0 / -2 used to print 0 or negative bytes per collective)
+    argv = ["plan", "--model", "llama3-8b", "--world-size", "8", "--optimizer", "muon", flag, value]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"fsdp-optim plan: error: {flag} must be >= ") and value in captured.err

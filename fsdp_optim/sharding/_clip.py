@@ -37,8 +37,21 @@ def clip_grad_norm_(
     carries that on (4 steps of the README's loop: ~4e-7 for AdamW, ~1.5e-3 for Muon, whose bf16
     Newton-Schulz turns last-bit differences into bf16 rounding flips). Runs without clipping, or
     where the norm stays below ``max_norm``, keep the optimizers' bitwise W-invariance.
+
+    A negative (or NaN) ``max_norm`` raises a ``ValueError``: torch accepts it and flips the sign of
+    every gradient.
     """
     params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+    # torch accepts a negative max_norm: the coefficient turns negative and flips every gradient.
+    # (A tensor max_norm is checked where that needs no device sync: on the CPU.)
+    if not torch.is_tensor(max_norm) or max_norm.device.type == "cpu":
+        value = float(max_norm)
+        if not value >= 0:  # (also NaN)
+            raise ValueError(
+                f"clip_grad_norm_: max_norm must be >= 0 (the largest total gradient norm to keep), got {value}; "
+                "a negative max_norm would flip the sign of every gradient. Pass a positive number "
+                "(or math.inf not to clip)"
+            )
     norm_type = float(norm_type)
     if not (norm_type == math.inf or norm_type > 0):
         raise ValueError(f"clip_grad_norm_: norm_type must be positive or inf, got {norm_type}")

@@ -9,19 +9,24 @@ others their own segment. Tied parameters are written once, under their first na
 safetensors files lazily on rank 0 (``safe_open``, one tensor at a time) and broadcasts each bucket
 to every rank, which keeps its own range: no rank holds more than one bucket at full size. Names are
 the model's own (``model.state_dict()`` keys), which for ``transformers`` models are the Hub's.
+The export is written into ``<path>.tmp`` and then replaces ``path`` (see [Note: atomic Hugging
+Face export]); ``load_hf`` opens every file (headers only) before the first broadcast.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import stat
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._checkpoint import load_full_state_dict
+from ._checkpoint import _fsync_dir, load_full_state_dict
 from ._runtime import buckets_of
 from ._shard_info import shard_info
 from ._state_dict import _gather_to_group_rank0
@@ -64,31 +69,75 @@ def export_hf(
     ``config`` (a ``PretrainedConfig``) and ``convert(name, tensor) -> (hf_name, hf_tensor)`` mapping
     its names and layouts to the Hub's (e.g. the recipes' Llama: ``recipes/model.py``). Every rank
     calls it; rank 0 writes. See [Note: streaming Hugging Face checkpoints].
+
+    Atomic, as ``save_checkpoint`` (see [Note: atomic Hugging Face export]): the export is written to
+    ``<path>.tmp`` and, once every rank agrees it succeeded, replaces ``path`` as a whole, so no file
+    of an older export or ``save_pretrained`` survives (``from_pretrained`` would prefer a stale
+    ``model.safetensors`` to the new index). On failure every rank raises a ``ValueError``, ``path``
+    is left as it was and ``<path>.tmp`` is removed.
+
+    ``path`` must be absent, an empty folder or a folder holding only a model export's files
+    (``config.json``, ``generation_config.json``, ``model.safetensors``, ``model-*-of-*.safetensors``,
+    ``model.safetensors.index.json``, the older ``pytorch_model*.bin`` and their index). Anything else
+    (a tokenizer, a README, a subfolder), a symbolic link or a file is refused with a ``ValueError``
+    on every rank before anything is written, rather than deleted: export to a new folder, or move
+    those files out (save a tokenizer after the export). Leftover ``<path>.tmp`` / ``<path>.old`` of
+    an interrupted export are removed under the same rule.
+
+    The files get the mode a plain ``open()`` gives (0644 under the usual umask 022), as
+    ``config.json``: safetensors' ``save_file`` alone leaves 0600, which other users cannot read.
     """
     from safetensors.torch import save_file
 
-    path = os.fspath(path)
     config = config if config is not None else getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         raise ValueError(
             f"export_hf: {type(model).__name__} has no .config; pass config= (a transformers PretrainedConfig)"
         )
+    path = _normalize(path)
+    tmp, old = path + ".tmp", path + ".old"
     rank = _rank()
+    made_tmp = False
+    left: str | None = None  # rank 0: what the failure left on disk, when it is not "path unchanged"
     err: str | None = None  # rank 0's write error: it keeps joining the gathers, then every rank raises
 
-    def on_rank0(fn: Callable[[], None]) -> None:
+    def on_rank0(fn: Callable[[], None], what: str) -> None:
         nonlocal err
         if rank == 0 and err is None:
             try:
                 fn()
+            except _Refused as e:
+                err = str(e)
             except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
-                err = f"{type(e).__name__}: {e}"
+                err = f"export_hf: {what} failed on rank 0: {type(e).__name__}: {e}"
 
-    def write_config() -> None:
-        os.makedirs(path, exist_ok=True)
-        config.save_pretrained(path)
+    def outcome() -> str:
+        """Rank 0, after a failure: remove the temporary folder; say what is on disk now."""
+        if left is not None:
+            note = left
+        else:
+            note = f"{path} was not changed"
+        if made_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+            note += f"; {tmp} could not be removed, delete it" if os.path.lexists(tmp) else f" and {tmp} was removed"
+        return note
 
-    on_rank0(write_config)
+    def prepare() -> None:
+        nonlocal made_tmp
+        for folder in (path, tmp, old):
+            why = _refusal(folder, path)
+            if why is not None:
+                raise _Refused(why)
+        for leftover in (tmp, old):  # of an interrupted export (checked above: export files only)
+            if os.path.lexists(leftover):
+                shutil.rmtree(leftover)
+        os.makedirs(tmp)
+        made_tmp = True
+        config.save_pretrained(tmp)
+
+    on_rank0(prepare, f"creating {tmp}")
+    _agree_export(err, outcome)
+
     names = {id(t): n for n, t in _named_tensors(model)}
     weight_map: dict[str, str] = {}
     written: set[int] = set()
@@ -111,10 +160,11 @@ def export_hf(
                     tensors[hf_name] = t.to("cpu", copy=True).contiguous()
                     written.add(id(sp))
             fname = f"model-{i + 1:05d}-of-{num_files:05d}.safetensors"
-            save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
+            save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
+            _fsync_file(os.path.join(tmp, fname))
             weight_map.update({n: fname for n in tensors})
 
-        on_rank0(write_bucket)
+        on_rank0(write_bucket, f"writing {path} (into {tmp})")
         del flat
 
     def write_rest_and_index() -> None:
@@ -126,19 +176,128 @@ def export_hf(
         rest = {n: t.to("cpu", copy=True).contiguous() for n, t in rest.items()}
         if rest:
             fname = f"model-{num_files:05d}-of-{num_files:05d}.safetensors"
-            save_file(rest, os.path.join(path, fname), metadata={"format": "pt"})
+            save_file(rest, os.path.join(tmp, fname), metadata={"format": "pt"})
+            _fsync_file(os.path.join(tmp, fname))
             weight_map.update({n: fname for n in rest})
-        total = sum(os.path.getsize(os.path.join(path, f)) for f in set(weight_map.values()))
-        with open(os.path.join(path, _INDEX), "w") as f:
+        files = sorted(set(weight_map.values()))
+        total = sum(os.path.getsize(os.path.join(tmp, f)) for f in files)
+        index = os.path.join(tmp, _INDEX)
+        with open(index, "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        mode = stat.S_IMODE(os.stat(index).st_mode)  # what open() gives under this process's umask
+        for fname in files:
+            os.chmod(os.path.join(tmp, fname), mode)
 
-    on_rank0(write_rest_and_index)
-    if dist.is_available() and dist.is_initialized():
-        box = [err]
-        dist.broadcast_object_list(box, src=0)  # also the final barrier: every rank waits for the files
-        err = box[0]
-    if err is not None:
-        raise ValueError(f"export_hf: writing {path!r} failed on rank 0: {err} (nothing else was changed)")
+    on_rank0(write_rest_and_index, f"writing {path} (into {tmp})")
+    _agree_export(err, outcome)  # also the barrier: the whole export is in tmp
+
+    def publish() -> None:
+        nonlocal made_tmp, left
+        why = _refusal(path, path)  # again: files may have appeared at path since prepare()
+        if why is not None:
+            raise _Refused(why)
+        moved = False
+        if os.path.lexists(path):
+            os.rename(path, old)
+            moved = True
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            if moved:
+                try:
+                    os.rename(old, path)  # put the previous export back
+                except OSError as e:
+                    left = f"the previous export is at {old} (moving it back to {path} failed: {e})"
+            raise
+        made_tmp = False  # tmp is path now: a failure below must not remove it
+        try:
+            _fsync_dir(os.path.dirname(path))
+        except OSError:
+            pass  # (a filesystem without directory fsync; the rename itself is done)
+        shutil.rmtree(old, ignore_errors=True)
+
+    on_rank0(publish, f"replacing {path} by {tmp}")
+    _agree_export(err, outcome)
+
+
+# [Note: atomic Hugging Face export]
+# ``export_hf`` follows ``save_checkpoint``: rank 0 checks the target and writes the config and every
+# bucket into ``<path>.tmp``; the ranks agree (one collective) after the setup, after the writes, and
+# after rank 0 renamed the previous export to ``<path>.old`` and ``<path>.tmp`` to ``path`` (if that
+# fails, ``<path>.old`` is moved back). So a failed export leaves ``path`` as it was, a successful one
+# leaves exactly its own files (no stale ``model.safetensors`` that ``from_pretrained`` would load
+# instead of the index), and every rank raises the same ``ValueError`` saying what is on disk. Only
+# folders holding nothing but a model export's files are ever replaced or removed, so a user's other
+# files (or a folder that is not an export at all) are refused, never deleted.
+_EXPORT_FILE = re.compile(
+    r"config\.json|generation_config\.json|model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors"
+    r"|pytorch_model\.bin(\.index\.json)?|pytorch_model-\d+-of-\d+\.bin"
+)
+
+
+class _Refused(Exception):
+    """A target ``export_hf`` must not replace; its message is the whole error."""
+
+
+def _normalize(path: str | os.PathLike) -> str:
+    """The absolute ``path`` without a trailing separator, so ``<path>.tmp`` is its sibling."""
+    path = os.fspath(path)
+    if not path:
+        raise ValueError("export_hf: path is empty; pass the folder to write the export to")
+    return os.path.abspath(path)
+
+
+def _refusal(folder: str, path: str) -> str | None:
+    """Why ``export_hf`` to ``path`` may not replace or remove ``folder`` (``None``: it may)."""
+    what = "the target" if folder == path else f"the temporary folder of an export to {path}"
+    if os.path.islink(folder):
+        return (
+            f"export_hf: {folder} ({what}) is a symbolic link (to {os.readlink(folder)}); an export replaces the "
+            "folder at its path, so it would replace the link, not the export it points to. Export to a real "
+            f"folder (e.g. {os.path.realpath(folder)}) and point the link at it"
+        )
+    if not os.path.lexists(folder):
+        return None
+    if not os.path.isdir(folder):
+        return f"export_hf: {folder} ({what}) exists and is not a folder; remove it or export to another path"
+    foreign = sorted(
+        e.name for e in os.scandir(folder) if not (e.is_file(follow_symlinks=False) and _EXPORT_FILE.fullmatch(e.name))
+    )
+    if not foreign:
+        return None
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    return (
+        f"export_hf: {folder} ({what}) holds files that are not part of a Hugging Face model export ({shown}); an "
+        "export replaces the whole folder, so export to a new folder or move those files out (a tokenizer: "
+        "save it into the folder after the export)"
+    )
+
+
+def _agree_export(err: str | None, outcome: Callable[[], str]) -> None:
+    """Agree on success across ranks (one collective); on failure rank 0 cleans up (``outcome``: what is
+    on disk now, told to every rank) and every rank raises the same ``ValueError``."""
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    errs = [err]
+    if distributed:
+        errs = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, err)
+    first = next((e for e in errs if e is not None), None)
+    if first is None:
+        return
+    note = [outcome() if _rank() == 0 else None]
+    if distributed:
+        dist.broadcast_object_list(note, src=0)
+    raise ValueError(f"{first}; {note[0]}")
+
+
+def _fsync_file(file: str) -> None:
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_hf(
@@ -195,31 +354,63 @@ def _tied_aliases(model: nn.Module) -> dict[str, str]:
 
 
 def _lazy_reader(path: str) -> tuple[set[str], Callable[[str], torch.Tensor], Callable[[str], tuple[int, ...]]]:
+    """Names, a tensor getter and a shape getter for the safetensors files at ``path``.
+
+    Every file is opened (its header read and checked against the file's length: safetensors does)
+    and checked to hold the names the index gives it here, before any tensor is read: ``load_hf``
+    agrees on this verdict, so a missing, truncated or corrupt file raises on every rank, naming the
+    file, instead of failing on rank 0 in the middle of the broadcasts.
+    """
     from safetensors import safe_open
 
     index = os.path.join(path, _INDEX)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-    else:
-        single = os.path.join(path, "model.safetensors")
-        if not os.path.isfile(single):
-            raise FileNotFoundError(f"load_hf: neither {index} nor {single} exists")
-        with safe_open(single, framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
+    single = os.path.join(path, "model.safetensors")
     handles: dict[str, object] = {}
 
-    def handle(name: str):
-        fname = weight_map[name]
-        if fname not in handles:
-            handles[fname] = safe_open(os.path.join(path, fname), framework="pt")
-        return handles[fname]
+    def open_checked(fname: str, listed_in: str | None):
+        file = os.path.join(path, fname)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"load_hf: {file} is missing (listed in {listed_in})")
+        try:
+            return safe_open(file, framework="pt")
+        except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError: a bad header or a short file
+            raise ValueError(
+                f"load_hf: {file} is truncated or corrupt ({os.path.getsize(file)} bytes; safetensors: {e}); "
+                "export or download it again"
+            ) from None
+
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("'weight_map' is not a mapping of tensor names to file names")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"load_hf: {index} is not a safetensors index (JSON with a 'weight_map' of tensor name -> file): "
+                f"{type(e).__name__}: {e}; export or download it again"
+            ) from None
+        for fname in sorted(set(weight_map.values())):
+            handles[fname] = h = open_checked(fname, index)
+            present = set(h.keys())
+            missing = sorted(n for n, f in weight_map.items() if f == fname and n not in present)
+            if missing:
+                raise ValueError(
+                    f"load_hf: {os.path.join(path, fname)} lacks {len(missing)} tensor(s) that {index} lists in it "
+                    f"({', '.join(missing[:5])}); the index and the files are of different exports, export or "
+                    "download them again"
+                )
+    elif os.path.isfile(single):
+        handles["model.safetensors"] = h = open_checked("model.safetensors", None)
+        weight_map = {k: "model.safetensors" for k in h.keys()}
+    else:
+        raise FileNotFoundError(f"load_hf: neither {index} nor {single} exists")
 
     def get(name: str) -> torch.Tensor:
-        return handle(name).get_tensor(name)
+        return handles[weight_map[name]].get_tensor(name)
 
     def shape(name: str) -> tuple[int, ...]:
-        return tuple(handle(name).get_slice(name).get_shape())
+        return tuple(handles[weight_map[name]].get_slice(name).get_shape())
 
     return set(weight_map), get, shape
 

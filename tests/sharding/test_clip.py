@@ -36,3 +36,23 @@ def test_bf16_gradients_are_accumulated_in_float32():
     total = fsdp_optim.clip_grad_norm_([p, q], 1e9)
     assert total.dtype == torch.float32
     torch.testing.assert_close(total, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("max_norm", [-1.0, -1e-9, math.nan, torch.tensor(-2.0)])
+def test_negative_max_norm_raises_and_leaves_the_gradients(max_norm):
+    # torch accepts it and flips the sign of every gradient; training would silently diverge.
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([3.0, 4.0, 0.0])
+    with pytest.raises(ValueError, match=r"clip_grad_norm_: max_norm must be >= 0 .*got (-|nan).*Pass a positive"):
+        fsdp_optim.clip_grad_norm_([p], max_norm)
+    assert torch.equal(p.grad, torch.tensor([3.0, 4.0, 0.0]))
+
+
+def test_zero_max_norm_and_norm_type_checks_are_unchanged():
+    p, q = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    p.grad, q.grad = torch.tensor([3.0, 4.0, 0.0]), torch.tensor([3.0, 4.0, 0.0])
+    torch.testing.assert_close(fsdp_optim.clip_grad_norm_([p], 0), torch.nn.utils.clip_grad_norm_([q], 0))
+    assert torch.equal(p.grad, q.grad)
+    for bad in (0.0, -2.0, math.nan):
+        with pytest.raises(ValueError, match="norm_type must be positive or inf"):
+            fsdp_optim.clip_grad_norm_([p], 1.0, bad)

@@ -4,6 +4,11 @@ sharded model round-trips bitwise."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import stat
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -83,16 +88,156 @@ def test_load_hf_from_a_missing_directory_raises_on_every_rank(tmp_path):
     assert run_distributed(fn, world_size=2, timeout=60) == [True, True]
 
 
-def test_export_hf_write_error_on_rank_0_raises_on_every_rank(tmp_path):
-    """Rank 0 cannot write (here: the target is a file, as a full disk or a read-only mount would
-    fail): every rank raises the same error instead of waiting for rank 0 at the next bucket."""
+def test_export_hf_onto_a_file_raises_on_every_rank(tmp_path):
+    """The target is a file: refused on every rank before anything is written (no rank waits for rank
+    0 at the next bucket), and the file is left alone."""
     target = tmp_path / "a_file"
     target.write_text("not a directory")
 
     def fn():
         model = _sharded(_config(False))
-        with pytest.raises(ValueError, match=r"export_hf: writing .* failed on rank 0: FileExistsError"):
+        with pytest.raises(ValueError, match=r"export_hf: .*a_file \(the target\) exists and is not a folder"):
             fsdp_optim.export_hf(model, target)
         return True
 
     assert run_distributed(fn, world_size=2, timeout=60) == [True, True]
+    assert target.read_text() == "not a directory" and not (tmp_path / "a_file.tmp").exists()
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir())}
+
+
+def test_export_replaces_an_older_save_pretrained_folder(tmp_path):
+    """A folder that ``save_pretrained`` wrote (one ``model.safetensors``, which ``from_pretrained``
+    prefers to an index, and ``generation_config.json``), plus a leftover ``.tmp`` of an interrupted
+    export: the export replaces it all, and ``from_pretrained`` loads the exported weights (the
+    unsharded model's, bitwise). The files get the mode ``open()`` gives, as config.json."""
+    cfg = _config(False)
+    out = tmp_path / "hf"
+    torch.manual_seed(1)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    assert (out / "model.safetensors").exists() and (out / "generation_config.json").exists()
+    (tmp_path / "hf.tmp").mkdir()
+    (tmp_path / "hf.tmp" / "model-00001-of-00009.safetensors").write_bytes(b"half written")
+
+    def fn():
+        model = _sharded(cfg, seed=0)
+        with torch.no_grad():
+            logits = model(input_ids=TOKENS, use_cache=False).logits
+        fsdp_optim.export_hf(model, out)
+        return logits
+
+    logits = run_distributed(fn, world_size=2)[0]
+    torch.manual_seed(0)
+    want = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").state_dict()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    got = loaded.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=TOKENS, use_cache=False).logits, logits)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert {f.name for f in out.iterdir()} == {"config.json", "model.safetensors.index.json", *index["weight_map"].values()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == {
+        f.name: 0o666 & ~umask for f in out.iterdir()
+    }
+
+
+def test_failed_export_leaves_the_previous_export_as_it_was(tmp_path):
+    """Writing fails on rank 0 after some buckets (here: ``convert`` raises on the second layer):
+    every rank raises a ValueError saying the folder was not changed, the previous export is there
+    byte for byte, and the temporary folder is gone."""
+    cfg = _config(False)
+    out = tmp_path / "hf"
+    run_distributed(lambda: fsdp_optim.export_hf(_sharded(cfg, seed=0), out), world_size=2)
+    before = _files(out)
+
+    def convert(name, t):
+        if name.startswith("model.layers.1."):
+            raise RuntimeError("boom")
+        return name, t
+
+    def fn():
+        with pytest.raises(ValueError) as e:
+            fsdp_optim.export_hf(_sharded(cfg, seed=1), out, convert=convert)
+        return str(e.value)
+
+    msgs = run_distributed(fn, world_size=2, timeout=60)
+    assert msgs[0] == msgs[1]
+    assert "failed on rank 0: RuntimeError: boom" in msgs[0]
+    assert msgs[0].endswith(f"{out} was not changed and {out}.tmp was removed")
+    assert _files(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_export_refuses_a_folder_with_other_files_and_a_symlink(tmp_path):
+    """A folder holding files that are not a model export (a user's notes, a tokenizer) is refused,
+    not deleted; so is a symbolic link (replacing it would replace the link). On every rank, naming
+    the folder, the files and the fix; nothing is written."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    (mine / "notes.txt").write_text("keep me")
+    link = tmp_path / "latest"
+    link.symlink_to(mine)
+
+    def fn():
+        model = _sharded(_config(False))
+        with pytest.raises(ValueError, match=r"mine \(the target\) holds files that are not part of a Hugging Face "
+                                             r"model export \(notes.txt\); .*export to a new folder or move"):
+            fsdp_optim.export_hf(model, mine)
+        with pytest.raises(ValueError, match=r"latest \(the target\) is a symbolic link .*Export to a real folder"):
+            fsdp_optim.export_hf(model, link)
+        return True
+
+    assert run_distributed(fn, world_size=2, timeout=60) == [True, True]
+    assert _files(mine) == {"config.json": b"{}", "notes.txt": b"keep me"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "mine"] and link.is_symlink()
+
+
+def test_load_hf_of_a_truncated_file_raises_on_every_rank_naming_it(tmp_path):
+    """A truncated safetensors file (one shard of an export, or ``save_pretrained``'s single file):
+    every rank raises a ValueError naming the file, before any broadcast."""
+    cfg = _config(True)
+    run_distributed(lambda: fsdp_optim.export_hf(_sharded(cfg), tmp_path / "sharded"), world_size=2)
+    shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[1]
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "single")
+    single = tmp_path / "single" / "model.safetensors"
+    for f in (shard, single):
+        with open(f, "r+b") as fh:
+            fh.truncate(f.stat().st_size - 16)
+
+    def fn():
+        model = _sharded(cfg, device="meta")
+        for f in (shard, single):
+            with pytest.raises(ValueError, match=rf"{re.escape(str(f))} is truncated or corrupt"):
+                fsdp_optim.load_hf(model, f.parent)
+        return True
+
+    assert run_distributed(fn, world_size=2, timeout=60) == [True, True]
+
+
+def test_export_whose_final_rename_fails_puts_the_previous_export_back(tmp_path, monkeypatch):
+    """The last step (``<path>.tmp`` -> ``path``, after moving the previous export to ``<path>.old``)
+    fails: the previous export is moved back and the error says so (one process, no group)."""
+    cfg = _config(False)
+    out = tmp_path / "hf"
+    fsdp_optim.export_hf(_sharded(cfg, seed=0), out)
+    before = _files(out)
+    rename = os.rename
+
+    def failing(src, dst):
+        if str(src).endswith(".tmp"):
+            raise OSError("disk went away")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(ValueError, match=rf"failed on rank 0: OSError: disk went away; {re.escape(str(out))} was not "
+                                         "changed and .*hf.tmp was removed"):
+        fsdp_optim.export_hf(_sharded(cfg, seed=1), out)
+    monkeypatch.undo()
+    assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
