@@ -3,7 +3,9 @@ optimizer, loop, checkpoint. Run it with torchrun (CPU: gloo; GPU: NCCL, one pro
 
     torchrun --standalone --nproc_per_node=2 examples/train_minimal.py --out runs/minimal
 
-A second run with the same --out resumes from its checkpoint.
+A second run with the same --out resumes from its checkpoint (weights, optimizer, the data
+generators), continuing exactly as an uninterrupted run; with --steps at or below the checkpoint's
+step it trains nothing and leaves the checkpoint as it is.
 """
 
 import argparse
@@ -79,17 +81,27 @@ def main() -> None:
         g["adamw_weight_decay"] = g["weight_decay"]
     optimizer = Muon(groups, lr=0.02, adamw_lr=3e-3)
 
-    # 5. Resume if a checkpoint exists (any world size can load it).
+    # 5. Data: each rank draws its own batches from its own generator. The task: predict the next
+    #    byte of a repeating pattern.
+    gen = torch.Generator().manual_seed(1000 + rank)
+
+    # 6. Resume if a checkpoint exists (any world size can load the model and optimizer). ``extra``
+    #    comes from rank 0, so it holds every rank's generator state (gathered at save time); at
+    #    another world size the generators start afresh.
     ckpt = os.path.join(args.out, "checkpoint")
     start = 0
     if os.path.exists(ckpt):
-        start = fsdp_optim.load_checkpoint(ckpt, model=model, optimizer=optimizer)["step"]
+        extra = fsdp_optim.load_checkpoint(ckpt, model=model, optimizer=optimizer)
+        start = extra["step"]
+        if len(extra.get("generators", [])) == world_size:
+            gen.set_state(extra["generators"][rank])
         if rank == 0:
             print(f"resumed from {ckpt} at step {start}", flush=True)
+    if start >= args.steps:  # nothing to train; keep the checkpoint (a save would record fewer steps)
+        if rank == 0:
+            print(f"{ckpt} is at step {start} >= --steps {args.steps}: nothing to train", flush=True)
 
-    # 6. Loop: each rank trains on its own batch; gradients are averaged by the reduce-scatter.
-    #    The task: predict the next byte of a repeating pattern.
-    gen = torch.Generator().manual_seed(1000 + rank)
+    # 7. Loop: each rank trains on its own batch; gradients are averaged by the reduce-scatter.
     for step in range(start, args.steps):
         offset = torch.randint(0, 256, (8, 1), generator=gen)
         seq = (offset + torch.arange(33)) % 256
@@ -104,12 +116,17 @@ def main() -> None:
         if rank == 0:
             print(f"step {step + 1}: loss {loss.item():.4f}", flush=True)
 
-    # 7. Checkpoint: every rank writes its own shards (no gather).
-    fsdp_optim.save_checkpoint(ckpt, model=model, optimizer=optimizer, extra={"step": args.steps})
-    if rank == 0:
-        print(f"saved {ckpt}", flush=True)
+    # 8. Checkpoint: every rank writes its own shards (no gather), plus the step and the generators.
+    if args.steps > start:
+        generators = [None] * world_size
+        dist.all_gather_object(generators, gen.get_state())
+        fsdp_optim.save_checkpoint(
+            ckpt, model=model, optimizer=optimizer, extra={"step": args.steps, "generators": generators}
+        )
+        if rank == 0:
+            print(f"saved {ckpt}", flush=True)
 
-    # 8. Tear down: the sharded model and optimizer reference the process group (in reference
+    # 9. Tear down: the sharded model and optimizer reference the process group (in reference
     #    cycles), so free them before destroying it; left to interpreter exit, the group's
     #    teardown can abort the process.
     del model, optimizer, groups

@@ -4,12 +4,15 @@ Every key of the TOML file and every override must name a field below; anything 
 ``ValueError`` naming the key, where it came from, and the valid keys (with a close match).
 Override values are parsed as TOML values (``--set model.dim=128``, ``--set train.dtype=bf16``,
 ``--set data.path='"/data/*.txt"'``); a value that is not valid TOML is taken as a plain string.
+``check_ranges`` refuses numbers outside each key's range (``RANGES``), naming the key, the value and
+the range; ``pretrain.py`` calls it once the command-line flags are applied.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 try:
     import tomllib
 except ImportError:  # Python 3.10: the tomli backport (a dependency there, see pyproject.toml)
@@ -141,24 +144,37 @@ def _unknown(key: str, valid: list[str], where: str) -> ValueError:
     return ValueError(f"unknown config key {key!r} in {where}.{hint} Valid keys: {', '.join(valid)}")
 
 
+_SCALARS = {"int": int, "float": (int, float), "bool": bool, "str": str}
+
+
+def _coerce_scalar(value: Any, base: str, key: str, where: str) -> Any:
+    """``value`` as a ``base`` (int, float, bool, str; ints are accepted for floats, bools are not numbers)."""
+    expected = _SCALARS.get(base)
+    is_bool_as_number = base in ("int", "float") and isinstance(value, bool)
+    if expected is not None and (not isinstance(value, expected) or is_bool_as_number):
+        raise ValueError(f"config key {key!r} in {where} must be {base}, got {value!r} ({type(value).__name__})")
+    return float(value) if base == "float" else value
+
+
 def _coerce(value: Any, f: dataclasses.Field, key: str, where: str) -> Any:
     """Check a TOML value against the field's type (ints are accepted for floats)."""
     typ = str(f.type)
-    if "tuple" in typ and isinstance(value, list):
-        return tuple(value)
+    if typ.startswith("tuple["):  # e.g. tuple[float, float]: a TOML array of exactly that many of them
+        kinds = [k.strip() for k in typ[len("tuple["):-1].split(",")]
+        example = ", ".join(repr(v) for v in f.default) if isinstance(f.default, tuple) else ""
+        if not isinstance(value, list) or len(value) != len(kinds):
+            raise ValueError(
+                f"config key {key!r} in {where} must be a list of {len(kinds)} {' and '.join(sorted(set(kinds)))}s, "
+                f"e.g. [{example}], got {value!r}"
+            )
+        return tuple(_coerce_scalar(v, k, f"{key}[{i}]", where) for i, (v, k) in enumerate(zip(value, kinds)))
     if "dict" in typ:
         if not isinstance(value, dict):
             raise ValueError(f"config key {key!r} in {where} must be a table, got {value!r}")
         return value
-    if typ.startswith("float") and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
     if "None" in typ and isinstance(value, str) and value.lower() == "none":
         return None
-    base = typ.split(" |")[0]
-    expected = {"int": int, "float": (int, float), "bool": bool, "str": str}.get(base)
-    if expected is not None and (not isinstance(value, expected) or (base == "int" and isinstance(value, bool))):
-        raise ValueError(f"config key {key!r} in {where} must be {base}, got {value!r} ({type(value).__name__})")
-    return value
+    return _coerce_scalar(value, typ.split(" |")[0], key, where)
 
 
 def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
@@ -180,8 +196,16 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist; see recipes/configs/ for the shipped ones")
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
+        try:
+            with path.open("rb") as fh:
+                data = tomllib.load(fh)
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"config file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
+                "save it as UTF-8"
+            ) from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}; fix the file") from None
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise _unknown(section, [f"[{s}]" for s in _fields(cfg)], str(path))
@@ -201,3 +225,63 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+@dataclass(frozen=True)
+class Range:
+    """An allowed interval for a number: ``lo``/``hi`` (None: unbounded), each end closed unless ``*_open``."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, v: float) -> bool:  # written so that NaN is never inside
+        above = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        below = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+        return bool(above and below) and math.isfinite(v)
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+POSITIVE, NON_NEGATIVE, UNIT = Range(1), Range(0), Range(0, 1)
+# Every number a run uses, and its allowed values (None is always allowed where the type has it).
+# A value outside would crash a rank later or silently train something else (a negative grad_clip
+# flips the gradients, a min_lr_ratio > 1 makes the lr grow), so check_ranges refuses it up front.
+RANGES: dict[str, Range] = {
+    "model.dim": POSITIVE, "model.n_layers": POSITIVE, "model.n_heads": POSITIVE, "model.n_kv_heads": POSITIVE,
+    "model.vocab_size": NON_NEGATIVE, "model.ffn_dim": POSITIVE, "model.multiple_of": POSITIVE,
+    "model.norm_eps": Range(0, lo_open=True), "model.rope_theta": Range(0, lo_open=True),
+    "model.max_seq_len": POSITIVE, "model.n_experts": POSITIVE, "model.top_k": POSITIVE,
+    "model.moe_ffn_dim": POSITIVE, "model.moe_aux_loss": NON_NEGATIVE,
+    "data.seq_len": POSITIVE, "data.val_fraction": Range(0, 1, hi_open=True),
+    "optim.lr": NON_NEGATIVE, "optim.adamw_lr": NON_NEGATIVE, "optim.betas": Range(0, 1, hi_open=True),
+    "optim.eps": NON_NEGATIVE, "optim.weight_decay": NON_NEGATIVE, "optim.momentum": Range(0, 1, hi_open=True),
+    "optim.max_preconditioner_dim": POSITIVE, "optim.precondition_frequency": POSITIVE,
+    "train.steps": POSITIVE, "train.batch_size": POSITIVE, "train.grad_accum": POSITIVE,
+    "train.warmup_steps": NON_NEGATIVE, "train.min_lr_ratio": UNIT, "train.grad_clip": NON_NEGATIVE,
+    "log.every": POSITIVE, "log.eval_every": NON_NEGATIVE, "log.eval_batches": POSITIVE,
+    "log.ckpt_every": NON_NEGATIVE, "log.keep_ckpts": NON_NEGATIVE, "log.peak_tflops": NON_NEGATIVE,
+}
+_MEANING = {  # what the special values of a range mean, for the error message
+    "train.grad_clip": "0: no clipping", "log.eval_every": "0: only at the end", "log.ckpt_every": "0: only at the end",
+    "log.keep_ckpts": "0: keep all", "model.vocab_size": "0: the tokenizer's", "data.val_fraction": "0: no held-out split",
+    "log.peak_tflops": "0: from the table in pretrain.py",
+}
+
+
+def check_ranges(cfg: Config) -> None:
+    """Raise a ``ValueError`` naming the first key of ``RANGES`` whose value is outside its range."""
+    for key, allowed in RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        for v in value if isinstance(value, tuple) else (value,):
+            if v is not None and v not in allowed:
+                meaning = f" ({_MEANING[key]})" if key in _MEANING else ""
+                raise ValueError(
+                    f"{key} = {value!r} is out of range: it must be {allowed}{meaning}; change it in the config "
+                    "file or with --set"
+                )

@@ -2,13 +2,15 @@
 
 Sources (``data.path``):
 - "" : the embedded corpus shipped in the package (fsdp_optim/data/corpus.txt), so the first run works offline;
-- a text file, a folder of text files (.txt/.md/.rst, recursively) or a glob: tokenized at startup;
+- a text file, a folder of text files (.txt/.md/.rst, recursively) or a glob: UTF-8 text (anything
+  else is refused, naming the file and the byte), tokenized at startup;
 - a ``.bin`` file (or a folder/glob of them): pre-tokenized tokens, ``uint16``/``uint32``, memory-mapped.
 
 The stream is cut into windows of ``seq_len + 1`` tokens (input and shifted target); the last
 ``val_fraction`` of windows is the held-out split. The sampler visits train windows in a
-permutation fixed by (seed, epoch) and gives global batch ``i`` to the ranks in order, so a
-batch depends only on the sampler's position, which checkpoints save and restore.
+permutation fixed by (seed, epoch) and hands out the next ``batch_size x world size`` of them at
+each step, so a batch depends only on the sampler's position in windows, which checkpoints save and
+restore (at any batch size and world size).
 """
 
 from __future__ import annotations
@@ -52,13 +54,19 @@ class HFTokenizer:
             ) from e
         if not Path(path).is_file():
             raise ValueError(f"data.tokenizer: {path!r} is not a file; give a local tokenizer.json or 'byte'")
-        self.tok = Tokenizer.from_file(path)
+        try:
+            self.tok = Tokenizer.from_file(path)
+        except Exception as e:  # the tokenizers package raises a bare Exception for a malformed file
+            raise ValueError(
+                f"data.tokenizer: {path!r} is not a valid tokenizer.json ({e}); give a tokenizer.json saved by "
+                "the tokenizers package, or 'byte'"
+            ) from None
         self.vocab_size = self.tok.get_vocab_size()
-        self.eos_id = next(
-            (self.tok.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
-             if self.tok.token_to_id(t) is not None),
-            None,
-        )
+        self.bos_id = self._first_id("<s>", "<|begin_of_text|>", "<bos>")
+        self.eos_id = self._first_id("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+
+    def _first_id(self, *names: str) -> int | None:
+        return next((self.tok.token_to_id(t) for t in names if self.tok.token_to_id(t) is not None), None)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -86,8 +94,32 @@ def _files(path: str) -> list[Path]:
     return [Path(path)] if os.path.isfile(path) else []
 
 
-def load_tokens(path: str, tokenizer, token_dtype: str = "uint16") -> np.ndarray:
-    """The whole token stream of ``path`` (see module docstring) as a 1-D numpy array (memmap for .bin)."""
+def _read_utf8(f: Path) -> str:
+    """The text of ``f``; a ``ValueError`` naming the file and the first byte that is not UTF-8."""
+    try:
+        return f.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        try:
+            f.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:  # the byte offset in the file (the text reader's is per chunk)
+            raise ValueError(
+                f"data file {str(f)!r} is not UTF-8 text: byte {e.start} is {e.object[e.start:e.start + 1]!r}; "
+                "convert it (e.g. iconv -f latin1 -t utf-8) or pre-tokenize it into a .bin file"
+            ) from None
+        raise
+
+
+def _max_token(arr: np.ndarray, chunk: int = 1 << 26) -> int:
+    """The largest id of a (memory-mapped) token array, read in chunks."""
+    return max(int(arr[i : i + chunk].max()) for i in range(0, len(arr), chunk))
+
+
+def load_tokens(
+    path: str, tokenizer, token_dtype: str = "uint16", vocab_size: int | None = None, vocab_key: str = "model.vocab_size"
+) -> np.ndarray:
+    """The whole token stream of ``path`` (see module docstring) as a 1-D numpy array (memmap for .bin).
+    ``vocab_size`` (set by config key ``vocab_key``): the model's vocabulary; a ``.bin`` file with an id
+    at or above it is refused (it would index past the embedding table on every rank)."""
     if not path:
         files, where = [default_corpus()], "the embedded corpus"
     else:
@@ -103,7 +135,22 @@ def load_tokens(path: str, tokenizer, token_dtype: str = "uint16") -> np.ndarray
             raise ValueError(f"{where}: mixes .bin token files and text files; point data.path at one kind")
         if token_dtype not in ("uint16", "uint32"):
             raise ValueError(f"data.token_dtype must be 'uint16' or 'uint32', got {token_dtype!r}")
-        arrays = [np.memmap(f, dtype=token_dtype, mode="r") for f in bins if f.stat().st_size > 0]
+        arrays = []
+        for f in bins:
+            size, item = f.stat().st_size, np.dtype(token_dtype).itemsize
+            if size % item:
+                raise ValueError(
+                    f"data file {str(f)!r} has {size} bytes, not a multiple of data.token_dtype {token_dtype} "
+                    f"({item} bytes per token); fix data.token_dtype or the file"
+                )
+            if not size:
+                continue
+            arrays.append(np.memmap(f, dtype=token_dtype, mode="r"))
+            if vocab_size is not None and (top := _max_token(arrays[-1])) >= vocab_size:
+                raise ValueError(
+                    f"data file {str(f)!r} holds token id {top}, but the model's vocabulary has {vocab_size} ids "
+                    f"({vocab_key}); use the tokenizer the file was made with (data.tokenizer) or raise {vocab_key}"
+                )
         tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else np.zeros(0, np.uint16)
     else:
         # Documents: files, split further on the corpus's form-feed separators; EOS between documents.
@@ -112,7 +159,7 @@ def load_tokens(path: str, tokenizer, token_dtype: str = "uint16") -> np.ndarray
         chunks = [
             piece
             for f in files
-            for doc in f.read_text(encoding="utf-8", errors="replace").split("\f")
+            for doc in _read_utf8(f).split("\f")
             if doc.strip()
             for piece in (tokenizer.encode_array(doc.strip()).astype(dtype), np.asarray(eos, dtype))
         ]
@@ -150,9 +197,12 @@ class TokenWindows:
 class Sampler:
     """Deterministic, resumable per-rank batches of train windows.
 
-    Global batch ``k`` of an epoch is windows ``perm[k*B*W : (k+1)*B*W]`` of the epoch's permutation
-    (seeded by ``seed`` and the epoch); rank ``r`` takes its ``B`` consecutive ones. An epoch drops the
-    remainder that cannot fill a global batch. ``state_dict`` is the position (epoch, batch).
+    An epoch visits the train windows in a permutation seeded by ``seed`` and the epoch. Each call
+    takes the epoch's next ``B*W`` windows (a global batch); rank ``r`` gets its ``B`` consecutive
+    ones. An epoch ends when the rest cannot fill a global batch (that remainder is skipped).
+    ``state_dict`` is the position in windows, ``(epoch, windows consumed in it)``, plus what fixes
+    the permutation (the seed and the number of train windows): not in batches, so a run resumed at
+    another batch size or world size continues with exactly the windows it would have seen next.
     """
 
     def __init__(self, data: TokenWindows, batch_size: int, rank: int, world_size: int, seed: int):
@@ -164,7 +214,7 @@ class Sampler:
                 f"seq_len {data.seq_len} < batch_size {batch_size} x world size {world_size}; "
                 "give more data, or lower train.batch_size or data.seq_len"
             )
-        self.epoch, self.index = 0, 0
+        self.epoch, self.consumed = 0, 0
         self._perm_epoch, self._perm = -1, None
 
     def _permutation(self) -> torch.Tensor:
@@ -173,19 +223,33 @@ class Sampler:
             self._perm, self._perm_epoch = torch.randperm(self.data.n_train, generator=g), self.epoch
         return self._perm
 
+    def next_indices(self) -> list[int]:
+        """This rank's window indices of the next global batch (advances the position)."""
+        if self.consumed + self.B * self.W > self.data.n_train:
+            self.epoch, self.consumed = self.epoch + 1, 0
+        start = self.consumed + self.rank * self.B
+        self.consumed += self.B * self.W
+        return self._permutation()[start : start + self.B].tolist()
+
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.index >= self.per_epoch:
-            self.epoch, self.index = self.epoch + 1, 0
-        start = (self.index * self.W + self.rank) * self.B
-        idx = self._permutation()[start : start + self.B].tolist()
-        self.index += 1
-        return self.data.batch(idx)
+        return self.data.batch(self.next_indices())
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
+        return {"epoch": self.epoch, "windows": self.consumed, "seed": self.seed, "n_train": self.data.n_train}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        """Continue at ``state``'s position; refuses a state of another permutation (seed or data)."""
+        if "windows" not in state:  # saved before positions were in windows: (epoch, global batches of B x W)
+            self.epoch, self.consumed = int(state["epoch"]), int(state["index"]) * self.B * self.W
+            return
+        for key, mine in (("seed", self.seed), ("n_train", self.data.n_train)):
+            if int(state[key]) != mine:
+                raise ValueError(
+                    f"the sampler position was saved for {key} {state[key]}, but this run has {mine}: the data "
+                    "windows differ (train.seed, data.path, data.seq_len or data.val_fraction changed); "
+                    "start a new --out"
+                )
+        self.epoch, self.consumed = int(state["epoch"]), int(state["windows"])
 
 
 def val_batches(data: TokenWindows, batch_size: int, rank: int, world_size: int, n_batches: int):

@@ -260,6 +260,20 @@ def max_seq_len(model: nn.Module) -> int:
     return model.max_seq_len if isinstance(model, HFCausalLM) else model.cfg.max_seq_len
 
 
+def max_seq_len_key(cfg: ModelConfig) -> str:
+    """The config key that sets the model's longest sequence (what an error tells the user to raise)."""
+    if cfg.kind == "hf" and "max_position_embeddings" in cfg.hf_config:
+        return "model.hf_config.max_position_embeddings"
+    return "model.max_seq_len"
+
+
+def model_vocab(cfg: ModelConfig) -> tuple[int, str]:
+    """The model's vocabulary size and the config key that sets it (``hf_config`` wins for kind = hf)."""
+    if cfg.kind == "hf" and "vocab_size" in cfg.hf_config:
+        return int(cfg.hf_config["vocab_size"]), "model.hf_config.vocab_size"
+    return cfg.vocab_size, "model.vocab_size"
+
+
 def num_params(model: nn.Module, *, exclude_embedding: bool = False) -> int:
     """Parameter count (tied weights once); with ``exclude_embedding``, minus the input embedding table
     (a lookup, no matmul FLOPs; an untied output head is kept)."""
@@ -325,13 +339,16 @@ def from_hf(cfg: ModelConfig, name: str):
     return hf_name(cfg, name), lambda t: rearrange(t, "(h two d) c -> (h d two) c", h=heads, two=2)
 
 
-def llama_hf_config(cfg: ModelConfig):
-    """The transformers ``LlamaConfig`` of the dense Llama (for ``export_hf``)."""
+def llama_hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = None):
+    """The transformers ``LlamaConfig`` of the dense Llama (for ``export_hf``), with the tokenizer's
+    ``bos_id`` / ``eos_id`` (None: none; LlamaConfig's own defaults, 1 and 2, are not the byte
+    tokenizer's 256 and 257, so ``generate`` would stop at the wrong token)."""
     import transformers
 
     if cfg.kind != "llama":
         raise ValueError(f"Hugging Face export/import supports model.kind = 'llama' or 'hf', not {cfg.kind!r}")
     return transformers.LlamaConfig(
+        bos_token_id=bos_id, eos_token_id=eos_id,
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads or cfg.n_heads,
         intermediate_size=cfg.ffn_dim or ffn_hidden(cfg.dim, cfg.multiple_of), rms_norm_eps=cfg.norm_eps,

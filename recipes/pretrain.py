@@ -8,7 +8,9 @@
 
 Writes OUT/metrics.jsonl (one JSON object per logged step), OUT/loss.png, OUT/config.json and
 OUT/checkpoints/step_NNNNNN/. Run without torchrun, the script checks the config, data and model
-and prints the torchrun command to use. A finished run in OUT is reported (exit 0), not retrained. ``--set section.key=value`` overrides any config key (see config.py).
+and prints the torchrun command to use. A finished run in OUT is reported (exit 0), not retrained
+(with --export-hf, its last checkpoint is exported). ``--set section.key=value`` overrides any config
+key (see config.py).
 The script reads top to bottom: config, process group, data, model, sharding, optimizer, resume,
 the training loop (with eval, metrics and checkpoints), and the loss plot.
 """
@@ -16,10 +18,12 @@ the training loop (with eval, metrics and checkpoints), and the loss plot.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import math
 import os
+import re
 import resource
 import shlex
 import shutil
@@ -33,9 +37,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # config, data, model live next to this file
-from config import DEFAULT_LR, Config, load_config, to_dict  # noqa: E402
+from config import DEFAULT_LR, Config, check_ranges, load_config, to_dict  # noqa: E402
 from data import Sampler, TokenWindows, build_tokenizer, load_tokens, val_batches  # noqa: E402
-from model import build_model, max_seq_len, num_params  # noqa: E402
+from model import build_model, max_seq_len, max_seq_len_key, model_vocab, num_params  # noqa: E402
 
 # Peak dense bf16 TFLOP/s per device, for MFU (vendor datasheets: NVIDIA H100/H200 SXM 989, A100 312,
 # B200 2250, L4 121; AMD MI300X 1307). CPU: 0.1 per rank, the order of one AVX2 core's FMA peak
@@ -61,7 +65,7 @@ def pick_backend(cfg: Config) -> str:
     import fsdp_optim.optimizers as ours
 
     ready = all(hasattr(fsdp_optim, f) for f in ("fully_shard", "clip_grad_norm_", "save_checkpoint", "load_checkpoint"))
-    return "fsdp_optim" if ready and hasattr(ours, OPTIMIZERS[cfg.optim.name]) else "torch"
+    return "fsdp_optim" if ready and hasattr(ours, OPTIMIZERS.get(cfg.optim.name, "")) else "torch"
 
 
 def shard_model(
@@ -112,6 +116,7 @@ def init_sharded(model: torch.nn.Module, backend: str, device: torch.device) -> 
 def build_optimizer(model: torch.nn.Module, cfg: Config, backend: str) -> torch.optim.Optimizer:
     o = cfg.optim
     lr = o.lr if o.lr is not None else DEFAULT_LR[o.name]
+    adamw_lr = o.adamw_lr if o.adamw_lr is not None else DEFAULT_LR["adamw"]  # (0 is a setting: frozen)
     # Weight decay on matrices only (not norms, biases): nanoGPT's grouping, by the *global* shape
     # (a sharded parameter is a flat 1-D piece, so p.ndim would say 1 for all of them).
     import fsdp_optim
@@ -128,7 +133,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, backend: str) -> torch.
             for g in groups:
                 g["adamw_weight_decay"] = g["weight_decay"]
             return optimizers.Muon(
-                groups, lr=lr, momentum=o.momentum, adamw_lr=o.adamw_lr or DEFAULT_LR["adamw"], adamw_betas=o.betas,
+                groups, lr=lr, momentum=o.momentum, adamw_lr=adamw_lr, adamw_betas=o.betas,
                 adamw_eps=o.eps,
             )
         return optimizers.Shampoo(  # Adam grafting: DistributedShampoo's default is none (docs/shampoo.md)
@@ -148,11 +153,13 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, backend: str) -> torch.
 
 
 def clip_grads(model: torch.nn.Module, max_norm: float, backend: str) -> float:
+    """Clip to global norm ``max_norm`` (0: no clipping, the norm is still measured); return the norm."""
+    max_norm = max_norm if max_norm > 0 else math.inf
     if backend == "fsdp_optim":
         import fsdp_optim
 
-        return float(fsdp_optim.clip_grad_norm_(model.parameters(), max_norm or math.inf))
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+        return float(fsdp_optim.clip_grad_norm_(model.parameters(), max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
@@ -171,7 +178,7 @@ def save_checkpoint(path: Path, model, optimizer, scheduler, extra: dict, backen
             torch.save({"scheduler": scheduler.state_dict(), "extra": extra}, path / "recipe_extra.pt")
     dist.barrier()
     if dist.get_rank() == 0:  # the marker that makes this checkpoint "complete" for --resume
-        (path / "recipe_done.json").write_text(json.dumps({"step": extra["step"]}))
+        write_atomic(path / DONE, json.dumps({"step": extra["step"]}))
     dist.barrier()
 
 
@@ -192,6 +199,19 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, backend: str) -> di
     return saved["extra"]
 
 
+def resume_from(path: Path, model, optimizer, scheduler, backend: str) -> dict:
+    """``load_checkpoint``, its failures (a missing or corrupt file, other keys) as one ``ValueError``
+    line that names the checkpoint and the way out (the loads raise on every rank alike)."""
+    try:
+        return load_checkpoint(path, model, optimizer, scheduler, backend)
+    except (OSError, RuntimeError, KeyError, ValueError) as e:
+        why = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"cannot resume from checkpoint {path}: {type(e).__name__}: {why}; delete {path / DONE} to resume from "
+            "the previous complete checkpoint instead, or use another --out to start afresh"
+        ) from None
+
+
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl; a torn last line (a process killed mid-write) is skipped."""
     records = []
@@ -203,9 +223,64 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
+# ---------------------------------------------------------------------------------------------
+# Checkpoint folders: OUT/checkpoints/step_<digits>/, complete once rank 0 has written the DONE marker
+# (after every rank's files). Anything else there (a killed save's step_N.tmp, a folder without a
+# readable marker) is not a checkpoint: never resumed from, counted or pruned.
+# ---------------------------------------------------------------------------------------------
+DONE = "recipe_done.json"
+_warned: set[Path] = set()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and ``os.replace``: a reader (or a kill) never
+    sees a torn file, only the old one or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def done_step(ckpt: Path) -> int | None:
+    """The step in ``ckpt``'s DONE marker; None if there is none, or it is unreadable (warned once)."""
+    marker = ckpt / DONE
+    if not marker.is_file():
+        return None
+    try:
+        step = json.loads(marker.read_text())["step"]
+        if not isinstance(step, int) or f"step_{step:06d}" != ckpt.name:
+            raise ValueError(f"it says step {step!r}, not the folder's")
+        return step
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if marker not in _warned and _rank() == 0:
+            print(f"warning: {marker} is unreadable ({e}); {ckpt.name} counts as incomplete, so the previous "
+                  "complete checkpoint (if any) is used", file=sys.stderr, flush=True)
+        _warned.add(marker)
+        return None
+
+
+def complete_checkpoints(out: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of the complete checkpoints in ``out``, by step number (step_1000000 after step_999999)."""
+    found = []
+    for ckpt in (out / "checkpoints").glob("step_*"):
+        if re.fullmatch(r"step_\d+", ckpt.name) and ckpt.is_dir() and (step := done_step(ckpt)) is not None:
+            found.append((step, ckpt))
+    return sorted(found)
+
+
 def latest_checkpoint(out: Path) -> Path | None:
-    done = sorted((out / "checkpoints").glob("step_*/recipe_done.json"))
-    return done[-1].parent if done else None
+    done = complete_checkpoints(out)
+    return done[-1][1] if done else None
+
+
+def prune_checkpoints(out: Path, keep: int, saved: Path) -> None:
+    """Delete all but the ``keep`` newest complete checkpoints (0: none), never ``saved`` (the one just
+    written); anything that is not a complete checkpoint is left alone."""
+    for _, old in complete_checkpoints(out)[:-keep]:
+        if old != saved:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,19 +293,26 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (python {self.prog} --help lists the flags)")
 
 
-def hf_convert(model, cfg: Config):
-    """``(config, load_hf convert, export_hf convert)`` between the recipe's names and the Hub's."""
+def hf_convert(model, cfg: Config, tokenizer: object | None = None):
+    """``(config, load_hf convert, export_hf convert)`` between the recipe's names and the Hub's; the
+    config carries ``tokenizer``'s BOS/EOS ids (unless model.hf_config sets them)."""
     import functools
 
     from model import from_hf, llama_hf_config, to_hf
 
+    bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
     if cfg.model.kind == "hf":  # the wrapped transformers model: names behind "hf."
+        config = copy.deepcopy(model.hf.config)
+        for key, value in (("bos_token_id", bos), ("eos_token_id", eos)):
+            if key not in cfg.model.hf_config:
+                setattr(config, key, value)
         return (
-            model.hf.config,
+            config,
             lambda name: (name.removeprefix("hf."), lambda t: t),
             lambda name, t: (name.removeprefix("hf."), t),
         )
-    return llama_hf_config(cfg.model), functools.partial(from_hf, cfg.model), functools.partial(to_hf, cfg.model)
+    config = llama_hf_config(cfg.model, bos_id=bos, eos_id=eos)
+    return config, functools.partial(from_hf, cfg.model), functools.partial(to_hf, cfg.model)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -254,21 +336,50 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--check", nargs="?", const=2, type=int, metavar="W",
         help="validate the config, data and model for W ranks (default 2) without training, then exit: "
-        "0 ready, 2 invalid, 3 the run in --out is already finished (no torchrun needed)",
+        "0 ready, 2 invalid, 3 the run in --out is already finished (no torchrun needed; with --export-hf: 0, "
+        "torchrun exports it)",
     )
     return p.parse_args(argv)
 
 
+def check_writable_dir(what: str, path: Path) -> None:
+    """``path`` is a directory, or one can be made there: not a file, not under a file, writable."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} {path} is a file, not a directory; give a directory path")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{what} {path}: {parent} is a file, so no directory can be made under it; give another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path}: {parent} is not writable; give a path you can write to")
+
+
 def resolve_config(args: argparse.Namespace) -> Config:
     """The config from --config, --set and the flags, with every check that needs no data or ranks."""
-    overrides = list(args.set)
-    if args.steps is not None:
-        overrides.append(f"train.steps={args.steps}")
-    if args.optimizer is not None:
-        overrides.append(f"optim.name={json.dumps(args.optimizer)}")
-    if args.fp8_allgather is not None:
-        overrides.append(f"train.fp8_all_gather={json.dumps(args.fp8_allgather)}")
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, args.set)
+    set_keys = {item.partition("=")[0].strip() for item in args.set}
+    for flag, key, value in (("--steps", "train.steps", args.steps), ("--optimizer", "optim.name", args.optimizer),
+                             ("--fp8-allgather", "train.fp8_all_gather", args.fp8_allgather)):
+        section, name = key.split(".")
+        if value is None:
+            continue
+        if key in set_keys and getattr(getattr(cfg, section), name) != value:
+            raise ValueError(
+                f"{flag} {value} and --set {key}={getattr(getattr(cfg, section), name)!r} disagree; give only one"
+            )
+        setattr(getattr(cfg, section), name, value)
+    if args.check is not None and args.check < 1:
+        raise ValueError(f"--check {args.check}: the number of ranks must be >= 1 (--check alone checks for 2)")
+    check_ranges(cfg)
+    if cfg.optim.name not in OPTIMIZERS:
+        raise ValueError(f"optim.name must be one of {sorted(OPTIMIZERS)}, got {cfg.optim.name!r}")
+    if cfg.train.fp8_all_gather not in ("off", *FP8_TILES):
+        raise ValueError(
+            f"train.fp8_all_gather must be off, {' or '.join(FP8_TILES)}, got {cfg.train.fp8_all_gather!r}"
+        )
+    if cfg.train.dtype not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"train.dtype must be auto, bf16 or fp32, got {cfg.train.dtype!r}")
     for flag, value in (("--export-hf", args.export_hf), ("--init-from-hf", args.init_from_hf)):
         if value is None:
             continue
@@ -280,18 +391,6 @@ def resolve_config(args: argparse.Namespace) -> Config:
         src = Path(args.init_from_hf)
         if not ((src / "model.safetensors.index.json").is_file() or (src / "model.safetensors").is_file()):
             raise ValueError(f"--init-from-hf {src}: no model.safetensors.index.json or model.safetensors there")
-    if cfg.optim.name not in OPTIMIZERS:
-        raise ValueError(f"optim.name must be one of {sorted(OPTIMIZERS)}, got {cfg.optim.name!r}")
-    if cfg.train.fp8_all_gather not in ("off", *FP8_TILES):
-        raise ValueError(
-            f"train.fp8_all_gather must be off, {' or '.join(FP8_TILES)}, got {cfg.train.fp8_all_gather!r}"
-        )
-    if cfg.train.dtype not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"train.dtype must be auto, bf16 or fp32, got {cfg.train.dtype!r}")
-    if cfg.train.steps < 1:
-        raise ValueError(f"train.steps must be >= 1, got {cfg.train.steps}")
-    if cfg.log.eval_batches < 1:
-        raise ValueError(f"log.eval_batches must be >= 1, got {cfg.log.eval_batches}")
     backend = pick_backend(cfg)
     if cfg.train.fp8_all_gather != "off" and backend != "fsdp_optim":
         raise ValueError(
@@ -303,6 +402,14 @@ def resolve_config(args: argparse.Namespace) -> Config:
             f"optim.name = {cfg.optim.name!r} needs fsdp_optim.optimizers.{OPTIMIZERS[cfg.optim.name]} "
             "(train.backend = 'fsdp_optim'); the torch backend (PyTorch FSDP2) runs adamw and adamw8bit"
         )
+    check_writable_dir("--out", Path(args.out))
+    if args.export_hf is not None:
+        check_writable_dir("--export-hf", Path(args.export_hf))
+        if Path(args.export_hf).resolve() == Path(args.out).resolve():
+            raise ValueError(
+                f"--export-hf {args.export_hf} is the run folder (--out), whose config.json it would overwrite; "
+                f"export to a subfolder, e.g. {Path(args.out) / 'hf'}"
+            )
     return cfg
 
 
@@ -312,9 +419,13 @@ def load_data(cfg: Config, world: int):
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = tokenizer.vocab_size
-    elif cfg.model.vocab_size < tokenizer.vocab_size:
-        raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size}; raise it or set 0")
-    tokens = load_tokens(cfg.data.path, tokenizer, cfg.data.token_dtype)
+    vocab, key = model_vocab(cfg.model)  # what the embedding table will have (hf_config's, for kind = hf)
+    if vocab < tokenizer.vocab_size:
+        raise ValueError(
+            f"{key} {vocab} < the tokenizer's {tokenizer.vocab_size}; raise it"
+            + (" or set 0" if key == "model.vocab_size" else " or remove it (then model.vocab_size is used)")
+        )
+    tokens = load_tokens(cfg.data.path, tokenizer, cfg.data.token_dtype, vocab_size=vocab, vocab_key=key)
     windows = TokenWindows(tokens, cfg.data.seq_len, cfg.data.val_fraction, where=f"data.path = {cfg.data.path!r}")
     Sampler(windows, cfg.train.batch_size, 0, world, cfg.train.seed)  # raises if the data cannot feed W ranks
     if windows.n_val:  # fail now, not after training: the held-out split must feed every rank
@@ -322,29 +433,74 @@ def load_data(cfg: Config, world: int):
     return tokenizer, tokens, windows
 
 
+def check_seq_len(cfg: Config, model: torch.nn.Module) -> None:
+    """data.seq_len fits the model; the error names the key that sets the model's limit."""
+    if cfg.data.seq_len > max_seq_len(model):
+        raise ValueError(
+            f"data.seq_len {cfg.data.seq_len} is longer than the model supports ({max_seq_len(model)}); "
+            f"lower data.seq_len or raise {max_seq_len_key(cfg.model)}"
+        )
+
+
 def check_model(cfg: Config) -> None:
     """Build the model on the meta device (no memory) to check its config against the data."""
     with torch.device("meta"):
         model = build_model(cfg.model)
-    if cfg.data.seq_len > max_seq_len(model):
+    check_seq_len(cfg, model)
+
+
+# What a resume may not change: the model and optimizer settings (the checkpoint holds their state; a
+# changed key fails to load, or is silently replaced by the saved value, as the saved param groups
+# replace lr, betas and weight decay), the backend (the checkpoint's format), and what a data window is
+# (the sampler's saved position counts windows). The rest (steps, batch size, grad_accum, world size,
+# the LR schedule, clipping, dtype, logging) may change on resume.
+RESUME_FIXED = ("model.", "optim.", "data.", "train.seed", "train.backend")
+RESUME_FREE = ("model.moe_aux_loss", "model.meta_init", "model.max_seq_len")
+
+
+def _resume_keys(d: dict) -> dict:
+    """The RESUME_FIXED values of a ``to_dict`` config, train.backend resolved (``auto`` -> its pick)."""
+    flat = {f"{s}.{k}": v for s, sub in d.items() for k, v in sub.items()}
+    probe = Config()
+    probe.train.backend, probe.optim.name = flat["train.backend"], flat["optim.name"]
+    flat["train.backend"] = pick_backend(probe)
+    return {k: v for k, v in flat.items() if k.startswith(RESUME_FIXED) and k not in RESUME_FREE}
+
+
+def check_resume_config(out: Path, cfg: Config) -> None:
+    """Refuse to resume the run in ``out`` with other RESUME_FIXED settings than its ``config.json``
+    (call after ``load_data``, which resolves model.vocab_size, as the saved config has it)."""
+    path = out / "config.json"
+    try:
+        saved = _resume_keys(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        if _rank() == 0:
+            print(f"warning: {path} is unreadable ({e}); the settings of the run are not compared", file=sys.stderr)
+        return
+    now = _resume_keys(json.loads(json.dumps(to_dict(cfg))))  # through JSON: tuples compare as the saved lists
+    diff = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k, now[k]) != now[k]]
+    if diff:
         raise ValueError(
-            f"data.seq_len {cfg.data.seq_len} is longer than the model supports ({max_seq_len(model)}); "
-            "lower data.seq_len or raise model.max_seq_len"
+            f"--out {out} holds a run with other settings: {', '.join(diff)}; a resume cannot change them (its "
+            "checkpoint and data position depend on them): set them back, or use another --out for a new run"
         )
 
 
 def finished_run(out: Path, cfg: Config) -> str | None:
     """A report line when ``out`` holds a complete checkpoint at or past ``train.steps`` (nothing to train)."""
-    ckpt = latest_checkpoint(out)
-    if ckpt is None:
+    complete = complete_checkpoints(out)
+    if not complete:
         return None
-    done = int(json.loads((ckpt / "recipe_done.json").read_text())["step"])
+    done, ckpt = complete[-1]
     if done < cfg.train.steps:
         return None
     last = next((r for r in reversed(read_metrics(out / "metrics.jsonl")) if r["step"] == done), {})
     return (
         f"[pretrain] {out} already holds a finished run: {summary(last, done)}; checkpoint {ckpt}. "
-        f"Nothing to train: --resume --steps N (N > {done}) continues it, another --out starts afresh."
+        f"Nothing to train: --resume --steps N (N > {done}) continues it, --export-hf DIR exports it, another "
+        "--out starts afresh."
     )
 
 
@@ -379,11 +535,12 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = resolve_config(args)
     out = Path(args.out)
     report = finished_run(out, cfg)
-    if report is not None:  # rerunning a finished job: say so, train nothing (every rank returns alike)
-        if int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0)) == 0:
-            print(report, flush=True)
+    if report is not None and _rank() == 0:
+        print(report, flush=True)
+    if report is not None and args.export_hf is None:  # rerunning a finished job: train nothing (every rank alike)
         return {"records": read_metrics(out / "metrics.jsonl"), "backend": pick_backend(cfg), "resumed_from": None,
                 "finished": True}
+    finished = report is not None  # and --export-hf: load its last checkpoint, export it, train nothing
 
     # ---- process group and device ----
     use_cuda = torch.cuda.is_available()
@@ -402,17 +559,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---- data: every rank tokenizes the same stream and takes its own windows ----
     tokenizer, tokens, windows = load_data(cfg, world)
+    if not finished:  # (on every rank: all raise alike, before any collective)
+        check_unfinished(out, cfg, args.resume)
+    if latest_checkpoint(out) is not None:
+        check_resume_config(out, cfg)
     sampler = Sampler(windows, cfg.train.batch_size, rank, world, cfg.train.seed)
 
     # ---- model: built whole (same seed on every rank) or on meta, then sharded per layer ----
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta" if cfg.model.meta_init else device):
         model = build_model(cfg.model)
-    if cfg.data.seq_len > max_seq_len(model):
-        raise ValueError(
-            f"data.seq_len {cfg.data.seq_len} is longer than the model supports ({max_seq_len(model)}); "
-            "lower data.seq_len or raise model.max_seq_len"
-        )
+    check_seq_len(cfg, model)
     n_params, n_flop_params = num_params(model), num_params(model, exclude_embedding=True)
     shard_model(
         model, backend, cfg.optim.name, dtype, cfg.train.fp8_all_gather, cfg.optim.max_preconditioner_dim
@@ -423,7 +580,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.init_from_hf is not None and latest_checkpoint(out) is None:  # (a resume loads its checkpoint)
         import fsdp_optim
 
-        fsdp_optim.load_hf(model, args.init_from_hf, convert=hf_convert(model, cfg)[1])
+        fsdp_optim.load_hf(model, args.init_from_hf, convert=hf_convert(model, cfg, tokenizer)[1])
 
     # ---- optimizer and LR schedule: linear warmup, cosine to min_lr_ratio ----
     optimizer = build_optimizer(model, cfg, backend)
@@ -437,23 +594,24 @@ def main(argv: list[str] | None = None) -> dict:
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
-    # ---- resume ----
-    step = 0
+    # ---- resume: the model, optimizer, schedule, data position and token count of the latest checkpoint ----
+    step, tokens_seen = 0, 0
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum * world
     if master:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     ckpt = latest_checkpoint(out)
-    check_unfinished(out, cfg, args.resume)
     if ckpt is not None:
-        extra = load_checkpoint(ckpt, model, optimizer, scheduler, backend)
+        extra = resume_from(ckpt, model, optimizer, scheduler, backend)
         step = int(extra["step"])
-        sampler.load_state_dict(extra["data"])
+        sampler.load_state_dict(extra["data"])  # a position in windows: right at any batch size and world size
+        tokens_seen = int(extra.get("tokens", step * tokens_per_step))  # (older checkpoints: same batch assumed)
     metrics_path = out / "metrics.jsonl"
-    if master:
+    if master and not finished:
         # Drop records past the checkpoint (a killed run's tail); a fresh run starts a fresh file.
         old = read_metrics(metrics_path) if ckpt is not None else []
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in old if r["step"] <= step))
-        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        write_atomic(out / "config.json", json.dumps(to_dict(cfg), indent=2))
         print(
             f"[pretrain] {cfg.model.kind} model, {n_params / 1e6:.2f}M params; backend {backend}; "
             f"optimizer {cfg.optim.name}; world {world} on {device.type}, {dtype}; "
@@ -463,7 +621,6 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     # ---- helpers for the loop ----
-    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum * world
     peak = cfg.log.peak_tflops or (
         next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name(device)), 0.0)
         if use_cuda else CPU_PEAK_TFLOPS
@@ -497,13 +654,13 @@ def main(argv: list[str] | None = None) -> dict:
         if master and path.exists():
             shutil.rmtree(path)  # an incomplete save of this step from a killed run
         dist.barrier()
-        save_checkpoint(path, model, optimizer, scheduler, {"step": step, "data": sampler.state_dict()}, backend)
+        extra = {"step": step, "data": sampler.state_dict(), "tokens": tokens_seen}
+        save_checkpoint(path, model, optimizer, scheduler, extra, backend)
         if master and cfg.log.keep_ckpts > 0:
-            for old in sorted((out / "checkpoints").glob("step_*"))[: -cfg.log.keep_ckpts]:
-                shutil.rmtree(old, ignore_errors=True)
+            prune_checkpoints(out, cfg.log.keep_ckpts, saved=path)
 
     # ---- the training loop ----
-    bar = tqdm(total=t.steps, initial=step, disable=not master, dynamic_ncols=True, desc="pretrain")
+    bar = tqdm(total=t.steps, initial=step, disable=not master or finished, dynamic_ncols=True, desc="pretrain")
     t_last, step_last = time.perf_counter(), step
     while step < t.steps:
         loss_sum = torch.zeros((), device=device)
@@ -519,6 +676,7 @@ def main(argv: list[str] | None = None) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        tokens_seen += tokens_per_step
 
         last = step == t.steps
         eval_now = bool(cfg.log.eval_every) and step % cfg.log.eval_every == 0
@@ -529,7 +687,7 @@ def main(argv: list[str] | None = None) -> dict:
             t_last, step_last = now, step
             rec = {
                 "step": step, "loss": loss_sum.item() / (t.grad_accum * world), "lr": lr,
-                "grad_norm": grad_norm, "tokens_per_s": tps, "tokens": step * tokens_per_step,
+                "grad_norm": grad_norm, "tokens_per_s": tps, "tokens": tokens_seen,
                 "mfu": 6 * n_flop_params * tps / (peak * 1e12 * world) if peak else None,
                 "mem_gb": memory_gb(), "elapsed_s": now - t_start,
             }
@@ -551,10 +709,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.export_hf is not None:
         import fsdp_optim
 
-        config, _, to_hub = hf_convert(model, cfg)
+        config, _, to_hub = hf_convert(model, cfg, tokenizer)
         fsdp_optim.export_hf(model, args.export_hf, config=config, convert=to_hub)
         if master:
-            print(f"[pretrain] exported a transformers checkpoint to {args.export_hf}", flush=True)
+            print(f"[pretrain] exported a transformers checkpoint to {args.export_hf}"
+                  + (f" (from {ckpt})" if finished else ""), flush=True)
+    if finished:
+        return {"records": read_metrics(metrics_path), "backend": backend, "resumed_from": str(ckpt), "finished": True}
 
     # ---- the loss curve ----
     records = read_metrics(metrics_path) if master else []
@@ -595,17 +756,22 @@ def cli(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         if args.check is not None or "RANK" not in os.environ:
-            world = args.check or 2
+            world = 2 if args.check is None else args.check  # (resolve_config refuses --check 0)
             cfg = resolve_config(args)
-            report = finished_run(Path(args.out), cfg)
-            if report is not None:
+            out = Path(args.out)
+            report = finished_run(out, cfg)
+            if report is not None and args.export_hf is None:
                 print(report, flush=True)
                 return 3 if args.check is not None else 0
-            check_unfinished(Path(args.out), cfg, args.resume)
+            if report is None:
+                check_unfinished(out, cfg, args.resume)
             load_data(cfg, world)
+            if latest_checkpoint(out) is not None:
+                check_resume_config(out, cfg)
             check_model(cfg)
             if args.check is not None:
-                print(f"[pretrain] check passed for {world} ranks: {torchrun_command(argv, world)}", flush=True)
+                what = f" (the run in {out} is finished: torchrun exports it)" if report is not None else ""
+                print(f"[pretrain] check passed for {world} ranks{what}: {torchrun_command(argv, world)}", flush=True)
                 return 0
             print("error: recipes/pretrain.py runs under torchrun (RANK is not set); the config, data and model "
                   f"checks passed. Run:\n  {torchrun_command(argv)}", file=sys.stderr, flush=True)

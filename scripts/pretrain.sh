@@ -5,12 +5,17 @@
 # Rerunning it is safe: a finished run in OUT is reported (exit 0); an interrupted one resumes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+NPROC=${NPROC:-2}
+if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: NPROC=$NPROC: the number of ranks must be a whole number >= 1, e.g. NPROC=2" >&2
+  exit 2
+fi
 bash scripts/setup.sh
 PY=${PYTHON:-python3}
 OUT=${OUT:-runs/tiny}
-NPROC=${NPROC:-2}
 ARGS=(--config recipes/configs/tiny.toml --out "$OUT" "$@")
-if compgen -G "$OUT/checkpoints/step_*/recipe_done.json" >/dev/null; then
+# (step_N folders only, not a killed save's step_N.tmp; the recipe also checks that the marker is readable)
+if compgen -G "$OUT/checkpoints/step_*[0-9]/recipe_done.json" >/dev/null; then
   ARGS+=(--resume)  # an interrupted run continues from its latest complete checkpoint
 fi
 # Validate the config, data and model once, before any rank starts: one line and exit 2 on an

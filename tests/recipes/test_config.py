@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from config import Config, load_config
+from config import Config, check_ranges, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "recipes" / "configs").glob("*.toml"))
 
@@ -46,3 +46,69 @@ def test_unknown_key_in_file_names_file_and_key(tmp_path):
         load_config(p)
     with pytest.raises(ValueError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("optim.betas=0.9", r"'optim.betas' in --set must be a list of 2 floats, e.g. \[0.9, 0.95\], got 0.9"),
+        ("optim.betas=[0.9]", r"'optim.betas' in --set must be a list of 2 floats.*got \[0.9\]"),
+        ('optim.betas=["a", "b"]', r"'optim.betas\[0\]' in --set must be float, got 'a'"),
+        ("optim.betas=[0.9, true]", r"'optim.betas\[1\]' in --set must be float, got True"),
+    ],
+)
+def test_tuple_keys_check_length_and_element_types(override, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, [override])
+
+
+def test_tuple_of_ints_becomes_floats():
+    assert load_config(None, ["optim.betas=[1, 0]"]).optim.betas == (1.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"[train\nsteps = 3\n", r"config file '.*bad.toml' is not valid TOML: Expected ']'"),
+        (b"[train]\nsteps = 3\n[train]\nsteps = 4\n", r"config file '.*bad.toml' is not valid TOML: Cannot declare"),
+        (b"# caf\xe9\n[train]\nsteps = 3\n", r"config file '.*bad.toml' is not UTF-8 text \(byte 5: b'\\xe9'\)"),
+    ],
+)
+def test_unreadable_config_file_is_named(tmp_path, content, match):
+    (tmp_path / "bad.toml").write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        load_config(tmp_path / "bad.toml")
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("train.grad_clip=-1", r"train.grad_clip = -1.0 is out of range: it must be >= 0 \(0: no clipping\)"),
+        ("train.min_lr_ratio=-0.5", r"train.min_lr_ratio = -0.5 is out of range: it must be in \[0, 1\]"),
+        ("train.min_lr_ratio=1.5", r"train.min_lr_ratio = 1.5 is out of range: it must be in \[0, 1\]"),
+        ("optim.lr=-0.01", r"optim.lr = -0.01 is out of range: it must be >= 0"),
+        ("optim.adamw_lr=-0.01", r"optim.adamw_lr = -0.01 is out of range"),
+        ("optim.weight_decay=-0.1", r"optim.weight_decay = -0.1 is out of range"),
+        ("optim.betas=[0.9, 1.0]", r"optim.betas = \(0.9, 1.0\) is out of range: it must be in \[0, 1\)"),
+        ("train.batch_size=0", r"train.batch_size = 0 is out of range: it must be >= 1"),
+        ("data.seq_len=0", r"data.seq_len = 0 is out of range"),
+        ("train.grad_accum=-1", r"train.grad_accum = -1 is out of range"),
+        ("log.every=0", r"log.every = 0 is out of range"),
+        ("model.dim=0", r"model.dim = 0 is out of range"),
+        ("model.n_layers=0", r"model.n_layers = 0 is out of range"),
+        ("model.n_kv_heads=0", r"model.n_kv_heads = 0 is out of range"),
+        ("data.val_fraction=-0.1", r"data.val_fraction = -0.1 is out of range: it must be in \[0, 1\) \(0: no held-out"),
+        ("train.grad_clip=nan", r"train.grad_clip = nan is out of range"),
+        ("optim.lr=inf", r"optim.lr = inf is out of range"),
+    ],
+)
+def test_out_of_range_values_are_refused(override, match):
+    with pytest.raises(ValueError, match=match):
+        check_ranges(load_config(None, [override]))
+
+
+def test_edge_values_are_accepted():
+    check_ranges(load_config(None, ["train.grad_clip=0", "optim.lr=0", "optim.adamw_lr=0", "train.min_lr_ratio=1",
+                                    "data.val_fraction=0", "optim.weight_decay=0", "model.n_kv_heads='none'"]))
+    for p in CONFIGS:
+        check_ranges(load_config(p))

@@ -116,3 +116,79 @@ def test_make_corpus_reproduces_the_committed_prefix(tmp_path):
                    check=True, capture_output=True, timeout=120)
     small = (tmp_path / "c.txt").read_bytes()[:-1]  # the script ends the file with a newline
     assert len(small) == 50_000 and committed.read_bytes().startswith(small)
+
+
+def _stream(samplers: list[Sampler], steps: int) -> list[int]:
+    """The windows of ``steps`` global batches, rank by rank (the order an uninterrupted run takes them)."""
+    return [i for _ in range(steps) for s in samplers for i in s.next_indices()]
+
+
+def test_sampler_batches_are_the_epoch_permutation_in_order():
+    # Global batch k of an epoch is perm[k*B*W : (k+1)*B*W], rank r's share the r-th B of it (what
+    # every run so far has trained on: the main job's numbers depend on it).
+    w = TokenWindows(np.arange(2001, dtype=np.uint16), seq_len=10, val_fraction=0.0)
+    perm = torch.randperm(200, generator=torch.Generator().manual_seed(7 * 1_000_003)).tolist()
+    ranks = [Sampler(w, 3, r, 2, seed=7) for r in range(2)]
+    for k in range(5):
+        for r, s in enumerate(ranks):
+            assert s.next_indices() == perm[(k * 2 + r) * 3 : (k * 2 + r + 1) * 3]
+
+
+@pytest.mark.parametrize("world, batch", [(1, 3), (3, 3), (2, 5), (4, 1)])
+def test_sampler_resumes_at_another_world_size_or_batch_size(world, batch):
+    # A W=2, B=3 run stopped after 7 steps and resumed at another W / B sees exactly the windows the
+    # uninterrupted run would have seen next (no window repeated, none skipped).
+    w = TokenWindows(np.arange(4001, dtype=np.uint16), seq_len=10, val_fraction=0.0)
+    before = [Sampler(w, 3, r, 2, seed=5) for r in range(2)]
+    seen = _stream(before, 7)
+    state = before[0].state_dict()
+    assert state == {"epoch": 0, "windows": 42, "seed": 5, "n_train": 400}
+    uninterrupted = _stream(before, 20)  # its next 20 steps of 6 windows
+    after = [Sampler(w, batch, r, world, seed=5) for r in range(world)]
+    for s in after:
+        s.load_state_dict(state)
+    n = len(uninterrupted) // (batch * world)
+    got = _stream(after, n)
+    assert got == uninterrupted[: len(got)] and len(got) > 60
+    assert not set(got) & set(seen)
+
+
+def test_sampler_refuses_a_state_of_other_windows():
+    w = TokenWindows(np.arange(4001, dtype=np.uint16), seq_len=10, val_fraction=0.0)
+    state = Sampler(w, 3, 0, 2, seed=5).state_dict()
+    with pytest.raises(ValueError, match="saved for seed 5, but this run has 6.*start a new --out"):
+        Sampler(w, 3, 0, 2, seed=6).load_state_dict(state)
+    shorter = TokenWindows(np.arange(3001, dtype=np.uint16), seq_len=10, val_fraction=0.0)
+    with pytest.raises(ValueError, match="saved for n_train 400, but this run has 300"):
+        Sampler(shorter, 3, 0, 2, seed=5).load_state_dict(state)
+    old = Sampler(w, 3, 1, 2, seed=5)  # a checkpoint from before (epoch, global batch index): same B x W
+    old.load_state_dict({"epoch": 0, "index": 4})
+    assert old.state_dict()["windows"] == 24
+
+
+def test_bin_file_checks_name_the_file(tmp_path):
+    tok = ByteTokenizer()
+    (tmp_path / "odd.bin").write_bytes(b"\1\2\3")
+    with pytest.raises(ValueError, match=r"data file '.*odd.bin' has 3 bytes, not a multiple of data.token_dtype "
+                                         r"uint16 \(2 bytes per token\)"):
+        load_tokens(str(tmp_path / "odd.bin"), tok, "uint16")
+    np.array([5, 300, 7], np.uint16).tofile(tmp_path / "ids.bin")
+    with pytest.raises(ValueError, match=r"data file '.*ids.bin' holds token id 300, but the model's vocabulary has "
+                                         r"258 ids \(model.vocab_size\)"):
+        load_tokens(str(tmp_path / "ids.bin"), tok, "uint16", vocab_size=258)
+    assert load_tokens(str(tmp_path / "ids.bin"), tok, "uint16", vocab_size=301).tolist() == [5, 300, 7]
+
+
+def test_text_that_is_not_utf8_is_refused(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("ok caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"data file '.*latin1.txt' is not UTF-8 text: byte 6 is b'\\xe9'"):
+        load_tokens(str(tmp_path / "latin1.txt"), ByteTokenizer())
+
+
+def test_invalid_tokenizer_json_is_named(tmp_path):
+    pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install 'fsdp_optim[hf]')")
+    from data import build_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"data.tokenizer: '.*tokenizer.json' is not a valid tokenizer.json \("):
+        build_tokenizer(str(tmp_path / "tokenizer.json"))

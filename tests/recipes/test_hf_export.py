@@ -81,13 +81,41 @@ def test_init_from_hf_then_export_round_trips_bitwise(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _tensors(d):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_llama_hf_config_carries_the_tokenizers_bos_and_eos():
+    from data import ByteTokenizer
+
+    tok = ByteTokenizer()
+    c = llama_hf_config(ModelConfig(vocab_size=258), bos_id=tok.bos_id, eos_id=tok.eos_id)
+    assert (c.bos_token_id, c.eos_token_id) == (256, 257)
+    assert (llama_hf_config(_cfg(True)).bos_token_id, llama_hf_config(_cfg(True)).eos_token_id) == (None, None)
+
+
 def test_recipe_flags_export_then_init_from_hf(tmp_path):
     """--export-hf at the end of a run, --init-from-hf at the start of another: the second run starts
-    from the first one's weights (its first loss is the first run's next one, far below a fresh start)."""
+    from the first one's weights (its first loss is the first run's next one, far below a fresh start).
+    --export-hf on the finished run exports its last checkpoint (the same weights), training nothing."""
+    import json
+
     from .test_pretrain import train
 
     first = train(tmp_path / "a", "--export-hf", str(tmp_path / "hf"), steps=4)["records"]
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (saved["bos_token_id"], saved["eos_token_id"]) == (256, 257)  # the byte tokenizer's, not Llama's 1 and 2
+    again = train(tmp_path / "a", "--export-hf", str(tmp_path / "hf2"), steps=4)
+    assert again["finished"] and again["resumed_from"].endswith("step_000004")
+    assert [r["step"] for r in again["records"]] == [1, 2, 3, 4]
+    a, b = _tensors(tmp_path / "hf"), _tensors(tmp_path / "hf2")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     second = train(tmp_path / "b", "--init-from-hf", str(tmp_path / "hf"), steps=1)["records"]
     # The same first batch (a fresh data order): the loaded weights' loss is the trained one's.
     assert second[0]["loss"] < first[0]["loss"] - 0.05, (first, second)

@@ -1,6 +1,7 @@
 """The recipe as a user launches it: without torchrun, with a bad config under torchrun, rerun through
 scripts/pretrain.sh, and on two torchrun agents (a 2-node rendezvous on one machine)."""
 
+import importlib.util
 import json
 import os
 import socket
@@ -125,3 +126,128 @@ def test_two_node_launch_equals_one_node(tmp_path):
     assert [(r["loss"], r["grad_norm"], r.get("eval_loss")) for r in two] == [
         (r["loss"], r["grad_norm"], r.get("eval_loss")) for r in one]
     assert "world 4" in "".join(logs)
+
+
+def _check(capsys, *args: str) -> tuple[int, str, str]:
+    """``--check`` in-process (what scripts/pretrain.sh runs first): exit code, stdout, stderr."""
+    import pretrain
+
+    rc = pretrain.cli([*args, "--check", "2"] if "--check" not in args else list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _refused(capsys, args: list[str], match: str) -> None:
+    rc, _, err = _check(capsys, *args)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith(f"error: {match}"), (args, err)
+
+
+def test_check_refuses_out_of_range_values(tmp_path, capsys, monkeypatch):
+    # Values the type check accepts but that crash every rank later (ZeroDivisionError) or silently train
+    # something else (a negative grad_clip flips the gradients): refused with the key, value and range.
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RANK", raising=False)
+    out = [*TINY, "--out", str(tmp_path / "run")]
+    for bad, match in [
+        ("train.grad_clip=-1", "train.grad_clip = -1.0 is out of range: it must be >= 0 (0: no clipping)"),
+        ("train.min_lr_ratio=2", "train.min_lr_ratio = 2.0 is out of range: it must be in [0, 1]"),
+        ("optim.adamw_lr=-1", "optim.adamw_lr = -1.0 is out of range"),
+        ("optim.weight_decay=-1", "optim.weight_decay = -1.0 is out of range"),
+        ("train.batch_size=0", "train.batch_size = 0 is out of range: it must be >= 1"),
+        ("data.seq_len=0", "data.seq_len = 0 is out of range"),
+        ("train.grad_accum=0", "train.grad_accum = 0 is out of range"),
+        ("log.every=0", "log.every = 0 is out of range"),
+        ("model.dim=0", "model.dim = 0 is out of range"),
+        ("model.n_layers=-2", "model.n_layers = -2 is out of range"),
+        ("data.val_fraction=-0.1", "data.val_fraction = -0.1 is out of range"),
+        ("optim.betas=0.9", "config key 'optim.betas' in --set must be a list of 2 floats"),
+        ("optim.betas=[0.9]", "config key 'optim.betas' in --set must be a list of 2 floats"),
+    ]:
+        _refused(capsys, [*out, "--set", bad], match)
+    assert not (tmp_path / "run").exists()
+
+
+def test_check_names_the_file_or_key_at_fault(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RANK", raising=False)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    (tmp_path / "bad.toml").write_text("[train]\nsteps = 3\n[train]\n")
+    (tmp_path / "odd.bin").write_bytes(b"\1\2\3")
+    import numpy as np
+
+    np.array([1, 2, 300] * 2000, np.uint16).tofile(tmp_path / "ids.bin")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 " * 3000)
+    out = [*TINY, "--out", str(tmp_path / "run")]
+    for args, match in [
+        (["--check", "0"], "--check 0: the number of ranks must be >= 1"),
+        (["--steps", "3", "--set", "train.steps=4"], "--steps 3 and --set train.steps=4 disagree; give only one"),
+        (["--config", str(tmp_path / "bad.toml")], f"config file '{tmp_path / 'bad.toml'}' is not valid TOML"),
+        (["--set", "optim.name=sgd", "--export-hf", str(tmp_path / "hf")], "optim.name must be one of"),
+        (["--export-hf", str(afile / "hf")], f"--export-hf {afile / 'hf'}: {afile} is a file"),
+        (["--export-hf", str(afile)], f"--export-hf {afile} is a file, not a directory"),
+        (["--export-hf", str(tmp_path / "run")], f"--export-hf {tmp_path / 'run'} is the run folder (--out)"),
+        (["--set", f'data.path="{tmp_path / "odd.bin"}"'], f"data file '{tmp_path / 'odd.bin'}' has 3 bytes, not a multiple"),
+        (["--set", f'data.path="{tmp_path / "ids.bin"}"'], f"data file '{tmp_path / 'ids.bin'}' holds token id 300, but"),
+        (["--set", f'data.path="{tmp_path / "latin1.txt"}"'],
+         f"data file '{tmp_path / 'latin1.txt'}' is not UTF-8 text: byte 3"),
+        (["--config", "recipes/configs/hf-llama-tiny.toml", "--set", 'model.hf_config={model_type="llama", vocab_size=100}'],
+         "model.hf_config.vocab_size 100 < the tokenizer's 258"),
+    ]:
+        _refused(capsys, [*out, *args], match)
+    _refused(capsys, [*TINY, "--out", str(afile / "run")], f"--out {afile / 'run'}: {afile} is a file")
+    if importlib.util.find_spec("transformers") is not None:  # the limit set in hf_config is named as the key to raise
+        hf = ["--config", "recipes/configs/hf-llama-tiny.toml", "--set", 'model.hf_config={model_type="llama", '
+              'hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=64}']
+        _refused(capsys, [*out, *hf], "data.seq_len 128 is longer than the model supports (64); lower data.seq_len or "
+                                      "raise model.hf_config.max_position_embeddings")
+
+
+def _fake_run(tmp_path: Path, *args: str, step: int) -> Path:
+    """A run folder as the recipe leaves it: config.json (resolved as main writes it) and a complete checkpoint."""
+    import pretrain
+    from config import to_dict
+
+    out = tmp_path / "run"
+    cfg = pretrain.resolve_config(pretrain.parse_args([*TINY, "--out", str(out), *args]))
+    pretrain.load_data(cfg, 2)
+    (out / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+    (out / "checkpoints" / f"step_{step:06d}" / "recipe_done.json").write_text(json.dumps({"step": step}))
+    (out / "config.json").write_text(json.dumps(to_dict(cfg)))
+    return out
+
+
+def test_check_refuses_a_resume_with_other_settings(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RANK", raising=False)
+    out = [*TINY, "--out", str(_fake_run(tmp_path, step=5)), "--resume"]
+    assert _check(capsys, *out)[0] == 0
+    assert _check(capsys, *out, "--set", "train.batch_size=4", "--steps", "200")[0] == 0  # these may change
+    for args, match in [
+        (["--set", "model.dim=96", "--optimizer", "adamw"],
+         "model.dim 192 -> 96, optim.name 'muon' -> 'adamw'; a resume cannot"),
+        (["--set", "train.seed=1"], "train.seed 0 -> 1"),
+        (["--set", "data.seq_len=64"], "data.seq_len 128 -> 64"),
+        (["--optimizer", "adamw", "--set", "train.backend=torch"],
+         "optim.name 'muon' -> 'adamw', train.backend 'fsdp_optim' -> 'torch'"),
+    ]:
+        rc, _, err = _check(capsys, *out, *args)
+        assert rc == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"holds a run with other settings: {match}" in err and "use another --out for a new run" in err, err
+
+
+def test_check_of_a_finished_run_with_export_hf(tmp_path, capsys, monkeypatch):
+    # A finished run is reported (exit 3) unless --export-hf asks for its export: then torchrun has work.
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RANK", raising=False)
+    out = [*TINY, "--out", str(_fake_run(tmp_path, step=100))]
+    rc, stdout, _ = _check(capsys, *out)
+    assert rc == 3 and "already holds a finished run" in stdout and "--export-hf DIR exports it" in stdout
+    rc, stdout, _ = _check(capsys, *out, "--export-hf", str(tmp_path / "hf"))
+    assert rc == 0 and "is finished: torchrun exports it" in stdout, stdout
+
+
+def test_pretrain_sh_refuses_nproc_0(tmp_path):
+    r = _run(["bash", "scripts/pretrain.sh"], env=dict(ENV, OUT=str(tmp_path / "run"), NPROC="0", PYTHON=sys.executable))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == "error: NPROC=0: the number of ranks must be a whole number >= 1, e.g. NPROC=2"

@@ -68,8 +68,10 @@ def test_moe_config(tmp_path):
 def test_transformers_config(tmp_path):
     import transformers  # noqa: F401  (imported once here, before the ranks fork)
 
-    train(tmp_path, config="hf-llama-tiny")
+    train(tmp_path, "--export-hf", str(tmp_path / "hf"), config="hf-llama-tiny")
     check_outputs(tmp_path, 3)
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (saved["bos_token_id"], saved["eos_token_id"]) == (256, 257)  # the byte tokenizer's
 
 
 def test_grad_accum_equals_big_batch(tmp_path):
@@ -189,3 +191,95 @@ def test_kill_one_rank_then_resume_matches_uninterrupted(tmp_path):
     for a, b in zip(got, expected):  # deterministic: the same numbers, not just close
         assert (a["step"], a["loss"], a["lr"], a["grad_norm"], a.get("eval_loss")) == (
             b["step"], b["loss"], b["lr"], b["grad_norm"], b.get("eval_loss")), (a, b)
+
+
+def _fake_checkpoint(out: Path, name: str, marker: str | None = None) -> Path:
+    """A checkpoint folder with a recipe_done.json marker (``marker``: its text; default a valid one)."""
+    path = out / "checkpoints" / name
+    path.mkdir(parents=True)
+    if name.startswith("step_") and name[5:].isdigit():
+        marker = json.dumps({"step": int(name[5:])}) if marker is None else marker
+    if marker is not None:
+        (path / "recipe_done.json").write_text(marker)
+    return path
+
+
+def test_only_complete_checkpoints_count_in_step_order(tmp_path, capsys):
+    for name in ("step_000010", "step_999999", "step_1000000", "step_000020"):
+        _fake_checkpoint(tmp_path, name)
+    _fake_checkpoint(tmp_path, "step_2000000.tmp", marker='{"step": 2000000}')  # a killed save's folder
+    (tmp_path / "checkpoints" / "step_3000000").mkdir()  # no marker: incomplete
+    _fake_checkpoint(tmp_path, "step_000030", marker="")  # an empty (torn) marker: incomplete, with a warning
+    _fake_checkpoint(tmp_path, "step_000040", marker='{"step": 41}')  # a marker of another step
+    done = pretrain.complete_checkpoints(tmp_path)
+    assert [p.name for _, p in done] == ["step_000010", "step_000020", "step_999999", "step_1000000"]
+    assert pretrain.latest_checkpoint(tmp_path).name == "step_1000000"
+    err = capsys.readouterr().err
+    assert f"warning: {tmp_path / 'checkpoints' / 'step_000030' / 'recipe_done.json'} is unreadable" in err
+    assert "step_000030 counts as incomplete" in err and "step_000040/recipe_done.json is unreadable" in err
+    # Pruning keeps the newest complete ones, never the one just saved, and leaves the rest alone.
+    pretrain.prune_checkpoints(tmp_path, 2, saved=tmp_path / "checkpoints" / "step_000020")
+    left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert left == ["step_000020", "step_000030", "step_000040", "step_1000000", "step_2000000.tmp", "step_3000000",
+                    "step_999999"]
+
+
+def test_finished_run_reads_the_marker_safely(tmp_path):
+    cfg = load_config(CONFIGS / "tiny.toml", ["train.steps=5"])
+    _fake_checkpoint(tmp_path, "step_000003")
+    _fake_checkpoint(tmp_path, "step_000005", marker="")  # unreadable: the run is not finished
+    assert pretrain.finished_run(tmp_path, cfg) is None and pretrain.latest_checkpoint(tmp_path).name == "step_000003"
+
+
+def test_marker_writes_are_atomic(tmp_path, monkeypatch):
+    marker = tmp_path / "recipe_done.json"
+    pretrain.write_atomic(marker, '{"step": 1}')
+
+    def crash(fd):  # the process dies after writing, before the rename: the old marker is intact
+        raise OSError("killed")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError):
+        pretrain.write_atomic(marker, '{"step": 2}')
+    assert json.loads(marker.read_text()) == {"step": 1}
+
+
+def test_adamw_lr_zero_is_kept(recwarn):
+    from model import build_model
+
+    cfg = load_config(CONFIGS / "tiny.toml", ["optim.adamw_lr=0", "model.dim=16", "model.n_heads=2", "model.n_kv_heads=1",
+                                              "model.ffn_dim=16", "model.n_layers=1", "model.vocab_size=20"])
+    opt = pretrain.build_optimizer(build_model(cfg.model), cfg, "fsdp_optim")
+    assert opt.defaults["adamw_lr"] == 0.0 and [g["lr"] for g in opt.param_groups if not g["use_muon"]] == [0.0]
+
+
+def test_leftover_tmp_folder_does_not_prune_the_new_checkpoint(tmp_path):
+    # QA's repro: a killed save left step_000050.tmp; with keep_ckpts=1 the checkpoint just written was deleted.
+    train(tmp_path, "--set", "log.keep_ckpts=1", steps=2)
+    (tmp_path / "checkpoints" / "step_000050.tmp").mkdir()
+    res = train(tmp_path, "--set", "log.keep_ckpts=1", "--resume", steps=3)
+    assert res["resumed_from"].endswith("step_000002") and [r["step"] for r in res["records"]] == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000003", "step_000050.tmp"]
+    assert pretrain.latest_checkpoint(tmp_path).name == "step_000003"
+
+
+def test_resume_at_another_world_size_then_a_missing_file(tmp_path):
+    # W=2 for 2 steps, resumed at W=1: the token count continues (it never goes backwards), the data
+    # position carries over (test_data.py checks the windows).
+    args = ("--optimizer", "adamw", "--set", "log.ckpt_every=1")
+    train(tmp_path, *args, steps=2)
+    res = train(tmp_path, *args, "--resume", steps=3, world_size=1)
+    assert [r["tokens"] for r in res["records"]] == [128, 256, 256 + 2 * 32]
+    # A checkpoint file gone: a ValueError on every rank (cli's one line, exit 2) naming the checkpoint
+    # and the way out, not a FileNotFoundError traceback per rank.
+    ckpt = tmp_path / "checkpoints" / "step_000003"
+    next(ckpt.glob("*.distcp")).unlink()
+    with pytest.raises(DistributedTestError, match=r"ranks with errors: \[0, 1\]") as e:
+        train(tmp_path, *args, "--resume", steps=4)
+    line = next(l for l in str(e.value).splitlines() if l.startswith("ValueError"))
+    assert line.startswith(f"ValueError: cannot resume from checkpoint {ckpt}: FileNotFoundError: checkpoint "), line
+    assert line.endswith(f"delete {ckpt / 'recipe_done.json'} to resume from the previous complete checkpoint "
+                         "instead, or use another --out to start afresh"), line
+    (ckpt / "recipe_done.json").unlink()  # as the error says
+    res = train(tmp_path, *args, "--resume", steps=4)
+    assert res["resumed_from"].endswith("step_000002") and [r["step"] for r in res["records"]] == [1, 2, 3, 4]
