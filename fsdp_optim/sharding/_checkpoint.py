@@ -783,7 +783,7 @@ def save_checkpoint(
                     shutil.rmtree(old)
                 os.rename(path, old)
             os.rename(tmp, path)
-            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+            _fsync(os.path.dirname(os.path.abspath(path)))
             if os.path.exists(old):
                 shutil.rmtree(old)
         except Exception as e:  # noqa: BLE001
@@ -818,8 +818,9 @@ def _write_manifest(directory: str, manifest: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def _fsync(path: str) -> None:
+    """Flush a file's or a directory's (its entries') writes to disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

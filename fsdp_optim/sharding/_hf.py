@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._checkpoint import _fsync_dir, load_full_state_dict
+from ._checkpoint import _fsync, load_full_state_dict
 from ._runtime import buckets_of
 from ._shard_info import shard_info
 from ._state_dict import _gather_to_group_rank0
@@ -161,7 +161,7 @@ def export_hf(
                     written.add(id(sp))
             fname = f"model-{i + 1:05d}-of-{num_files:05d}.safetensors"
             save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
-            _fsync_file(os.path.join(tmp, fname))
+            _fsync(os.path.join(tmp, fname))
             weight_map.update({n: fname for n in tensors})
 
         on_rank0(write_bucket, f"writing {path} (into {tmp})")
@@ -177,7 +177,7 @@ def export_hf(
         if rest:
             fname = f"model-{num_files:05d}-of-{num_files:05d}.safetensors"
             save_file(rest, os.path.join(tmp, fname), metadata={"format": "pt"})
-            _fsync_file(os.path.join(tmp, fname))
+            _fsync(os.path.join(tmp, fname))
             weight_map.update({n: fname for n in rest})
         files = sorted(set(weight_map.values()))
         total = sum(os.path.getsize(os.path.join(tmp, f)) for f in files)
@@ -213,7 +213,7 @@ def export_hf(
             raise
         made_tmp = False  # tmp is path now: a failure below must not remove it
         try:
-            _fsync_dir(os.path.dirname(path))
+            _fsync(os.path.dirname(path))
         except OSError:
             pass  # (a filesystem without directory fsync; the rename itself is done)
         shutil.rmtree(old, ignore_errors=True)
@@ -292,12 +292,6 @@ def _agree_export(err: str | None, outcome: Callable[[], str]) -> None:
     raise ValueError(f"{first}; {note[0]}")
 
 
-def _fsync_file(file: str) -> None:
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_hf(
