@@ -43,7 +43,7 @@ from torch import nn
 from ._blocks import BlockSpec, default_rule
 from ._bucket import _Bucket
 from ._checkpoint import register_state_dict_hooks
-from ._plan import PlanConfig, TensorSpec
+from ._plan import Plan, PlanConfig, TensorSpec
 from ._planner import plan_model
 from ._runtime import _STATE, _ModuleState, _Runtime, _same_group
 from ._shard_info import replacement_of, shard_info, was_replaced
@@ -290,7 +290,7 @@ _FINGERPRINT_PARTS = {
 }
 
 
-def _fingerprint(root: _ModuleState, plan, bucket_states: list[_ModuleState]) -> dict[str, str]:
+def _fingerprint(root: _ModuleState, plan: Plan, bucket_states: list[_ModuleState]) -> dict[str, str]:
     """Digests, by what a user sets, of everything that decides which collectives a bucket issues and
     their sizes: the plan itself (not only its inputs), and the per-call settings the buckets are
     built from (the wire mode follows from the plan, ``plan_config.wire`` and ``param_dtype``). Ranks

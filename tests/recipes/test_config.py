@@ -32,6 +32,11 @@ def test_overrides_are_toml_values():
         ("model.dim", r"must look like section.key=value"),
         ("model.dim=1.5", r"'model.dim' in --set must be int"),
         ("train.steps=true", r"'train.steps' in --set must be int"),
+        # tuple keys: length and element types
+        ("optim.betas=0.9", r"'optim.betas' in --set must be a list of 2 floats, e.g. \[0.9, 0.95\], got 0.9"),
+        ("optim.betas=[0.9]", r"'optim.betas' in --set must be a list of 2 floats.*got \[0.9\]"),
+        ('optim.betas=["a", "b"]', r"'optim.betas\[0\]' in --set must be float, got 'a'"),
+        ("optim.betas=[0.9, true]", r"'optim.betas\[1\]' in --set must be float, got True"),
     ],
 )
 def test_bad_overrides(override, match):
@@ -46,20 +51,6 @@ def test_unknown_key_in_file_names_file_and_key(tmp_path):
         load_config(p)
     with pytest.raises(ValueError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
-
-
-@pytest.mark.parametrize(
-    "override, match",
-    [
-        ("optim.betas=0.9", r"'optim.betas' in --set must be a list of 2 floats, e.g. \[0.9, 0.95\], got 0.9"),
-        ("optim.betas=[0.9]", r"'optim.betas' in --set must be a list of 2 floats.*got \[0.9\]"),
-        ('optim.betas=["a", "b"]', r"'optim.betas\[0\]' in --set must be float, got 'a'"),
-        ("optim.betas=[0.9, true]", r"'optim.betas\[1\]' in --set must be float, got True"),
-    ],
-)
-def test_tuple_keys_check_length_and_element_types(override, match):
-    with pytest.raises(ValueError, match=match):
-        load_config(None, [override])
 
 
 def test_tuple_of_ints_becomes_floats():
