@@ -117,7 +117,11 @@ def test_meta_built_inner_calls_allocate_nothing():
 
     for inner_current, inner_peak, root_peak, root_current, shard_layers in run_distributed(fn, world_size=3):
         assert inner_current <= 1024 and inner_peak <= bucket_bytes  # one bucket made and freed at once; small agreement buffers
-        assert root_current <= shard_layers + 64  # the root's own bucket (embed) not allocated yet
+        # The root's own bucket (embed, >= 12 KiB of segment on some rank) is not allocated yet. Slack:
+        # the last moved piece (a bias, DIM floats), which gloo's worker thread may still hold for a
+        # moment after the collective returns (it drops its Work, and the Work's tensors, after
+        # completing it); seen once in ~100 runs.
+        assert root_current <= shard_layers + DIM * 4
         assert root_peak <= shard_layers + bucket_bytes
 
 
