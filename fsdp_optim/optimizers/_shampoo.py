@@ -58,8 +58,10 @@ with ``epsilon = 1e-12``: up to 0.99 of the update on rank-deficient blocks with
 most 9e-2 with float64 ones; with ``epsilon = 0.1`` both agree to <= 1.6e-5). Use
 ``factor_matrix_dtype=torch.float64`` (the factors and their EMA in float64, as DistributedShampoo's
 option of the same name) when small eigenvalues matter; then ours equals DistributedShampoo with
-``factor_matrix_dtype=torch.float64`` to float64 rounding in the roots and fp32 in the update. The
-cost is amortized over ``precondition_frequency`` steps.
+``factor_matrix_dtype=torch.float64`` on well-conditioned blocks (fp32 rounding in the update); on
+rank-deficient ones with a tiny epsilon they differ, because DistributedShampoo forms the outer
+products in fp32 and only accumulates them in float64, and ours forms them in float64 too
+(docs/shampoo.md, "Documented differences"). The cost is amortized over ``precondition_frequency`` steps.
 
 [Note: batched Shampoo]
 With ``batched=True`` (the default for CUDA parameters) a step runs in phases over a parameter group: per-element work per parameter
@@ -97,7 +99,7 @@ from torch import Tensor
 
 from ..sharding._blocks import BlockKind, BlockRule, BlockSpec, merge_small_dims
 from ..sharding._shard_info import ShardInfo, shard_info
-from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec, profiled_step
+from ._base import StateShard, apply_update, checked_param_info, make_dcp_ready, require_spec, profiled_step
 from ._linalg import aligned, bmm, eigh
 from ._rules import shampoo_rule
 
@@ -248,7 +250,9 @@ def _factor_views(flat: Tensor, b: _Block) -> list[Tensor]:
 
 
 def _outer(g: Tensor, dim: int) -> Tensor:
-    """Contraction of ``g`` with itself over every dim but ``dim`` (``G G^T``, ``G^T G``, ``g g^T``)."""
+    """Contraction of ``g`` with itself over every dim but ``dim`` (``G G^T``, ``G^T G``, ``g g^T``),
+    on an aligned copy where ``g`` is a misaligned view ([Note: alignment-independent kernels])."""
+    g = aligned(g)
     if g.ndim == 1:
         return torch.outer(g, g)
     if g.ndim == 2:
@@ -258,7 +262,9 @@ def _outer(g: Tensor, dim: int) -> Tensor:
 
 
 def _precondition(g: Tensor, roots: list[Tensor]) -> Tensor:
-    """``g x_0 roots[0] x_1 roots[1] ...`` (each root symmetric)."""
+    """``g x_0 roots[0] x_1 roots[1] ...`` (each root symmetric), on aligned operands (the roots are
+    views into flat state: [Note: alignment-independent kernels])."""
+    g, roots = aligned(g), [aligned(r) for r in roots]
     if g.ndim == 1:
         return roots[0] @ g
     if g.ndim == 2:
@@ -275,7 +281,7 @@ def _outer_batched(g: Tensor, dim: int) -> Tensor:
         return g.unsqueeze(-1) * g.unsqueeze(-2)
     if g.ndim == 3:
         return bmm(g, g.mT) if dim == 0 else bmm(g.mT, g)
-    return torch.stack([_outer(aligned(x), dim) for x in g.unbind(0)])
+    return torch.stack([_outer(x, dim) for x in g.unbind(0)])
 
 
 def _precondition_batched(x: Tensor, roots: list[Tensor]) -> Tensor:
@@ -285,7 +291,7 @@ def _precondition_batched(x: Tensor, roots: list[Tensor]) -> Tensor:
     if x.ndim == 3:
         return bmm(bmm(roots[0], x), roots[1])
     return torch.stack(
-        [_precondition(aligned(xi), [aligned(r[i]) for r in roots]) for i, xi in enumerate(x.unbind(0))]
+        [_precondition(xi, [r[i] for r in roots]) for i, xi in enumerate(x.unbind(0))]
     )
 
 
@@ -303,6 +309,69 @@ def matrix_inverse_root(a: Tensor, root: float, epsilon: float) -> Tensor:
 
 
 # ---- the optimizer ----------------------------------------------------------------------
+def _resolve_hyperparameters(hp: dict[str, Any], *, where: str, stacklevel: int) -> dict[str, Any]:
+    """Check one group's hyperparameters (``ValueError`` naming the value and the fix, prefixed by
+    ``where``) and fill the derived defaults: ``grafting`` as its enum value, ``grafting_beta2``
+    (None: 0.999 Adam, 0.99 RMSprop; ignored, with a warning, by AdaGrad), ``start_preconditioning_step``
+    (None: the frequency). Pure but for the warning."""
+    lr, betas = hp["lr"], tuple(hp["betas"])
+    if not lr >= 0.0:
+        raise ValueError(f"Shampoo: {where}lr must be >= 0, got {lr}")
+    if len(betas) != 2 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] <= 1.0):
+        raise ValueError(f"Shampoo: {where}betas must be in [0, 1) x [0, 1], got {betas}")
+    grafting = hp["grafting"]
+    try:
+        graft = grafting if isinstance(grafting, Grafting) else Grafting(grafting or "none")
+    except ValueError:
+        raise ValueError(
+            f"Shampoo: {where}grafting must be None, 'adam', 'rmsprop' or 'adagrad', got {grafting!r}"
+        ) from None
+    gb2 = hp["grafting_beta2"]
+    if gb2 is None:
+        gb2 = _GRAFTING_BETA2_DEFAULT.get(graft, 1.0)
+    if graft in (Grafting.ADAM, Grafting.RMSPROP) and not 0.0 < gb2 < 1.0:
+        raise ValueError(
+            f"Shampoo: {where}grafting_beta2 must be in (0, 1) for {graft.value} grafting, got {gb2}; for a "
+            "sum of squared gradients use grafting='adagrad' (DistributedShampoo's Adam grafting with beta2=1 "
+            "never updates its second moment)"
+        )
+    if graft is Grafting.ADAGRAD and gb2 != 1.0:
+        warnings.warn(f"Shampoo: {where}grafting_beta2={gb2} is ignored by AdaGrad grafting", stacklevel=stacklevel)
+        gb2 = 1.0
+    if graft is Grafting.NONE:
+        gb2 = 1.0
+    if not hp["epsilon"] > 0.0 or not hp["grafting_epsilon"] > 0.0:
+        raise ValueError(
+            f"Shampoo: {where}epsilon and grafting_epsilon must be > 0, got {hp['epsilon']}, {hp['grafting_epsilon']}"
+        )
+    if not 0.0 <= hp["momentum"] < 1.0:
+        raise ValueError(f"Shampoo: {where}momentum must be in [0, 1), got {hp['momentum']}")
+    if not hp["weight_decay"] >= 0.0:
+        raise ValueError(f"Shampoo: {where}weight_decay must be >= 0, got {hp['weight_decay']}")
+    if hp["max_preconditioner_dim"] < 1:
+        raise ValueError(f"Shampoo: {where}max_preconditioner_dim must be >= 1, got {hp['max_preconditioner_dim']}")
+    freq, start = hp["precondition_frequency"], hp["start_preconditioning_step"]
+    if freq < 1:
+        raise ValueError(f"Shampoo: {where}precondition_frequency must be >= 1, got {freq}")
+    if start is None:
+        start = freq  # DistributedShampoo's default (-1)
+    if start < freq:
+        raise ValueError(
+            f"Shampoo: {where}start_preconditioning_step ({start}) must be >= precondition_frequency ({freq}), "
+            "as DistributedShampoo requires: the first roots are computed at start_preconditioning_step; pass "
+            "start_preconditioning_step=None to use the frequency"
+        )
+    if hp["exponent_override"] < 0:
+        raise ValueError(
+            f"Shampoo: {where}exponent_override must be >= 0 (0: the default root), got {hp['exponent_override']}"
+        )
+    if hp["factor_matrix_dtype"] not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"Shampoo: {where}factor_matrix_dtype must be torch.float32 or torch.float64, got {hp['factor_matrix_dtype']}"
+        )
+    return dict(hp, betas=betas, grafting=graft.value, grafting_beta2=gb2, start_preconditioning_step=start)
+
+
 class Shampoo(torch.optim.Optimizer):
     """Blocked Shampoo on sharded or plain parameters, DistributedShampoo's algorithm and defaults.
 
@@ -358,60 +427,22 @@ class Shampoo(torch.optim.Optimizer):
         blocks: BlockRule | None = None,
         batched: bool | None = None,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] <= 1.0):
-            raise ValueError(f"betas must be in [0, 1) x [0, 1], got {betas}")
-        try:
-            graft = Grafting(grafting or "none") if not isinstance(grafting, Grafting) else grafting
-        except ValueError:
-            raise ValueError(
-                f"grafting must be None, 'adam', 'rmsprop' or 'adagrad', got {grafting!r}"
-            ) from None
-        if grafting_beta2 is None:
-            grafting_beta2 = _GRAFTING_BETA2_DEFAULT.get(graft, 1.0)
-        if graft in (Grafting.ADAM, Grafting.RMSPROP) and not 0.0 < grafting_beta2 < 1.0:
-            raise ValueError(
-                f"grafting_beta2 must be in (0, 1) for {graft.value} grafting, got {grafting_beta2}; for a sum "
-                "of squared gradients use grafting='adagrad' (DistributedShampoo's Adam grafting with beta2=1 "
-                "never updates its second moment)"
-            )
-        if graft is Grafting.ADAGRAD and grafting_beta2 != 1.0:
-            warnings.warn(f"Shampoo: grafting_beta2={grafting_beta2} is ignored by AdaGrad grafting", stacklevel=2)
-            grafting_beta2 = 1.0
-        if not epsilon > 0.0 or not grafting_epsilon > 0.0:
-            raise ValueError(f"epsilon and grafting_epsilon must be > 0, got {epsilon}, {grafting_epsilon}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        if max_preconditioner_dim < 1:
-            raise ValueError(f"max_preconditioner_dim must be >= 1, got {max_preconditioner_dim}")
-        if precondition_frequency < 1:
-            raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
-        if start_preconditioning_step is None:
-            start_preconditioning_step = precondition_frequency  # DistributedShampoo's default (-1)
-        if start_preconditioning_step < precondition_frequency:
-            raise ValueError(
-                f"start_preconditioning_step ({start_preconditioning_step}) must be >= precondition_frequency "
-                f"({precondition_frequency}), as DistributedShampoo requires: the first roots are computed at "
-                "start_preconditioning_step; pass start_preconditioning_step=None to use the frequency"
-            )
-        if exponent_override < 0:
-            raise ValueError(f"exponent_override must be >= 0 (0: the default root), got {exponent_override}")
-        if factor_matrix_dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"factor_matrix_dtype must be torch.float32 or torch.float64, got {factor_matrix_dtype}")
-        self._plans: dict[Tensor, _ParamPlan] = {}
-        self._rule = blocks
-        self._batched = batched
-        defaults = dict(
+        raw = dict(
             lr=lr, betas=tuple(betas), epsilon=epsilon, momentum=momentum, nesterov=nesterov,
             weight_decay=weight_decay, max_preconditioner_dim=max_preconditioner_dim,
             precondition_frequency=precondition_frequency, start_preconditioning_step=start_preconditioning_step,
             exponent_override=exponent_override, use_bias_correction=use_bias_correction,
-            grafting=graft.value, grafting_beta2=grafting_beta2, grafting_epsilon=grafting_epsilon,
+            grafting=grafting, grafting_beta2=grafting_beta2, grafting_epsilon=grafting_epsilon,
             factor_matrix_dtype=factor_matrix_dtype,
         )  # fmt: skip
+        resolved = _resolve_hyperparameters(raw, where="", stacklevel=3)
+        # Defaults keep what the caller left unset (None) so that a group setting ``grafting`` or
+        # ``precondition_frequency`` gets its own derived default (add_param_group resolves each group).
+        defaults = dict(resolved, start_preconditioning_step=start_preconditioning_step,
+                        grafting_beta2=None if resolved["grafting"] == Grafting.ADAGRAD.value else grafting_beta2)  # fmt: skip
+        self._plans: dict[Tensor, _ParamPlan] = {}
+        self._rule = blocks
+        self._batched = batched
         super().__init__(params, defaults)
         if blocks is not None and self._plans and all(shard_info(t) is not None for t in self._plans):
             warnings.warn("Shampoo: blocks= is ignored: every parameter is sharded and its recorded spec is used",
@@ -420,14 +451,20 @@ class Shampoo(torch.optim.Optimizer):
 
     # ---- groups and state ---------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
+        """Add a group, its hyperparameters checked and resolved as the constructor's (a group that
+        sets ``grafting`` gets that grafting's ``grafting_beta2`` default, one that sets
+        ``precondition_frequency`` its own ``start_preconditioning_step``)."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        hp = {k: param_group.get(k, v) for k, v in self.defaults.items()}
+        if "grafting" in param_group and "grafting_beta2" not in param_group:
+            hp["grafting_beta2"] = None  # the group's own grafting's default, not the constructor's
+        if "precondition_frequency" in param_group and "start_preconditioning_step" not in param_group:
+            hp["start_preconditioning_step"] = None
+        where = f"parameter group {len(self.param_groups)}: "
+        super().add_param_group({**param_group, **_resolve_hyperparameters(hp, where=where, stacklevel=3)})
         group = self.param_groups[-1]
         k = group["max_preconditioner_dim"]
-        if group["start_preconditioning_step"] < group["precondition_frequency"]:
-            raise ValueError(
-                f"start_preconditioning_step ({group['start_preconditioning_step']}) must be >= "
-                f"precondition_frequency ({group['precondition_frequency']}) in every parameter group"
-            )
         names = group.get("param_names", [None] * len(group["params"]))
         for name, p in zip(names, group["params"]):
             info = checked_param_info(
@@ -604,7 +641,7 @@ class Shampoo(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.mul_(mu).add_(d)
             d = d.add(buf, alpha=mu) if group["nesterov"] else buf
-        flat.add_(d.to(flat.dtype), alpha=-group["lr"])
+        apply_update(flat, d, group["lr"])
 
     def _step_group_batched(self, params: list[Tensor], group: dict[str, Any]) -> None:
         """One step of every parameter of ``group`` with block work batched per block shape."""
@@ -700,7 +737,7 @@ class Shampoo(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.mul_(mu).add_(d)
                 d = d.add(buf, alpha=mu) if group["nesterov"] else buf
-            flat.add_(d.to(flat.dtype), alpha=-group["lr"])
+            apply_update(flat, d, group["lr"])
 
     def _inverse_roots(self, plan: _ParamPlan, state: dict[str, Tensor], group: dict[str, Any], t: int) -> None:
         beta2, eps = group["betas"][1], group["epsilon"]

@@ -66,7 +66,7 @@ import torch
 from torch import Tensor, nn
 
 from ..sharding._blocks import BlockRule, BlockSpec, elements, whole
-from ._base import StateShard, checked_param_info, make_dcp_ready, profiled_step, require_spec
+from ._base import StateShard, apply_update, checked_param_info, make_dcp_ready, profiled_step, require_spec
 from ._linalg import aligned, batched_ok, bmm, eigh, qr_q
 from ._rules import shampoo_rule
 from ._shampoo import BlockGeometry, shampoo_blocks
@@ -125,6 +125,24 @@ class _Plan(NamedTuple):
     elem_shard: StateShard
 
 
+def _check_hyperparameters(hp: dict[str, Any], *, where: str) -> None:
+    """``ValueError`` naming an out-of-range hyperparameter of one group (prefixed by ``where``)."""
+    betas = tuple(hp["betas"])
+    if not hp["lr"] >= 0.0:
+        raise ValueError(f"SOAP: {where}lr must be >= 0, got {hp['lr']}")
+    if len(betas) != 2 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"SOAP: {where}betas must be in [0, 1), got {betas}")
+    if not hp["shampoo_beta"] < 1.0:
+        raise ValueError(f"SOAP: {where}shampoo_beta must be < 1 (negative: use betas[1]), got {hp['shampoo_beta']}")
+    if not hp["eps"] >= 0.0 or not hp["weight_decay"] >= 0.0:
+        raise ValueError(f"SOAP: {where}eps and weight_decay must be >= 0, got {hp['eps']}, {hp['weight_decay']}")
+    if hp["precondition_frequency"] < 1 or hp["max_precond_dim"] < 1:
+        raise ValueError(
+            f"SOAP: {where}precondition_frequency and max_precond_dim must be >= 1, got "
+            f"{hp['precondition_frequency']}, {hp['max_precond_dim']}"
+        )
+
+
 class SOAP(torch.optim.Optimizer):
     """SOAP with the reference ``soap.py``'s signature and semantics (see [Note: SOAP semantics]).
 
@@ -164,18 +182,12 @@ class SOAP(torch.optim.Optimizer):
         block_size: int | None = None,
         batched: bool | None = None,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas must be in [0, 1), got {betas}")
-        if not shampoo_beta < 1.0:
-            raise ValueError(f"shampoo_beta must be < 1 (negative: use betas[1]), got {shampoo_beta}")
-        if not eps >= 0.0 or not weight_decay >= 0.0:
-            raise ValueError(f"eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
-        if precondition_frequency < 1 or max_precond_dim < 1:
-            raise ValueError(
-                f"precondition_frequency and max_precond_dim must be >= 1, got {precondition_frequency}, {max_precond_dim}"
-            )
+        defaults = dict(
+            lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
+            precondition_frequency=precondition_frequency, max_precond_dim=max_precond_dim, merge_dims=merge_dims,
+            precondition_1d=precondition_1d, normalize_grads=normalize_grads, correct_bias=correct_bias,
+        )  # fmt: skip
+        _check_hyperparameters(defaults, where="")
         if data_format not in ("channels_first", "channels_last"):
             raise ValueError(f"data_format must be 'channels_first' or 'channels_last', got {data_format!r}")
         if block_size is not None and block_size < 1:
@@ -187,11 +199,6 @@ class SOAP(torch.optim.Optimizer):
         self._block_size = block_size
         self._batched = batched
         self._plans: dict[Tensor, _Plan] = {}
-        defaults = dict(
-            lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
-            precondition_frequency=precondition_frequency, max_precond_dim=max_precond_dim, merge_dims=merge_dims,
-            precondition_1d=precondition_1d, normalize_grads=normalize_grads, correct_bias=correct_bias,
-        )  # fmt: skip
         super().__init__(params, defaults)
         make_dcp_ready(self)
 
@@ -213,6 +220,11 @@ class SOAP(torch.optim.Optimizer):
         return tuple(out), off
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group, its hyperparameters checked as the constructor's."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        _check_hyperparameters({k: param_group.get(k, v) for k, v in self.defaults.items()},
+                               where=f"parameter group {len(self.param_groups)}: ")  # fmt: skip
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         k = self._block_size
@@ -369,10 +381,7 @@ class SOAP(torch.optim.Optimizer):
                 n_dir = n_dir / (1e-30 + torch.mean(n_dir**2) ** 0.5)
             u.store(direction, n_dir)
             news.append((u, gu, m, v, qs))
-        flat = p.view(-1)
-        flat.add_(direction.to(flat.dtype), alpha=-step_size)
-        if group["weight_decay"] > 0.0:
-            flat.add_(flat, alpha=-group["lr"] * group["weight_decay"])
+        apply_update(p.view(-1), direction, step_size, group["lr"] * group["weight_decay"])
         for u, gu, m, v, qs in news:
             m = _rotate(m, qs, back=True)
             for dim, (n, off) in enumerate(zip(u.shape, u.factors)):
@@ -460,10 +469,7 @@ class SOAP(torch.optim.Optimizer):
             step_size = group["lr"]
             if group["correct_bias"]:
                 step_size = step_size * (1 - beta2**s) ** 0.5 / (1 - beta1**s)
-            flat = p.view(-1)
-            flat.add_(direction.to(flat.dtype), alpha=-step_size)
-            if group["weight_decay"] > 0.0:
-                flat.add_(flat, alpha=-group["lr"] * group["weight_decay"])
+            apply_update(p.view(-1), direction, step_size, group["lr"] * group["weight_decay"])
 
         for shape, phase, items, gs, ms, vs, qs in post:
             ms = _rotate_batched(ms, qs, back=True)
