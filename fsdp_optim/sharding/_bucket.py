@@ -560,9 +560,12 @@ class _Bucket:
         [Note: gradient segment lifetime]
         The runtime keeps only a weak reference to the gradient segment once the sharded ``.grad``
         views are set, so ``zero_grad(set_to_none=True)`` frees it, as it frees gradients in plain
-        PyTorch. If the parameters' ``.grad`` are still our views (``set_to_none=False``, or no
-        ``zero_grad``), the reduction adds into that segment; if all are ``None`` a new segment is
-        allocated and overwritten (a segment someone else still references is never reused)."""
+        PyTorch. If every parameter's ``.grad`` is still our view (``set_to_none=False``, or no
+        ``zero_grad``), the reduction adds into that segment, as autograd accumulates in place; if
+        all are ``None`` a new segment is allocated and overwritten. Otherwise (some set to ``None``
+        or replaced, e.g. two optimizers zeroing at different times) a new zeroed segment takes a
+        copy of the gradients still held: a view the user may still hold after setting its ``.grad``
+        to ``None`` keeps its values, as a dropped gradient does in plain PyTorch."""
         seg = self._grad_seg_ref() if self._grad_seg_ref is not None else None
         trainable = self.trainable_local  # (read once: a property over every parameter)
         grads = [self.sharded[i].grad for i in trainable]
@@ -570,7 +573,9 @@ class _Bucket:
             self.grad_seg = torch.empty(self.buffer.segment_numel, dtype=self.buffer.dtype, device=self.buffer.device)
             return False
         views = self.buffer.local_views(seg) if seg is not None else None
-        if views is None or not any(g is not None and _same_view(g, views[i]) for i, g in zip(trainable, grads)):
+        if views is None or not all(
+            views[i].numel() == 0 or (g is not None and _same_view(g, views[i])) for i, g in zip(trainable, grads)
+        ):
             seg = torch.zeros(self.buffer.segment_numel, dtype=self.buffer.dtype, device=self.buffer.device)
             views = self.buffer.local_views(seg)
         with torch.no_grad():
@@ -630,10 +635,12 @@ class _Bucket:
         seg, self.grad_seg = self.grad_seg, None
         views = self.buffer.local_views(seg)
         arrived, self._reduced_arrived = self._reduced_arrived, None
-        received = []
-        for i in self.trainable_local:
+        received, trainable = [], self.trainable_local
+        has_grad = []  # per trainable parameter: whether this rank has a gradient for it
+        for i in trainable:
             sp = self.sharded[i]
             got = arrived is not None and arrived[i]
+            has_grad.append(sp.grad is not None or got)
             if sp.grad is None and not got:
                 # No gradient on this rank: settled at the end of backward ([Note: unused parameters]).
                 self.runtime.unarrived.append((self, i, views[i]))
@@ -642,6 +649,7 @@ class _Bucket:
                 sp.grad = views[i]
             if got:
                 received.append(sp)
+        self.runtime.arrivals.append((self, trainable, has_grad))
         self._grad_seg_ref = weakref.ref(seg)
         self.where = BucketState.SHARDED
         if sync_compute:

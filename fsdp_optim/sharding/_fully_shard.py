@@ -51,6 +51,15 @@ from ._shard_info import shard_info
 __all__ = ["fully_shard", "ShardedModule", "sharded_plan"]
 
 
+def _check_reshard_after_forward(value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"reshard_after_forward must be True or False, got {value!r}; FSDP2's int form (reshard to a "
+            "smaller world size after forward) is not offered: pass True (free the gathered parameters after "
+            "forward) or False (keep them for backward)"
+        )
+
+
 def fully_shard(
     module: nn.Module,
     *,
@@ -86,6 +95,7 @@ def fully_shard(
             f"fp8_all_gather must be a Float8AllGather or None (e.g. Float8AllGather(tile='128x128')), got "
             f"{type(fp8_all_gather).__name__}"
         )
+    _check_reshard_after_forward(reshard_after_forward)
     if blocks is not None and not callable(blocks):
         raise ValueError(
             f"blocks must be a block rule rule(fqn, param, module) -> BlockSpec (e.g. muon_rule()), got {blocks!r}"
@@ -149,6 +159,7 @@ class ShardedModule:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Free (``True``) or keep (``False``) the gathered parameters between forward and backward."""
+        _check_reshard_after_forward(reshard_after_forward)
         for b in _buckets_under(self, recurse):
             b.reshard_after_forward = bool(reshard_after_forward) and not b.is_root
 

@@ -55,11 +55,12 @@ runs without a gradient ([Note: unused parameters]); skipping a whole sharded mo
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -238,6 +239,10 @@ class _Runtime:
         # (bucket, index, reduced view) of trainable parameters without a gradient on this rank in the
         # reduction just waited for; settled at the end of backward ([Note: unused parameters]).
         self.unarrived: list[tuple[_Bucket, int, torch.Tensor]] = []
+        # (bucket, trainable indices, whether this rank has a gradient for each) of every reduction
+        # waited for in this backward, and the agreement on them still in flight.
+        self.arrivals: list[tuple[_Bucket, list[int], list[bool]]] = []
+        self._arrival_work: tuple[Any, torch.Tensor] | None = None
         self.generation = 0  # bumped at the end of every backward (see _PendingCall)
         self.num_optimizer_steps = 0  # steps of any optimizer since setup (see [Note: stale gathers])
         self.streams = _Streams(root.device)  # side streams on CUDA, none on the CPU ([Note: streams])
@@ -329,24 +334,53 @@ class _Runtime:
         PyTorch and FSDP2, so optimizers skip it (no weight decay, no momentum, no step count):
         a layer skipped in a step, an auxiliary head, ``torch.autograd.grad`` alone. The bucket
         still reduces (zeros where a rank has no gradient), so the collectives match whatever each
-        rank computed. The autograd graph is the same on every rank, so a parameter without a
-        gradient here normally has none anywhere, and its reduced values are exactly zero; if
-        another rank's gradient did reach it (a data-dependent graph), this rank's reduced piece is
-        nonzero and becomes its ``.grad`` as usual. Telling the two apart reads one flag per such
-        parameter on the host, once per backward, and only when some parameter had no gradient
-        (the common step, where every parameter gets one, reads nothing). A piece that is exactly
-        zero on every rank counts as unused, and an empty piece (the parameter lies on other
-        ranks) has nothing to read and keeps ``None`` when this rank computed no gradient for it."""
-        if not self.unarrived:
-            return
+        rank computed. Whether a parameter got a gradient is decided for the whole world, as DDP's
+        ``find_unused_parameters`` does: if any rank's backward reached it (a graph that depends on
+        the data, an expert no token of this rank was routed to), every rank's piece of the
+        averaged gradient becomes its ``.grad``, as the single-process run over the global batch
+        has it, even where that piece is exactly zero (embedding rows nobody looked up). So at the
+        end of every backward that reduced, the ranks sum one flag per reduced parameter: one small
+        asynchronous ``all_reduce`` (two under HSDP: shard group, then replicas). Only a rank with a
+        parameter it has no gradient for waits for it and reads the sums on the host; the others
+        never wait (the common step, where every parameter gets one, reads nothing), and the
+        collective is waited for at the next backward's end. An empty piece (the parameter lies on
+        other ranks) has nothing to attach."""
+        arrivals, self.arrivals = self.arrivals, []
         pending, self.unarrived = self.unarrived, []
+        if self._arrival_work is not None:  # the previous backward's agreement: long done
+            self._arrival_work[0].wait()
+            self._arrival_work = None
+        counts = None
+        replicas = self.root_state.replicate_group if self.root_state.num_replicas > 1 else None
+        if (self.world_size > 1 or replicas is not None) and arrivals:
+            arrivals.sort(key=lambda a: a[0].index)  # the same order on every rank
+            flags = torch.tensor([int(h) for _, _, has in arrivals for h in has], dtype=torch.int32)
+            if self.device.type != "cpu":
+                flags = flags.pin_memory().to(self.device, non_blocking=True)
+            work = None
+            if self.world_size > 1:
+                work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            if replicas is not None:
+                if work is not None:
+                    work.wait()  # on NCCL a stream wait, not a host sync
+                work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=replicas, async_op=True)
+            self._arrival_work = (work, flags)
+            counts = flags
         nonempty = [x for x in pending if x[2].numel() > 0]
-        if not nonempty:
-            return
-        used = torch.stack([v.ne(0).any() for _, _, v in nonempty]).tolist()
+        if not nonempty or counts is None:
+            return  # (no other rank: nobody else could have reached them)
+        self._arrival_work[0].wait()
+        self._arrival_work = None
+        summed = counts.tolist()
+        at: dict[tuple[int, int], list[int]] = {}
+        pos = 0
+        for b, trainable, _ in arrivals:
+            for i in trainable:
+                at.setdefault((id(b), i), []).append(pos)
+                pos += 1
         received = []
-        for (b, i, view), u in zip(nonempty, used):
-            if u:
+        for b, i, view in nonempty:
+            if any(summed[q] > 0 for q in at.get((id(b), i), ())):
                 b.sharded[i].grad = view
                 received.append(b.sharded[i])
         run_post_accumulate_grad_hooks(received, self.streams, None)
@@ -358,7 +392,7 @@ class _Runtime:
         backward run normally. (Reductions done before it raised attached their ``.grad``, as plain
         PyTorch accumulates before an error; ``zero_grad`` clears them.)"""
         self.pending_reduces = []
-        self.unarrived = []
+        self.unarrived, self.arrivals = [], []
         for b in self.buckets:
             b.abandon_backward()
         self.generation += 1
@@ -414,10 +448,37 @@ class _Runtime:
 # ---------------------------------------------------------------------------------------------
 # Helpers on nested inputs / outputs; the post-backward Function
 # ---------------------------------------------------------------------------------------------
-def _cast_tensors(obj: Any, dtype: torch.dtype) -> Any:
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with every tensor ``t`` in it replaced by ``fn(t)``, in a fixed order: pytree
+    containers (tuples, lists, dicts, named tuples, registered types) and dataclass instances, which
+    pytree treats as leaves (a plain ``@dataclass`` output or input, as FSDP2 accepts); a dataclass
+    is copied with the new field values, or returned as is when none changed."""
     leaves, spec = tree_flatten(obj)
-    leaves = [x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype else x for x in leaves]
-    return tree_unflatten(leaves, spec)
+    out = []
+    for x in leaves:
+        if torch.is_tensor(x):
+            x = fn(x)
+        elif is_dataclass(x) and not isinstance(x, type):
+            values = {f.name: getattr(x, f.name) for f in fields(x) if hasattr(x, f.name)}
+            new = {k: _map_tensors(v, fn) for k, v in values.items()}
+            if any(new[k] is not values[k] for k in values):
+                x = copy.copy(x)
+                set_field = object.__setattr__ if x.__dataclass_params__.frozen else setattr
+                for k, v in new.items():
+                    set_field(x, k, v)
+        out.append(x)
+    return tree_unflatten(out, spec)
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in ``obj``, in ``_map_tensors``'s order."""
+    found: list[torch.Tensor] = []
+    _map_tensors(obj, lambda t: found.append(t) or t)
+    return found
+
+
+def _cast_tensors(obj: Any, dtype: torch.dtype) -> Any:
+    return _map_tensors(obj, lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -473,17 +534,11 @@ class _PendingCall:
 
 
 def _register_post_backward(bucket: _Bucket, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    leaves, spec = tree_flatten((args, kwargs))
-    idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
-    if idx:
-        outs = _PostBackward.apply(_PendingCall(bucket), *(leaves[i] for i in idx))
-        for i, o in zip(idx, outs):
-            leaves[i] = o
-    return tree_unflatten(leaves, spec)
-
-
-# ---------------------------------------------------------------------------------------------
-# Guards through torch's global optimizer hooks
+    inputs = [x for x in _tensors_in((args, kwargs)) if x.requires_grad]
+    if not inputs:
+        return args, kwargs
+    outs = iter(_PostBackward.apply(_PendingCall(bucket), *inputs))
+    return _map_tensors((args, kwargs), lambda x: next(outs) if x.requires_grad else x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -537,8 +592,7 @@ def _install_optimizer_hooks() -> None:
 
 
 def _register_on_tensors(obj: Any, hook: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    leaves, _ = tree_flatten(obj)
-    for x in leaves:
-        if torch.is_tensor(x) and x.requires_grad:
+    for x in _tensors_in(obj):
+        if x.requires_grad:
             x.register_hook(hook)
     return obj

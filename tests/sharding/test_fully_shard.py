@@ -267,7 +267,8 @@ COUNT_CONFIGS = [("adamw", "even", True), ("muon", "ragged", True), ("muon", "ra
 def test_collective_counts_per_step(world_size):
     """Per step: one all-gather per bucket in forward, one per non-root bucket in backward (none
     with reshard_after_forward=False; the root keeps its bucket for backward, as FSDP2 does), one
-    reduce-scatter per bucket, nothing else (the optimizer step communicates nothing). Counted at
+    reduce-scatter per bucket, one small all-reduce of gradient flags at the end of backward, nothing
+    else (the optimizer step communicates nothing). Counted at
     the DistributedBuffer (calls per bucket) and at c10d (CommDebugMode: an even bucket's gather is
     one all_gather_into_tensor, a ragged one on gloo one broadcast per owning rank)."""
 
@@ -294,6 +295,8 @@ def test_collective_counts_per_step(world_size):
         bwd_gathers = [n for n in names if n != "<root>"] if reshard else []
         want_fwd = _expected_ops(plan, gather_buckets=names, reduce_buckets=[])
         want_bwd = _expected_ops(plan, gather_buckets=bwd_gathers, reduce_buckets=names)
+        # and the end-of-backward agreement on which parameters got a gradient ([Note: unused parameters])
+        want_bwd["c10d.allreduce_"] = want_bwd.get("c10d.allreduce_", 0) + 1
         losses = []
         for x, y in _batches(3):  # the first step learns the order; later ones prefetch
             calls.clear()
@@ -419,7 +422,9 @@ def test_gradient_accumulation_without_sync_equals_one_big_batch(world_size):
     out = run_distributed(fn, world_size=world_size)
     for grads, counts in out:
         assert all(c == {} for c in counts[:-1])  # no reduction while accumulating
-        assert sum(counts[-1].values()) == 3  # one reduce-scatter per bucket at the sync
+        # one reduce-scatter per bucket at the sync, and the agreement on which parameters got a
+        # gradient ([Note: unused parameters])
+        assert sum(counts[-1].values()) == 3 + (len(out) > 1)
         assert set(grads) == set(ref)
         for n in ref:
             torch.testing.assert_close(grads[n], ref[n], rtol=1e-5, atol=1e-7)  # summation order only
@@ -561,6 +566,15 @@ def test_sharding_twice_and_inner_after_root_raise():
         fsdp_optim.fully_shard(model.layers[0])
     with pytest.raises(ValueError, match=r"parameter wq.weight \(shape \(\d+, \d+\)\) of Attention is already sharded .*enclosing module \(call fully_shard on inner modules before their root\)"):
         fsdp_optim.fully_shard(model.layers[0].attn)
+
+
+def test_reshard_after_forward_as_an_int_is_refused_not_read_as_true():
+    """FSDP2's ``reshard_after_forward=8`` (reshard to 8 ranks after forward) was silently read as True."""
+    with pytest.raises(ValueError, match="reshard_after_forward must be True or False, got 8; FSDP2's int form"):
+        fsdp_optim.fully_shard(_new_model(), reshard_after_forward=8)
+    model = _shard(_new_model(), adamw_rule)
+    with pytest.raises(ValueError, match="got 2"):
+        model.set_reshard_after_forward(2)
 
 
 @pytest.mark.parametrize(

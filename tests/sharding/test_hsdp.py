@@ -193,7 +193,7 @@ def test_hsdp_collectives_accumulation_and_clipping_2x2():
         orig_all_reduce = dist.all_reduce
 
         def recording_all_reduce(t, *a, group=None, **k):
-            all_reduces.append((group, t.numel()))
+            all_reduces.append((group, t.numel(), t.dtype))
             return orig_all_reduce(t, *a, group=group, **k)
 
         dist.all_reduce = recording_all_reduce
@@ -212,6 +212,9 @@ def test_hsdp_collectives_accumulation_and_clipping_2x2():
                 want_bwd = _expected_ops(plan, gather_buckets=bwd_gathers, reduce_buckets=names)
                 if reducing:
                     want_bwd["c10d.allreduce_"] = want_bwd.get("c10d.allreduce_", 0) + len(reducing)
+                # the end-of-backward agreement on which parameters got a gradient, over the shard
+                # group and then the replicas ([Note: unused parameters]): int32 flags
+                want_bwd["c10d.allreduce_"] = want_bwd.get("c10d.allreduce_", 0) + 2
                 want_ar = sorted(b.buffer.segment_numel for b in reducing)
                 opt = torch.optim.AdamW(model.parameters(), lr=LR) if name == "adamw" else _muon(model.parameters())
                 for x, y in _batches(3):  # the first step learns the order; later ones prefetch
@@ -224,10 +227,13 @@ def test_hsdp_collectives_accumulation_and_clipping_2x2():
                     assert {str(k): v for k, v in bwd.get_comm_counts().items()} == want_bwd
                     # across replicas, on the segment; over the shard group only the even buckets'
                     # reductions on gloo ([Note: even reduce-scatter on gloo])
-                    replica = [n for g, n in all_reduces if g is rep_group]
-                    assert all(g is rep_group or g is shard_group for g, _ in all_reduces)
+                    flags = [g for g, _, dt in all_reduces if dt == torch.int32]
+                    assert flags == [shard_group, rep_group]
+                    grads = [(g, n) for g, n, dt in all_reduces if dt != torch.int32]
+                    replica = [n for g, n in grads if g is rep_group]
+                    assert all(g is rep_group or g is shard_group for g, _ in grads)
                     assert sorted(replica) == want_ar
-                    assert len(all_reduces) - len(replica) == want_bwd["c10d.allreduce_"] - len(reducing)
+                    assert len(grads) - len(replica) == want_bwd["c10d.allreduce_"] - len(reducing) - 2
                     with CommDebugMode() as step:
                         opt.step()
                         opt.zero_grad()
@@ -253,7 +259,7 @@ def test_hsdp_collectives_accumulation_and_clipping_2x2():
             all_reduces.clear()
             with CommDebugMode() as mode:
                 norm = fsdp_optim.clip_grad_norm_(model.parameters(), max_norm)
-            assert [g for g, _ in all_reduces] == [shard_group]
+            assert [g for g, _, _ in all_reduces] == [shard_group]
             out["clip"] = norm.item(), _full_grads(model), {str(k): v for k, v in mode.get_comm_counts().items()}
             return out
         finally:

@@ -8,6 +8,8 @@ of one, zero updates, drifting ranks, or a hang.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import warnings
 
@@ -20,6 +22,7 @@ from torch import nn
 import fsdp_optim
 from fsdp_optim._testing import DistributedTestError, run_distributed
 from fsdp_optim.optimizers import AdamW
+from fsdp_optim.sharding._shard_info import shard_info
 from tests._models import TinyConfig, TinyTransformer, assert_close_after_adamw, make_batch
 
 CFG = TinyConfig(vocab_size=101, dim=24, num_heads=2, num_layers=2, mlp_dim=40)
@@ -355,6 +358,193 @@ def test_a_gradient_from_another_rank_reaches_a_parameter_unused_here():
         return fsdp_optim.full_state_dict(model)
 
     for got in run_distributed(fn, world_size=2):
+        _assert_close(got, want)
+
+
+class _SometimesEmbedded(nn.Module):
+    """A linear layer plus an embedding that only some ranks' data looks up (rank-dependent graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.emb = nn.Embedding(8, 4)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+        h = self.lin(x)
+        return h if idx is None else h + self.emb(idx).sum(0)
+
+
+class _EmbedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = _SometimesEmbedded()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+        return self.head(self.layer(x, idx)).pow(2).mean()
+
+
+def _embed_data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(3, 4, generator=gen)
+    if step == 0:
+        return x, torch.arange(8)  # every rank looks up every row
+    return x, (torch.tensor([0]) if rank == 0 else None)  # then rank 0 only, row 0 only
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2)], ids=["fsdp-w2", "hsdp-2x2"])
+def test_a_parameter_reached_on_another_rank_gets_its_gradient_even_where_it_is_zero(mesh_shape):
+    """Whether a parameter got a gradient is agreed by every rank ([Note: unused parameters]): rank 1
+    never calls the embedding after step 0 and holds rows 6-7, which nobody looks up, so its piece
+    of the averaged gradient is exactly zero; it is still its ``.grad`` (zeros), as in the single
+    process over the global batch, so AdamW's momentum keeps moving those rows. Before, a zero piece
+    counted as unused: ``.grad`` stayed None and rows 6-7 ended 1.2e-2 off the reference. Under
+    HSDP the agreement spans the replicas too (ranks 1-3 never call it)."""
+    world_size = 2 if mesh_shape is None else 4
+    torch.manual_seed(0)
+    ref = _EmbedNet()
+    init = copy.deepcopy(ref.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    for step in range(3):
+        (sum(ref(*_embed_data(step, r)) for r in range(world_size)) / world_size).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+    def fn():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = None if mesh_shape is None else init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        model = _EmbedNet()
+        model.load_state_dict(init)
+        fsdp_optim.fully_shard(model.layer, mesh=mesh)
+        fsdp_optim.fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        piece, nones = model.layer.emb.weight, []
+        for step in range(3):
+            model(*_embed_data(step, dist.get_rank())).backward()
+            nones.append(piece.grad is None)
+            opt.step()
+            opt.zero_grad()
+        return piece.numel(), nones, fsdp_optim.full_state_dict(model)
+
+    results = run_distributed(fn, world_size=world_size)
+    assert results[1][0] > 0  # rank 1 holds a piece of the embedding
+    for _, nones, got in results:
+        assert nones == [False] * 3
+        for k in want:  # (HSDP: replicas average in another order than one process: fp32 rounding)
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0 if mesh_shape is None else 1e-6)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_gradient_released_by_setting_grad_to_none_is_never_written_again(world_size):
+    """``held = w.grad; w.grad = None`` (a per-group ``zero_grad``, a second optimizer) while the
+    bias keeps its gradient: the next backward writes a new gradient segment, so ``held`` keeps its
+    values, as in plain PyTorch and FSDP2, and the bias accumulates. Before, the old segment was
+    reused: ``held`` was zeroed and overwritten (changed by 9.998 at W=1)."""
+
+    def run(sharded: bool):
+        torch.manual_seed(0)
+        m = nn.Linear(4, 4)
+        if sharded:
+            fsdp_optim.fully_shard(m)
+        gen = torch.Generator().manual_seed(1)
+        m(torch.randn(3, 4, generator=gen)).pow(2).sum().backward()
+        held = m.weight.grad
+        before = held.clone()
+        m.weight.grad = None
+        m(torch.randn(3, 4, generator=gen)).pow(2).sum().backward()
+        grads = {}
+        for name, p in m.named_parameters():
+            info = shard_info(p)
+            lo, hi = (info.start, info.end) if info is not None else (0, p.numel())
+            grads[name] = (lo, hi, p.grad.reshape(-1).clone())
+        return torch.equal(held, before), grads
+
+    untouched, want = run(False)
+    assert untouched
+    for untouched, grads in run_distributed(lambda: run(True), world_size=world_size):
+        assert untouched
+        for name, (lo, hi, g) in grads.items():
+            assert torch.equal(g, want[name][2][lo:hi]), name  # weight: the new gradient; bias: the sum
+
+
+@dataclasses.dataclass
+class _Hidden:
+    h: torch.Tensor
+    aux: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    x: torch.Tensor
+    scale: float
+
+
+class _DataclassBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, inp: _Batch | _Hidden) -> _Hidden:
+        x = inp.x * inp.scale if isinstance(inp, _Batch) else inp.h
+        self.seen_dtype = x.dtype
+        h = torch.tanh(self.lin(x))
+        return _Hidden(h=h, aux=h.square().mean())
+
+
+class _DataclassNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_DataclassBlock() for _ in range(2))
+
+    def forward(self, batch: _Batch) -> torch.Tensor:
+        out = self.blocks[1](self.blocks[0](batch))
+        return out.h.float().sum() + out.aux.float()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_dataclass_inputs_and_outputs_of_sharded_modules(world_size):
+    """A plain ``@dataclass`` as a sharded module's output and a frozen one as its input (pytree
+    treats both as leaves; FSDP2 walks them): the output's tensors get the pre-backward hooks, so
+    each bucket is gathered again for its backward and trains like the single process; under
+    mixed precision the input's tensors are cast. Before, backward failed with ``setStorage: ...
+    out of bounds for storage of size 0`` and the bf16 forward with a dtype mismatch."""
+    gen = torch.Generator().manual_seed(3)
+    batches = [_Batch(x=torch.randn(2 * world_size, 4, generator=gen), scale=0.5) for _ in range(3)]
+    torch.manual_seed(0)
+    ref = _DataclassNet()
+    init = copy.deepcopy(ref.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    for b in batches:  # the ranks' losses summed (each rank's gradient is averaged, then times W)
+        sum(ref(_Batch(x=b.x[r * 2 : (r + 1) * 2], scale=b.scale)) for r in range(world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+    def fn():
+        w, r = dist.get_world_size(), dist.get_rank()
+        model = _DataclassNet()
+        model.load_state_dict(init)
+        for blk in model.blocks:
+            fsdp_optim.fully_shard(blk)
+        fsdp_optim.fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        for b in batches:
+            local = _Batch(x=b.x[r * 2 : (r + 1) * 2], scale=b.scale)
+            (model(local) * w).backward()
+            opt.step()
+            opt.zero_grad()
+        got = fsdp_optim.full_state_dict(model)
+        mp = _DataclassNet()
+        for blk in mp.blocks:
+            fsdp_optim.fully_shard(blk, mp_policy=fsdp_optim.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        fsdp_optim.fully_shard(mp, mp_policy=fsdp_optim.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        mp(_Batch(x=torch.randn(2, 4), scale=1.0)).backward()
+        return got, [blk.seen_dtype for blk in mp.blocks]
+
+    for got, dtypes in run_distributed(fn, world_size=world_size):
+        assert dtypes == [torch.bfloat16] * 2
         _assert_close(got, want)
 
 
