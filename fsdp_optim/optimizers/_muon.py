@@ -22,8 +22,32 @@ where the matrix is:
   the send/receive layouts are precomputed then, so a step does O(pieces it touches) work.
 
 Both exchanges carry bf16: torch.optim.Muon casts the update to bf16 as the first thing Newton–
-Schulz does, and its output is bf16, so the exchange is exact and a split matrix gets the same bits
-as one owned whole.
+Schulz does, and its output is bf16, so the exchange is exact and the owner orthogonalizes the same
+bits as for a matrix held whole. What comes back depends on the parameter's dtype:
+- fp32 / fp64: Newton–Schulz's result; each rank adds its piece (``_foreach_add_``). Their ``add``
+  rounds each element once whatever the tensors' extent and strides, so a piece gets the whole
+  matrix's bits.
+- lower precisions (bf16, fp16): the *new parameter values*. torch's CPU ``add_(other, alpha=)`` on
+  two such tensors rounds differently in its vectorized body (``float(a) + bf16(alpha) *
+  float(b)`` for bf16) and in its scalar code: the tail (the last ``numel % 64`` elements on
+  AVX-512, and each thread's chunk end above 32768 elements) and every element of a strided
+  ``other`` (Newton–Schulz returns a tall matrix transposed). So an element's rounding depends on
+  the extent and strides of the tensors added: a contiguous piece added on its rank got the body's
+  rounding where torch.optim.Muon's transposed whole-matrix add used the scalar one, and the
+  elements before a rank boundary the tail's where torch used the body's (1 ulp on ~1.5% of a
+  split [67, 33] bf16 matrix after 3 steps). So each rank also sends its (already
+  weight-decayed) parameter piece, right after its update piece in the same
+  ``all_to_all_single`` (bit for bit: 2-byte slots of the bf16 buffer; split matrices of other
+  element sizes are a ``ValueError``); the owner runs torch.optim.Muon's ``param.add_(update,
+  alpha=-adjusted_lr)`` on the assembled whole ``[rows, cols]`` parameter, with Newton–Schulz's
+  result as torch lays it out, and sends back the new values, which each rank copies into its
+  piece. Cost: a low-precision split piece travels twice in the first direction (update +
+  parameter; the back direction is unchanged). For the same reason local runs of several
+  low-precision matrices (experts, sub-matrices) are added matrix by matrix (one
+  ``_foreach_add_`` of per-matrix views), as torch.optim.Muon adds each, not as one ``[count,
+  rows, cols]`` tensor.
+The layouts depend on each split parameter's dtype; they are planned at construction and
+re-planned if a dtype changes (every rank sees the same split parameters, so all re-plan).
 
 [Note: batched Newton–Schulz]
 By default (``batched=True``) every matrix a rank orthogonalizes in a step (local ones and split
@@ -155,6 +179,12 @@ def _decay(params: list[Tensor], factor: float) -> None:
             p.mul_(factor)
 
 
+def _low_precision(dtype: torch.dtype) -> bool:
+    """Whether ``add_``'s rounding on ``dtype`` depends on the tensors' extent and strides (every dtype
+    but fp32 / fp64; see [Note: Muon on shards]): such matrices are added whole, as torch.optim.Muon adds them."""
+    return dtype not in (torch.float32, torch.float64)
+
+
 def _ns_cost(rows: int, cols: int) -> int:
     """Newton–Schulz flops per iteration of one matrix (``4 m^2 n + 2 m^3``, ``m <= n``)."""
     m, n = min(rows, cols), max(rows, cols)
@@ -212,36 +242,48 @@ class _ParamPlan(NamedTuple):
 
 
 class _SendPiece(NamedTuple):
-    """This rank's part of a split matrix: ``n`` elements at ``local_offset`` of ``param``'s piece."""
+    """This rank's part of a split matrix: ``n`` elements at ``local_offset`` of ``param``'s piece.
+    Out: its update at ``at`` of the send buffer, then (``with_param``: low precision) its ``n``
+    parameter elements; back: ``n`` elements at ``back_at`` of the receive buffer, Newton–Schulz's
+    result to add, or (``with_param``) the new parameter values to copy."""
 
     param: Tensor
     local_offset: int
     n: int
     rows: int
     cols: int
+    with_param: bool
+    at: int
+    back_at: int
 
 
 class _Owned(NamedTuple):
-    """A split matrix this rank orthogonalizes; ``pieces``: ``(a, n, pos)`` -- its elements
-    ``[a, a + n)`` are at ``pos`` of the receive buffer (and go back from ``pos`` of the send one)."""
+    """A split matrix this rank orthogonalizes; ``pieces``: ``(a, n, at, back_at)`` -- the update of
+    its elements ``[a, a + n)`` is at ``at`` of the receive buffer (``with_param``: their parameter
+    values at ``at + n``), and the result goes back from ``back_at`` of the send-back buffer."""
 
     param: Tensor
     rows: int
     cols: int
-    pieces: tuple[tuple[int, int, int], ...]
+    pieces: tuple[tuple[int, int, int, int], ...]
+    with_param: bool
 
 
 class _Exchange(NamedTuple):
     """One all_to_all_single pair per step over ``group``. Out: ``sends`` (ordered by owner, then
     matrix) with ``send_sizes``; in: ``recv_sizes`` (ordered by source rank, then matrix). The way
-    back uses the same two layouts swapped."""
+    back: the same order, ``back_send_sizes`` / ``back_recv_sizes`` (``n`` per piece; out carries
+    ``2 n`` for a low-precision piece). ``dtypes``: the split parameters' dtypes it was planned for."""
 
     group: dist.ProcessGroup | None
     device: torch.device
     sends: tuple[_SendPiece, ...]
     send_sizes: tuple[int, ...]
     recv_sizes: tuple[int, ...]
+    back_send_sizes: tuple[int, ...]
+    back_recv_sizes: tuple[int, ...]
     owned: tuple[_Owned, ...]
+    dtypes: tuple[tuple[Tensor, torch.dtype], ...]
 
 
 class _Update(NamedTuple):
@@ -275,6 +317,8 @@ class _Job(NamedTuple):
     dest: Tensor | None
     """Local matrices: the matching ``[count, rows, cols]`` view of the parameter."""
     owned: _Owned | None
+    param: Tensor | None = None
+    """An owned low-precision split matrix: the ``[rows, cols]`` parameter assembled from received pieces."""
 
     def matrices(self) -> Tensor:
         """The ``[count, rows, cols]`` input to Newton–Schulz."""
@@ -613,6 +657,12 @@ class Muon(torch.optim.Optimizer):
             for m in info.spec.matrices(info.shape):
                 if not _cut(m, info.layout.bounds):
                     loads[bisect.bisect_right(info.layout.bounds, m[0]) - 1] += _ns_cost(m[1], m[2])
+        for p, _ in splits:
+            if _low_precision(p.dtype) and p.element_size() != 2:
+                raise ValueError(
+                    f"Muon: {self._plans[p].info.fqn or '<unnamed>'} is a split matrix of dtype {p.dtype}; split "
+                    "matrices need fp32, fp64, bf16 or fp16 parameters (low-precision pieces travel in 2-byte slots)"
+                )
         pieces = []  # per split matrix: [(rank, a, b)]
         for p, (off, r, c) in splits:
             pieces.append(_pieces(self._plans[p].info.layout.bounds, off, r * c))
@@ -624,25 +674,35 @@ class Muon(torch.optim.Optimizer):
                 row[q] = b - a
             sizes.append(row)
         owners = assign_owners(costs, sizes, loads)
-        # out: my pieces, ordered by owner, then matrix
-        sends, send_sizes = [], [0] * w
+        low = [_low_precision(p.dtype) for p, _ in splits]  # such a piece travels out with its parameter values
+        # out: my pieces, ordered by owner, then matrix (back: the same order, n elements each)
+        sends, send_sizes, back_recv_sizes, at, back_at = [], [0] * w, [0] * w, 0, 0
         for j in sorted(range(len(splits)), key=lambda j: (owners[j], j)):
             (p, (off, r, c)), mine = splits[j], [x for x in pieces[j] if x[0] == me]
             if mine:
                 _, a, b = mine[0]
-                sends.append(_SendPiece(p, off + a - self._plans[p].info.start, b - a, r, c))
-                send_sizes[owners[j]] += b - a
-        # in: pieces of the matrices I own, ordered by source rank, then matrix
+                n, k = b - a, 1 + low[j]
+                sends.append(_SendPiece(p, off + a - self._plans[p].info.start, n, r, c, low[j], at, back_at))
+                send_sizes[owners[j]] += k * n
+                back_recv_sizes[owners[j]] += n
+                at, back_at = at + k * n, back_at + n
+        # in: pieces of the matrices I own, ordered by source rank, then matrix (the senders' order)
         entries = sorted((q, j, a, b) for j in range(len(splits)) if owners[j] == me for q, a, b in pieces[j])
-        recv_sizes, pos, by_matrix = [0] * w, 0, {}
+        recv_sizes, back_send_sizes, at, back_at, by_matrix = [0] * w, [0] * w, 0, 0, {}
         for q, j, a, b in entries:
-            by_matrix.setdefault(j, []).append((a, b - a, pos))
-            recv_sizes[q] += b - a
-            pos += b - a
+            n, k = b - a, 1 + low[j]
+            by_matrix.setdefault(j, []).append((a, n, at, back_at))
+            recv_sizes[q] += k * n
+            back_send_sizes[q] += n
+            at, back_at = at + k * n, back_at + n
         owned = tuple(
-            _Owned(splits[j][0], splits[j][1][1], splits[j][1][2], tuple(sorted(by_matrix[j]))) for j in sorted(by_matrix)
+            _Owned(splits[j][0], splits[j][1][1], splits[j][1][2], tuple(sorted(by_matrix[j])), low[j])
+            for j in sorted(by_matrix)
         )
-        return _Exchange(info0.group, splits[0][0].device, tuple(sends), tuple(send_sizes), tuple(recv_sizes), owned)
+        return _Exchange(
+            info0.group, splits[0][0].device, tuple(sends), tuple(send_sizes), tuple(recv_sizes),
+            tuple(back_send_sizes), tuple(back_recv_sizes), owned, tuple((p, p.dtype) for p, _ in splits),
+        )  # fmt: skip
 
     # ---- step -------------------------------------------------------------------------
     @profiled_step
@@ -654,8 +714,8 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._exchanges is None:
-            self._exchanges = self._plan_exchanges()
+        if self._exchanges is None or any(p.dtype != d for ex in self._exchanges for p, d in ex.dtypes):
+            self._exchanges = self._plan_exchanges()  # the same split parameters on every rank: all re-plan
         if self.nonfinite != "ignore" and self._skip_for_nonfinite():
             return loss
         updates: dict[Tensor, _Update] = {}
@@ -686,39 +746,53 @@ class Muon(torch.optim.Optimizer):
                 _decay(params, 1 - group["lr"] * group["weight_decay"])
         group_of = {p: g for g in self.param_groups if g["use_muon"] for p in g["params"]}
         jobs = self._local_jobs(updates, group_of)
-        recvs = [self._exchange_out(ex, updates, group_of, jobs) for ex in self._exchanges]
-        backs = [torch.empty_like(recv) for recv in recvs]  # owned results, in the receive layout
+        for ex in self._exchanges:
+            self._exchange_out(ex, updates, group_of, jobs)
+        # owned results (or new values), in the receive order
+        backs = [torch.empty(sum(ex.back_send_sizes), dtype=torch.bfloat16, device=ex.device) for ex in self._exchanges]
         back_of = {id(om): back for ex, back in zip(self._exchanges, backs) for om in ex.owned}
         for done in self._orthogonalize(jobs):
             adds: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
             for i, res in done:
                 job = jobs[i]
-                if job.dest is None:  # an owned split matrix: its pieces go back to their ranks
-                    flat = res.reshape(-1)
-                    for a, n, at in job.owned.pieces:
-                        back_of[id(job.owned)][at : at + n].copy_(flat[a : a + n])
-                    continue
                 alpha = -adjust_lr(job.group["lr"], job.group["adjust_lr_fn"], job.rows, job.cols)
+                if job.owned is not None:  # an owned split matrix: its pieces go back to their ranks
+                    if job.param is None:  # fp32 / fp64: the result, each rank adds its piece
+                        flat = res.reshape(-1)
+                    else:  # low precision: torch.optim.Muon's add on the whole matrix; the new values go back
+                        job.param.add_(res[0], alpha=alpha)
+                        flat = job.param.view(-1)
+                    for a, n, _, at in job.owned.pieces:
+                        back_of[id(job.owned)][at : at + n].view(flat.dtype).copy_(flat[a : a + n])
+                    continue
                 dst, src = adds.setdefault(alpha, ([], []))
-                dst.append(job.dest)
-                src.append(res)
+                if _low_precision(job.dest.dtype):  # matrix by matrix, as torch.optim.Muon adds them
+                    dst.extend(job.dest.unbind(0))
+                    src.extend(res.unbind(0))
+                else:
+                    dst.append(job.dest)
+                    src.append(res)
             for alpha, (dst, src) in adds.items():
                 torch._foreach_add_(dst, src, alpha=alpha)
         for ex, back in zip(self._exchanges, backs):
-            mine = torch.empty(sum(ex.send_sizes), dtype=torch.bfloat16, device=ex.device)
-            dist.all_to_all_single(mine, back, list(ex.send_sizes), list(ex.recv_sizes), group=ex.group)
+            mine = torch.empty(sum(ex.back_recv_sizes), dtype=torch.bfloat16, device=ex.device)
+            dist.all_to_all_single(mine, back, list(ex.back_recv_sizes), list(ex.back_send_sizes), group=ex.group)
             adds = {}
-            pos = 0
-            for sp in ex.sends:  # my pieces of NS(split matrix), in the order I sent them
-                if sp.param in updates:
-                    g = group_of[sp.param]
-                    alpha = -adjust_lr(g["lr"], g["adjust_lr_fn"], sp.rows, sp.cols)
-                    dst, src = adds.setdefault(alpha, ([], []))
-                    dst.append(sp.param.view(-1)[sp.local_offset : sp.local_offset + sp.n])
-                    src.append(mine[pos : pos + sp.n])
-                pos += sp.n
-            for alpha, (dst, src) in adds.items():
-                torch._foreach_add_(dst, src, alpha=alpha)
+            for sp in ex.sends:  # my pieces of NS(split matrix), or of the new parameter values
+                if sp.param not in updates:
+                    continue
+                dst = sp.param.view(-1)[sp.local_offset : sp.local_offset + sp.n]
+                got = mine[sp.back_at : sp.back_at + sp.n]
+                if sp.with_param:
+                    dst.copy_(got.view(dst.dtype))
+                    continue
+                g = group_of[sp.param]
+                alpha = -adjust_lr(g["lr"], g["adjust_lr_fn"], sp.rows, sp.cols)
+                dsts, srcs = adds.setdefault(alpha, ([], []))
+                dsts.append(dst)
+                srcs.append(got)
+            for alpha, (dsts, srcs) in adds.items():
+                torch._foreach_add_(dsts, srcs, alpha=alpha)
         return loss
 
     def _local_jobs(self, updates: dict[Tensor, _Update], group_of: dict[Tensor, dict]) -> list[_Job]:
@@ -777,29 +851,34 @@ class Muon(torch.optim.Optimizer):
 
     def _exchange_out(
         self, ex: _Exchange, updates: dict[Tensor, _Update], group_of: dict[Tensor, dict], jobs: list[_Job]
-    ) -> Tensor:
+    ) -> None:
         """First all_to_all: my pieces of split matrices to their owners (bf16: Newton–Schulz's first
-        op is the same cast); appends one job per matrix I own, assembled from the pieces."""
+        op is the same cast), low-precision ones followed by the (weight-decayed) parameter piece, bit
+        for bit; appends one job per matrix I own, assembled from the pieces."""
         send = torch.empty(sum(ex.send_sizes), dtype=torch.bfloat16, device=ex.device)
-        pos = 0
         for sp in ex.sends:
             u = updates.get(sp.param)
-            piece = send[pos : pos + sp.n]
+            lo, hi = sp.local_offset, sp.local_offset + sp.n
+            piece = send[sp.at : sp.at + sp.n]
             if u is None:  # no gradient here: take part in the exchange, contribute zeros
                 piece.zero_()
             else:
-                piece.copy_(u.piece(sp.local_offset, sp.local_offset + sp.n))
-            pos += sp.n
+                piece.copy_(u.piece(lo, hi))
+            if sp.with_param:
+                send[sp.at + sp.n : sp.at + 2 * sp.n].view(sp.param.dtype).copy_(sp.param.view(-1)[lo:hi])
         recv = torch.empty(sum(ex.recv_sizes), dtype=torch.bfloat16, device=ex.device)
         dist.all_to_all_single(recv, send, list(ex.recv_sizes), list(ex.send_sizes), group=ex.group)
         for om in ex.owned:
             full = torch.empty(om.rows * om.cols, dtype=torch.bfloat16, device=ex.device)
-            for a, n, at in om.pieces:
+            param = torch.empty(om.rows * om.cols, dtype=om.param.dtype, device=ex.device) if om.with_param else None
+            for a, n, at, _ in om.pieces:
                 full[a : a + n].copy_(recv[at : at + n])
+                if param is not None:
+                    param[a : a + n].copy_(recv[at + n : at + 2 * n].view(param.dtype))
             g = group_of[om.param]
             key = (om.rows, om.cols, tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
-            jobs.append(_Job(key, g, 1, om.rows, om.cols, None, 0, full.view(1, om.rows, om.cols), None, om))
-        return recv
+            jobs.append(_Job(key, g, 1, om.rows, om.cols, None, 0, full.view(1, om.rows, om.cols), None, om,
+                             None if param is None else param.view(om.rows, om.cols)))  # fmt: skip
 
     # ---- non-finite gradients ------------------------------------------------------------
     def _skip_for_nonfinite(self) -> bool:
