@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 __all__ = ["main"]
@@ -97,8 +98,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--itemsize must be >= 1 (bytes per element: 4 for fp32, 2 for bf16), got {args.itemsize}")
     if args.align is not None and args.align < 1:
         raise ValueError(f"--align must be >= 1 (a segment size multiple, in elements), got {args.align}")
-    if args.padding_cap is not None and not args.padding_cap >= 0:  # (also NaN)
-        raise ValueError(f"--padding-cap must be >= 0 (the padding ratio tolerated), got {args.padding_cap}")
+    if args.padding_cap is not None and not (args.padding_cap >= 0 and math.isfinite(args.padding_cap)):  # NaN, inf
+        raise ValueError(
+            f"--padding-cap must be >= 0 and finite (the padding ratio tolerated; a large value such as 1e9 "
+            f"tolerates any padding), got {args.padding_cap}"
+        )
     kw = {"layout": args.layout, "wire": args.wire}
     if args.padding_cap is not None:
         kw["padding_cap"] = args.padding_cap
@@ -128,7 +132,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                 for b in plan.buckets
             ],
         }
-        print(json.dumps(out))
+        print(json.dumps(out, allow_nan=False))  # strict JSON: a NaN / Infinity here is a bug, raised
     else:
         print(f"model {args.model}, optimizer {args.optimizer}")
         if num_replicas > 1:

@@ -108,11 +108,12 @@ def test_help_is_plain_text(capsys):
 
 @pytest.mark.parametrize(
     "flag, value",
-    [("--itemsize", "0"), ("--itemsize", "-2"), ("--align", "0"), ("--padding-cap", "-0.5"), ("--padding-cap", "nan")],
+    [("--itemsize", "0"), ("--itemsize", "-2"), ("--align", "0"), ("--padding-cap", "-0.5"), ("--padding-cap", "nan"),
+     ("--padding-cap", "inf")],  # (inf printed "padding_cap": Infinity, which is not JSON)
 )
 def test_plan_rejects_bad_numbers_naming_the_flag(capsys, flag, value):
     # (--itemsize 0 / -2 used to print 0 or negative bytes per collective)
-    argv = ["plan", "--model", "llama3-8b", "--world-size", "8", "--optimizer", "muon", flag, value]
+    argv = ["plan", "--model", "llama3-8b", "--world-size", "8", "--optimizer", "muon", "--json", flag, value]
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""

@@ -29,7 +29,8 @@ A rank with an empty piece writes nothing for it. HSDP (a 2-D mesh, see [Note: H
 items (same key, same chunk offsets) and DCP's ``dedup_save_plans`` keeps one of each, spreading
 the writes over the replicas: one copy on disk (tested in tests/sharding/test_hsdp.py). A save writes ``<path>.tmp`` and renames it
 into place after every rank has written (atomic: a crash mid-save leaves the previous checkpoint;
-a crash between the two renames leaves ``<path>.old``, which a load then falls back to). Every
+a crash between the two renames leaves ``<path>.old``, which a load then falls back to); it only
+ever replaces or removes folders of checkpoint files (see [Note: what a save replaces]). Every
 check of a load (keys, shapes, dtypes of optimizer state, optimizer class, param groups, every
 shard file present and long enough) runs on every rank and the verdict is agreed on with one
 collective, so a bad checkpoint raises on all ranks before anything is read and never hangs;
@@ -418,10 +419,16 @@ def _optim_state(
 def _owned_optim_state(
     optimizer: torch.optim.Optimizer, names: dict[int, str]
 ) -> tuple[dict[str, dict[str, Any]], dict, dict[str, dict[str, str]]]:
-    """A whole-tensor optimizer's state: each owner's tensors whole, plain (no blob of scalars); the
-    schema of every rank's keys agreed with one ``all_gather_object`` (a collective)."""
+    """A whole-tensor optimizer's state: each owner's tensors whole, plain (no blob of scalars), and
+    this rank's schema; no collective (``_gather_owned_schema`` merges the ranks' schemas)."""
     state = {names[id(p)]: {k: v.detach() for k, v in st.items()} for p, st in optimizer.owned_state().items()}
     mine = {name: {k: _OWNED for k in entry} for name, entry in state.items()}
+    return state, {}, mine
+
+
+def _gather_owned_schema(mine: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """Every rank's owned-state schema, merged (one ``all_gather_object``, a collective). Called after
+    the ranks agreed that each built its state, so it pairs with the same gather on every rank."""
     every = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
@@ -430,7 +437,7 @@ def _owned_optim_state(
     for part in every:
         for name, keys in part.items():
             schema.setdefault(name, {}).update(keys)
-    return state, {}, schema
+    return schema
 
 
 def _plan_owned_load(optimizer, model, manifest: dict[str, Any], saved: dict[str, Any], plan: _LoadPlan, strict: bool):
@@ -696,7 +703,10 @@ def save_checkpoint(
     naming it on every rank before anything is written; numpy scalars in param groups, optimizer
     scalars and scheduler state (an LR from a numpy schedule) are saved as the equal Python numbers.
     Atomic: the checkpoint is written to ``<path>.tmp`` and moved into place after every rank is
-    done, replacing a previous checkpoint.
+    done, replacing a previous checkpoint. Only folders holding nothing but checkpoint files are
+    replaced or removed (``path``, a leftover ``<path>.tmp`` / ``<path>.old``): anything else there
+    is refused with a ``ValueError`` on every rank before anything is written (see [Note: what a
+    save replaces]).
     """
     path = _normalize(path)
     rank, world_size = _group_info()
@@ -704,6 +714,7 @@ def save_checkpoint(
     sd: dict[str, Any] = {}
     manifest: dict[str, Any] = {}
     err = None
+    owned_schema = None  # a WholeTensorOptimizer's schema on this rank, merged after the agreement below
     try:
         sd["model"] = model_state_dict(model)
         manifest = {
@@ -717,7 +728,8 @@ def save_checkpoint(
         if optimizer is not None:
             names = _param_names(model, optimizer)
             if hasattr(optimizer, "owned_state"):  # WholeTensorOptimizer: [Note: whole-tensor checkpoints]
-                state, scalars, schema = _owned_optim_state(optimizer, names)
+                state, scalars, owned_schema = _owned_optim_state(optimizer, names)
+                schema = {}  # (every rank's, gathered once every rank agreed it has its own)
                 manifest["inner_optimizer"] = _class_name(optimizer.optim)
             else:
                 state, scalars, schema = _optim_state(optimizer, names)
@@ -743,13 +755,12 @@ def save_checkpoint(
                     f"a real directory (e.g. the target {os.path.realpath(path)}, to overwrite it, or a new one) and "
                     "then point the link at it"
                 )
-            if os.path.exists(path) and not _is_checkpoint(path):
-                raise ValueError(
-                    f"save_checkpoint: {path} exists and is not a checkpoint (no {MANIFEST} or .metadata); "
-                    "a save replaces the directory, so pass a new path or remove it"
-                )
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)  # a crashed earlier save
+            for folder in (path, tmp, old):  # see [Note: what a save replaces]
+                why = _save_refusal(folder, path)
+                if why is not None:
+                    raise ValueError(why)
+            if os.path.lexists(tmp):
+                shutil.rmtree(tmp)  # a crashed earlier save (checkpoint files only, checked above)
             os.makedirs(tmp)
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         err = e
@@ -759,6 +770,8 @@ def save_checkpoint(
         if rank == 0 and err is None:
             shutil.rmtree(tmp, ignore_errors=True)  # another rank refused: leave nothing behind
         raise
+    if owned_schema is not None:  # a collective: after the agreement, so every rank joins it
+        manifest["optim_schema"] = _gather_owned_schema(owned_schema)
     # A collective; .metadata is written when it returns. DCP raises on every rank if any rank fails.
     try:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
@@ -778,8 +791,15 @@ def save_checkpoint(
         try:
             manifest["checksums"] = sums
             _write_manifest(tmp, manifest)
+            for folder in (path, old):  # again: entries may have appeared since the checks before writing
+                why = _save_refusal(folder, path)
+                if why is not None:
+                    raise ValueError(
+                        f"{why}. Nothing was replaced; the new checkpoint is complete in {tmp} (rename it once "
+                        f"{folder} is cleared, or save again)"
+                    )
             if os.path.exists(path):
-                if os.path.exists(old):
+                if os.path.lexists(old):
                     shutil.rmtree(old)
                 os.rename(path, old)
             os.rename(tmp, path)
@@ -805,9 +825,65 @@ def _normalize(path: str | os.PathLike) -> str:
 # the link instead would silently overwrite the checkpoint it points to, which a ``latest`` link
 # usually means to keep. Neither is what the caller can be assumed to want, so a save onto a symlink is
 # refused (on every rank, before anything is written); loading through a symlink is fine.
-def _is_checkpoint(path: str) -> bool:
-    return os.path.isdir(path) and (
-        not os.listdir(path) or any(os.path.exists(os.path.join(path, f)) for f in (MANIFEST, ".metadata"))
+
+
+# [Note: what a save replaces]
+# A save replaces the folder at ``path`` as a whole (rename aside, rename ``<path>.tmp`` in, remove the
+# old one) and first removes a leftover ``<path>.tmp`` of a crashed save; a crash between the renames
+# leaves ``<path>.old``, removed by the next save. Each of the three is only replaced or removed when
+# it is absent, empty or holds nothing but the files a save writes: the manifest, DCP's ``.metadata``
+# file (and its ``.metadata.tmp`` of a save killed while writing it) and ``__<rank>_<n>.distcp``
+# files. Anything else (a user's notes or evaluation results put inside a checkpoint, a folder that
+# merely has a ``.metadata`` entry, a subfolder, a symbolic link) is refused on every rank before
+# anything is written, naming the entries: a save never deletes what it did not write. The check
+# runs again just before the renames, in case entries appeared meanwhile.
+_CHECKPOINT_FILE = re.compile(rf"{re.escape(MANIFEST)}|\.metadata(\.tmp)?|__\d+_\d+\.distcp")
+
+
+def _foreign_entries(folder: str, ours: re.Pattern[str], n: int = 5) -> str | None:
+    """``folder``'s entries other than plain files named as ``ours`` matches, shown as ``a, b/ and 3 more``
+    (a subfolder with a trailing ``/``); ``None`` when there are none (only such files, or empty)."""
+    foreign = sorted(
+        e.name + ("/" if e.is_dir(follow_symlinks=False) else "")
+        for e in os.scandir(folder)
+        if not (e.is_file(follow_symlinks=False) and ours.fullmatch(e.name))
+    )
+    if not foreign:
+        return None
+    return ", ".join(foreign[:n]) + (f" and {len(foreign) - n} more" if len(foreign) > n else "")
+
+
+def _save_refusal(folder: str, path: str) -> str | None:
+    """Why a save to ``path`` may not replace or remove ``folder`` (``None``: it may; see the Note)."""
+    if not os.path.lexists(folder):
+        return None
+    if folder == path:
+        if not os.path.isdir(folder):
+            return (
+                f"save_checkpoint: {path} exists and is not a checkpoint (not a folder); save to a new path or remove it"
+            )
+        shown = _foreign_entries(folder, _CHECKPOINT_FILE)
+        if shown is None:
+            return None
+        return (
+            f"save_checkpoint: {path} exists and is not a checkpoint (or files were added to one): it holds entries "
+            f"a save did not write ({shown}); a save replaces the whole folder and would delete them, so save to a new "
+            "path or move them out (keep notes or evaluation results next to a checkpoint, not inside it)"
+        )
+    what = f"left by an interrupted save to {path}, which removes it"
+    if os.path.islink(folder):
+        return (
+            f"save_checkpoint: {folder} ({what}) is a symbolic link (to {os.readlink(folder)}); remove or rename "
+            "the link, or save to another path"
+        )
+    if not os.path.isdir(folder):
+        return f"save_checkpoint: {folder} ({what}) is not a folder; remove or rename it, or save to another path"
+    shown = _foreign_entries(folder, _CHECKPOINT_FILE)
+    if shown is None:
+        return None
+    return (
+        f"save_checkpoint: {folder} ({what}) holds entries a save did not write ({shown}), which removing it "
+        "would delete; move them out or rename the folder, or save to another path"
     )
 
 
@@ -915,7 +991,7 @@ def _checksums_of(directory: str, rank: int, world_size: int) -> dict[str, list]
 def _verify_checksums(path: str, manifest: dict[str, Any], rank: int, world_size: int) -> None:
     """Raise naming the first file whose size or CRC32 differs from the manifest (see the Note)."""
     sums = manifest.get("checksums")
-    if sums is None:
+    if not sums:  # absent or empty: a saved checkpoint always has files (.metadata at least)
         if rank == 0:
             warnings.warn(f"{path}: the checkpoint has no checksums (saved before they existed); not verified")
         return
@@ -1221,6 +1297,9 @@ def load_full_state_dict(
     ``{}``); it is sent one bucket at a time (one broadcast per bucket, then one per buffer or
     unsharded parameter), so no rank holds more than the dict (rank 0) or one bucket at full size.
     As FSDP2's ``set_model_state_dict(..., StateDictOptions(broadcast_from_rank0=True))``.
+    Keys, shapes and sources (tensors with values, of a dtype that converts) are checked and agreed
+    on before anything is loaded, so a bad dict raises a ``ValueError`` on every rank and changes
+    nothing; see [Note: broadcasting from rank 0] for a failure only seen while reading.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     holds_dict = not broadcast_from_rank0 or rank == 0
@@ -1247,12 +1326,7 @@ def load_full_state_dict(
             info = shard_info(p) if p is not None else None
             shape = info.shape if info is not None else tuple(own[key].shape)
             if holds_dict:
-                # (a lazy mapping, as load_hf's, answers shapes without reading the tensor)
-                src_shape = full.shape_of(key) if hasattr(full, "shape_of") else tuple(full[key].shape)
-                if tuple(src_shape) != tuple(shape):
-                    raise ValueError(
-                        f"shape mismatch for {key}: the full state dict has {tuple(src_shape)}, the model {tuple(shape)}"
-                    )
+                _check_source(key, full, shape, own[key].dtype)
             pairs.append((key, info))
     except Exception as e:  # noqa: BLE001
         err = e
@@ -1270,13 +1344,61 @@ def load_full_state_dict(
     _broadcast_full_state(model, full, [k for k, _ in pairs], targets, rank)
 
 
+def _check_source(key: str, full: Mapping[str, Any], shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Raise naming ``key`` unless ``full[key]`` can be copied into a target of ``shape`` and ``dtype``:
+    a dense tensor with values (not meta), of that shape, of a dtype that converts. A lazy mapping (as
+    ``load_hf``'s) answers ``meta_of(key)``, a meta tensor of what reading would give, without reading."""
+    lazy = hasattr(full, "meta_of")
+    src = full.meta_of(key) if lazy else full[key]
+    if not torch.is_tensor(src):
+        raise ValueError(f"{key}: the full state dict holds a {_type_name(src)}, not a tensor")
+    if tuple(src.shape) != tuple(shape):
+        raise ValueError(
+            f"shape mismatch for {key}: the full state dict has {tuple(src.shape)}, the model {tuple(shape)}"
+        )
+    if src.is_meta and not lazy:
+        raise ValueError(
+            f"{key}: the full state dict's tensor is on the meta device (a shape without values); pass one with "
+            "values (e.g. from a model built on a real device, or loaded from a file)"
+        )
+    if src.layout != torch.strided:
+        raise ValueError(f"{key}: the full state dict's tensor is {src.layout}; pass a dense one (.to_dense())")
+    if not _copies(src.dtype, dtype):
+        raise ValueError(f"{key}: the full state dict's {src.dtype} tensor cannot be copied into the model's {dtype}")
+
+
+def _copies(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether ``copy_`` converts ``src`` to ``dst`` (tried on one element)."""
+    if src == dst:
+        return True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (complex to real warns, and converts)
+            torch.empty(1, dtype=dst).copy_(torch.zeros(1, dtype=src))
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+# [Note: broadcasting from rank 0]
+# ``load_full_state_dict(broadcast_from_rank0=True)`` (and so ``load_hf``) reads every tensor on rank 0
+# only, while the other ranks wait in the bucket's broadcast. Everything rank 0 can check without
+# reading (keys, shapes, dtypes, no meta tensors; for ``load_hf``'s lazy files the shape and dtype of
+# what ``convert``'s ``from_hf`` returns, evaluated on a meta tensor) is checked before the first
+# broadcast and agreed on (``_agree``), so a bad source raises on every rank and nothing is loaded.
+# What only reading can show (an I/O error, a ``from_hf`` that fails or changes the shape only on real
+# data) would otherwise raise on rank 0 alone and leave the others waiting forever: so rank 0 fills each
+# bucket (or buffer) inside a ``try`` and broadcasts its outcome (one small ``broadcast_object_list``)
+# before the data. On a failure no rank copies that bucket and every rank raises the same
+# ``ValueError`` naming the key; the buckets sent before it stay loaded (the error says how many
+# tensors), since keeping them back would double every rank's memory.
 def _broadcast_full_state(
     model: nn.Module, full: Mapping[str, torch.Tensor], pair_keys: list[str], targets: dict[str, torch.Tensor], rank: int
 ) -> None:
     """``load_full_state_dict(broadcast_from_rank0=True)``: one broadcast per bucket from global rank 0.
 
     Which keys rank 0 sends is agreed first (strict=False may skip some), so every rank joins the
-    same broadcasts in the same order.
+    same broadcasts in the same order; each broadcast is preceded by rank 0's ok (see the Note).
     """
     keys = [pair_keys]
     dist.broadcast_object_list(keys, src=0)
@@ -1285,22 +1407,51 @@ def _broadcast_full_state(
     for key, t in targets.items():
         key_of_param.setdefault(id(t), []).append(key)
     done: set[str] = set()
+    loaded: list[str] = []
+
+    def fill(dst: torch.Tensor, key: str) -> None:
+        src = full[key]
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(
+                f"shape mismatch for {key}: the full state dict has {tuple(src.shape)}, the model {tuple(dst.shape)}"
+            )
+        dst.copy_(src.detach())
+
+    def rank0_fills(items: list[tuple[torch.Tensor, str]]) -> None:
+        """Rank 0 fills each ``(buffer, key)``; its outcome is broadcast, so every rank raises on a failure."""
+        failure = None
+        if rank == 0:
+            for dst, key in items:
+                try:
+                    fill(dst, key)
+                except Exception as e:  # noqa: BLE001 - told to every rank below
+                    failure = (key, f"{type(e).__name__}: {e}")
+                    break
+        box = [failure]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            key, why = box[0]
+            state = f"the {len(loaded)} tensors sent before it are loaded, the rest are not" if loaded else (
+                "nothing was loaded"
+            )
+            raise ValueError(
+                f"load_full_state_dict(broadcast_from_rank0=True): rank 0 cannot send {key}: {why}; {state}"
+            )
+
     def one_bucket(b) -> None:  # (a function, so the broadcast buffer dies before the next one)
         names = [next((k for k in key_of_param.get(id(sp), []) if k in present), None) for sp in b.sharded]
         if not any(names):
             return
         flat = torch.zeros(b.buffer.total_numel, dtype=b.buffer.dtype, device=b.buffer.device)
         views = b.full_views(flat)
-        if rank == 0:
-            for view, name in zip(views, names):
-                if name is not None:
-                    view.copy_(full[name].detach().reshape(view.shape))
+        rank0_fills([(view, name) for view, name in zip(views, names) if name is not None])
         dist.broadcast(flat, src=0)
         for sp, view, name in zip(b.sharded, views, names):
             if name is not None:
                 a, e = shard_info(sp).start, shard_info(sp).end
                 sp.detach().copy_(view.reshape(-1)[a:e])
                 done.update(key_of_param[id(sp)])
+                loaded.append(name)
 
     with torch.no_grad():
         for rt in _runtimes_under(model):
@@ -1311,9 +1462,11 @@ def _broadcast_full_state(
             if key in done:
                 continue
             dst = targets[key]
-            buf = full[key].detach().to(dst.device, dst.dtype).clone() if rank == 0 else torch.empty_like(dst)
+            buf = torch.empty_like(dst)
+            rank0_fills([(buf, key)])
             dist.broadcast(buf, src=0)
             dst.copy_(buf)
+            loaded.append(key)
 
 
 # ---- hooks: DCP-ready model.state_dict() / optimizer.state_dict() -----------------------------------
@@ -1346,12 +1499,26 @@ def register_state_dict_hooks(module: nn.Module) -> None:
     def load_pre_hook(mod, sd, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
         _ensure_sharded(mod)
         assign = bool(local_metadata.get("assign_to_params_buffers", False))
+        # A submodule sharded on its own first (``fully_shard(layer)``) keeps its hooks: its keys are left
+        # to it (it runs next, on the same entries), so each entry is converted once, by the innermost.
+        inner = tuple(f"{n}." for n, m in mod.named_modules(remove_duplicate=False) if n and getattr(m, _HOOKED, False))
         for name, p in mod.named_parameters(remove_duplicate=False):
             key = prefix + name
             info = shard_info(p)
-            if info is None or key not in sd:
+            if info is None or key not in sd or name.startswith(inner):
                 continue
             v = sd[key]
+            shape = tuple(v.shape) if torch.is_tensor(v) else None
+            if shape is not None and shape != info.shape and not (info.shape == () and shape == (1,)):  # (nn.Module's)
+                # Compared with the global shape here: nn.Module compares with the local piece's, and a
+                # plain tensor of another model that happens to have this rank's flat length would load
+                # silently as every rank's piece. (A local piece is only accepted as FlatShardTensor.)
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {torch.Size(v.shape)} from checkpoint, "
+                    f"the shape in current model is {torch.Size(info.shape)}."
+                )
+                sd[key] = p  # nn.Module copies the parameter onto itself: nothing changes, nothing is missing
+                continue
             if isinstance(v, FlatShardTensor):
                 if v.local_range != (info.start, info.end):
                     error_msgs.append(
@@ -1360,7 +1527,7 @@ def register_state_dict_hooks(module: nn.Module) -> None:
                     )
                     continue
                 local = v.to_local()
-            elif torch.is_tensor(v) and tuple(v.shape) == info.shape:
+            elif torch.is_tensor(v):
                 local = v.detach().reshape(-1)[info.start : info.end]  # a full tensor: take this rank's range
             else:
                 continue

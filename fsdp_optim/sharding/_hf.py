@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._checkpoint import _fsync, load_full_state_dict
+from ._checkpoint import _foreign_entries, _fsync, load_full_state_dict
 from ._runtime import buckets_of
 from ._shard_info import shard_info
 from ._state_dict import _gather_to_group_rank0
@@ -262,12 +262,9 @@ def _refusal(folder: str, path: str) -> str | None:
         return None
     if not os.path.isdir(folder):
         return f"export_hf: {folder} ({what}) exists and is not a folder; remove it or export to another path"
-    foreign = sorted(
-        e.name for e in os.scandir(folder) if not (e.is_file(follow_symlinks=False) and _EXPORT_FILE.fullmatch(e.name))
-    )
-    if not foreign:
+    shown = _foreign_entries(folder, _EXPORT_FILE)
+    if shown is None:
         return None
-    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
     return (
         f"export_hf: {folder} ({what}) holds files that are not part of a Hugging Face model export ({shown}); an "
         "export replaces the whole folder, so export to a new folder or move those files out (a tokenizer: "
@@ -305,34 +302,82 @@ def load_hf(
     model (collective), e.g. one built on meta and sharded: rank 0 reads lazily and broadcasts one
     bucket at a time (see the Note). Tied names missing from the files are fine. ``convert(name) ->
     (hf_name, from_hf)`` maps a model name to the file's name and a function turning the file's tensor
-    into the model's layout (the inverse of ``export_hf``'s ``convert``)."""
+    into the model's layout (the inverse of ``export_hf``'s ``convert``). It is called on rank 0 for
+    every ``model.state_dict()`` name (parameters and persistent buffers; not for non-persistent
+    buffers such as rotary ``inv_freq``, which no file holds). ``from_hf`` is first applied to a meta
+    tensor of the file's shape and dtype, so a wrong shape is refused before anything is loaded (one
+    that needs real data, e.g. numpy, is checked when read; see [Note: broadcasting from rank 0] in
+    ``_checkpoint.py``). An error in ``convert``, ``from_hf`` or a file raises a ``ValueError`` on
+    every rank, naming the tensor."""
     path = os.fspath(path)
     lazy, err = None, None
     if _rank() == 0:
         try:
-            keys, getter, shapes = _lazy_reader(path)
+            keys, getter, metas = _lazy_reader(path)
         except Exception as e:  # noqa: BLE001 - told to every rank below, so none waits for rank 0
-            err = f"{type(e).__name__}: {e}"
+            err = f"load_hf({path}): rank 0 cannot read the checkpoint: {type(e).__name__}: {e}"
+        if err is None and convert is not None:
+            try:
+                keys, getter, metas = _converted(_state_names(model), convert, keys, getter, metas)
+            except Exception as e:  # noqa: BLE001 - told to every rank below
+                why = str(e) if isinstance(e, _ConvertError) else f"{type(e).__name__}: {e}"
+                err = f"load_hf({path}): {why}"
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         box = [err]
         dist.broadcast_object_list(box, src=0)
         err = box[0]
     if err is not None:
-        raise ValueError(f"load_hf({path}): rank 0 cannot read the checkpoint: {err}")
+        raise ValueError(err)
     if _rank() == 0:
-        if convert is not None:
-            names = [n for n, _ in model.named_parameters(remove_duplicate=False)] + [
-                n for n, _ in model.named_buffers(remove_duplicate=False)
-            ]
-            mapping = {n: convert(n) for n in names}
-            mapping = {n: m for n, m in mapping.items() if m[0] in keys}
-            file_get, file_shape = getter, shapes
-            keys = set(mapping)
-            getter = lambda n: mapping[n][1](file_get(mapping[n][0]))  # noqa: E731
-            shapes = lambda n: file_shape(mapping[n][0])  # noqa: E731 - layouts permute, shapes stay
-        lazy = _LazyDict(keys, getter, shapes, tied_names=_tied_aliases(model))
+        lazy = _LazyDict(keys, getter, metas, tied_names=_tied_aliases(model))
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     load_full_state_dict(model, lazy, strict=strict, broadcast_from_rank0=distributed)
+
+
+def _state_names(model: nn.Module) -> list[str]:
+    """The names of ``model.state_dict()`` (tied aliases included) without building it: parameters and
+    persistent buffers."""
+    out = []
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        pre = f"{prefix}." if prefix else ""
+        out += [pre + n for n, p in m._parameters.items() if p is not None]
+        out += [pre + n for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set]
+    return out
+
+
+class _ConvertError(Exception):
+    """The user's ``convert`` failed for a name; its message is the whole error."""
+
+
+def _converted(names: list[str], convert, keys: set[str], file_get, file_meta):
+    """``load_hf``'s reader under the model's names through ``convert``: names, tensor getter, meta getter."""
+    mapping = {}
+    for n in names:
+        try:
+            m = convert(n)
+        except Exception as e:  # noqa: BLE001
+            raise _ConvertError(f"convert({n!r}) raised {type(e).__name__}: {e}") from None
+        if not (isinstance(m, tuple | list) and len(m) == 2 and isinstance(m[0], str) and callable(m[1])):
+            raise _ConvertError(f"convert({n!r}) returned {m!r}, not a pair (hf_name, from_hf)")
+        if m[0] in keys:
+            mapping[n] = m
+
+    def get(n: str) -> torch.Tensor:
+        hf_name, from_hf = mapping[n]
+        return from_hf(file_get(hf_name))
+
+    def meta(n: str) -> torch.Tensor:
+        hf_name, from_hf = mapping[n]
+        t = file_meta(hf_name)
+        try:
+            out = from_hf(t)
+        except Exception:  # noqa: BLE001 - needs real data: checked when read (see the docstring)
+            return t
+        if not (torch.is_tensor(out) and out.is_meta):
+            return t
+        return out
+
+    return set(mapping), get, meta
 
 
 def _tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -347,8 +392,8 @@ def _tied_aliases(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def _lazy_reader(path: str) -> tuple[set[str], Callable[[str], torch.Tensor], Callable[[str], tuple[int, ...]]]:
-    """Names, a tensor getter and a shape getter for the safetensors files at ``path``.
+def _lazy_reader(path: str) -> tuple[set[str], Callable[[str], torch.Tensor], Callable[[str], torch.Tensor]]:
+    """Names, a tensor getter and a meta getter (the tensor's shape and dtype) for the safetensors files at ``path``.
 
     Every file is opened (its header read and checked against the file's length: safetensors does)
     and checked to hold the names the index gives it here, before any tensor is read: ``load_hf``
@@ -403,21 +448,35 @@ def _lazy_reader(path: str) -> tuple[set[str], Callable[[str], torch.Tensor], Ca
     def get(name: str) -> torch.Tensor:
         return handles[weight_map[name]].get_tensor(name)
 
-    def shape(name: str) -> tuple[int, ...]:
-        return tuple(handles[weight_map[name]].get_slice(name).get_shape())
+    def meta(name: str) -> torch.Tensor:
+        sl = handles[weight_map[name]].get_slice(name)
+        dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
+        if dtype is None:
+            raise ValueError(f"load_hf: {name} in {os.path.join(path, weight_map[name])} is {sl.get_dtype()}, "
+                             "a dtype torch does not have")
+        return torch.empty(tuple(sl.get_shape()), dtype=dtype, device="meta")
 
-    return set(weight_map), get, shape
+    return set(weight_map), get, meta
+
+
+_SAFETENSORS_DTYPES = {
+    k: getattr(torch, v) for k, v in {
+        "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+        "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
+        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
+    }.items() if hasattr(torch, v)
+}
 
 
 class _LazyDict(dict):
     """A read-only mapping whose tensors are read on access (rank 0 of ``load_hf``); a tied alias
     missing from the files reads its first name's tensor."""
 
-    def __init__(self, keys: set[str], getter, shapes, *, tied_names: dict[str, str]) -> None:
+    def __init__(self, keys: set[str], getter, metas, *, tied_names: dict[str, str]) -> None:
         super().__init__()
         self._tied = {a: first for a, first in tied_names.items() if a not in keys and first in keys}
         self._keys = set(keys) | set(self._tied)
-        self._get, self._shape = getter, shapes
+        self._get, self._meta = getter, metas
 
     def _source(self, key: str) -> str:
         if key not in self._keys:
@@ -439,8 +498,9 @@ class _LazyDict(dict):
     def __getitem__(self, key: str) -> torch.Tensor:
         return self._get(self._source(key))
 
-    def shape_of(self, key: str) -> tuple[int, ...]:
-        return self._shape(self._source(key))
+    def meta_of(self, key: str) -> torch.Tensor:
+        """A meta tensor with the shape and dtype reading ``key`` gives (reads nothing)."""
+        return self._meta(self._source(key))
 
     def get(self, key: str, default=None):
         return self[key] if key in self._keys else default

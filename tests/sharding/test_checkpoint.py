@@ -26,6 +26,7 @@ import fsdp_optim
 from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed
 from fsdp_optim.sharding import RaggedShard, elements
 from fsdp_optim.sharding._checkpoint import (
+    MANIFEST,
     FlatShardTensor,
     flat_range_boxes,
     load_checkpoint,
@@ -584,6 +585,132 @@ def test_save_onto_a_symlink_is_refused_and_changes_nothing(tmp_path):
         assert extra == {"step": 1}
         assert_same(full, p)
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_1"] and os.path.islink(latest)
+
+
+def _tree(folder) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path -> bytes)."""
+    out = {}
+    for d, _, files in os.walk(folder):
+        for f in files:
+            out[os.path.relpath(os.path.join(d, f), folder)] = open(os.path.join(d, f), "rb").read()
+    return out
+
+
+def test_save_never_deletes_what_it_did_not_write(tmp_path):
+    """See [Note: what a save replaces]: files added inside a checkpoint, a folder that merely has a
+    ``.metadata`` entry, and a user's ``<path>.old`` / ``<path>.tmp`` are refused on every rank before
+    anything is written, naming the path and the entries; every byte stays and the checkpoint still
+    loads. Checkpoint files only (an empty folder, a crashed save's ``<path>.tmp``) are replaced.
+    Before: each was deleted and the save succeeded."""
+    full = _full_tensors(11)
+    ck = str(tmp_path / "ck")
+
+    def on_rank0(fn) -> None:
+        if dist.get_rank() == 0:
+            fn()
+        dist.barrier()
+
+    def write(path: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write("precious\n")
+
+    def fn():
+        m = build_sharded(full, _torch_rule, seed=1)
+        save_checkpoint(ck, model=m, extra=1)
+        cases = [
+            (lambda: (write(f"{ck}/NOTES.md"), write(f"{ck}/eval/results.json")), ck,
+             r"ck exists and is not a checkpoint .*\(NOTES\.md, eval/\); a save replaces the whole folder"),
+            (lambda: (write(f"{ck}.old/my_backup.txt")), ck + ".old",
+             r"ck\.old \(left by an interrupted save to .*ck, which removes it\) holds entries a save did not "
+             r"write \(my_backup\.txt\).*move them out"),
+            (lambda: (write(f"{ck}.tmp/scratch.txt")), ck + ".tmp", r"ck\.tmp \(left by .*\(scratch\.txt\)"),
+        ]
+        out = []
+        for setup, folder, match in cases:
+            on_rank0(setup)
+            before = _tree(tmp_path)
+            with pytest.raises(ValueError, match=match):
+                save_checkpoint(ck, model=build_sharded({k: v + 1 for k, v in full.items()}, _torch_rule, seed=2))
+            dist.barrier()
+            out.append(_tree(tmp_path) == before)
+            dist.barrier()
+            on_rank0(lambda folder=folder: shutil.rmtree(folder) if folder != ck else
+                     (os.remove(f"{ck}/NOTES.md"), shutil.rmtree(f"{ck}/eval")))
+        # a folder with a `.metadata` entry (an Eclipse workspace) is not a checkpoint
+        ws = str(tmp_path / "workspace")
+        on_rank0(lambda: (write(f"{ws}/.metadata/version.ini"), write(f"{ws}/project/src/main.py")))
+        with pytest.raises(ValueError, match=r"workspace exists and is not a checkpoint .*\(\.metadata/, project/\)"):
+            save_checkpoint(ws, model=m)
+        dist.barrier()
+        out.append(sorted(_tree(ws)) == [".metadata/version.ini", "project/src/main.py"])
+        m2 = build_sharded({k: torch.zeros_like(v) for k, v in full.items()}, _torch_rule, seed=3)
+        out.append(load_checkpoint(ck, model=m2) == 1 and all(torch.equal(full[k], v) for k, v in full_params(m2).items()))
+        # checkpoint files only: an empty folder and a crashed save's leftovers are replaced
+        empty = str(tmp_path / "empty")
+        on_rank0(lambda: (os.makedirs(empty), shutil.copytree(ck, empty + ".tmp"), os.remove(f"{empty}.tmp/{MANIFEST}")))
+        save_checkpoint(empty, model=m, extra=2)
+        out.append(load_checkpoint(empty, model=m2) == 2 and not os.path.exists(empty + ".tmp"))
+        return out
+
+    for r, ok in enumerate(run_distributed(fn, world_size=2, timeout=60)):
+        assert ok == [True] * 6, (r, ok)
+    assert sorted(os.listdir(tmp_path)) == ["ck", "empty", "workspace"]
+
+
+def test_load_state_dict_refuses_a_plain_tensor_of_another_global_shape():
+    """A plain tensor whose shape is not the parameter's global shape is a size mismatch naming both
+    global shapes, as torch's, even when it happens to have this rank's local length (here 26 of 52);
+    nothing changes. Before: ``<All keys matched successfully>``, the 26 values loaded on both ranks."""
+
+    def fn():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.RMSNorm(52))
+        fsdp_optim.fully_shard(m)
+        local = tuple(m[0].weight.shape)
+        before = fsdp_optim.full_state_dict(m)["0.weight"].clone()
+        other = {"0.weight": torch.randn(26)}
+        for strict in (True, False):
+            with pytest.raises(RuntimeError, match=r"size mismatch for 0\.weight: copying a param with shape "
+                               r"torch\.Size\(\[26\]\) from checkpoint, the shape in current model is torch\.Size\(\[52\]\)"):
+                m.load_state_dict(other, strict=strict)
+        unchanged = torch.equal(fsdp_optim.full_state_dict(m)["0.weight"], before)
+        m.load_state_dict({"0.weight": torch.arange(52.0)})  # the global shape still loads
+        return local, unchanged, torch.equal(fsdp_optim.full_state_dict(m)["0.weight"], torch.arange(52.0))
+
+    assert run_distributed(fn, world_size=2, timeout=60) == [((26,), True, True)] * 2
+
+
+def test_whole_tensor_save_with_a_failure_on_one_rank_raises_on_every_rank(tmp_path):
+    """A ``WholeTensorOptimizer`` save whose rank 1 fails building its state raises on both ranks, naming
+    rank 1, and writes nothing; the next save works. Before: rank 0's schema gather paired with rank
+    1's error agreement, and rank 0 hung."""
+    from fsdp_optim.optimizers import WholeTensorOptimizer
+
+    ck = tmp_path / "ck"
+
+    def fn():
+        m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+        fsdp_optim.fully_shard(m, blocks=WholeTensorOptimizer.blocks, plan_config=PlanConfig(layout="ragged"))
+        opt = WholeTensorOptimizer(m.parameters(), torch.optim.NAdam, lr=1e-2)
+        m(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        owned_state = opt.owned_state
+        if dist.get_rank() == 1:
+            def boom():
+                raise RuntimeError("simulated failure on rank 1")
+
+            opt.owned_state = boom
+        with pytest.raises(RuntimeError, match=r"^(rank 1: )?simulated failure on rank 1$"):
+            save_checkpoint(ck, model=m, optimizer=opt)
+        dist.barrier()
+        nothing = sorted(os.listdir(tmp_path)) == []
+        opt.owned_state = owned_state
+        save_checkpoint(ck, model=m, optimizer=opt)
+        return nothing
+
+    assert run_distributed(fn, world_size=2, timeout=30) == [True, True]
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
 # =====================================================================================================

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -128,6 +130,31 @@ def test_intact_checkpoint_still_loads_bitwise(saved):
         return all(torch.equal(got[k], want[k]) for k in want)
 
     assert run_distributed(fn, world_size=2) == [True, True]
+
+
+def test_emptied_checksums_are_not_verified_silently(saved, tmp_path):
+    """A manifest whose ``checksums`` is ``{}`` gives the warning a missing ``checksums`` gives (a saved
+    checkpoint always has files). Before: no warning, as if every file had been verified."""
+    for edit in ("removed", "emptied"):
+        bad = tmp_path / edit
+        shutil.copytree(saved, bad)
+        manifest = json.loads((bad / "fsdp_optim.json").read_text())
+        if edit == "removed":
+            del manifest["checksums"]
+        else:
+            manifest["checksums"] = {}
+        (bad / "fsdp_optim.json").write_text(json.dumps(manifest))
+
+        def fn(bad=bad):
+            model, opt = _trained(seed=1)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fsdp_optim.load_checkpoint(bad, model=model, optimizer=opt)
+            return [str(w.message) for w in caught if "checksums" in str(w.message)]
+
+        msgs = run_distributed(fn, world_size=2, timeout=60)
+        assert len(msgs[0]) == 1 and re.search(rf"{edit}: the checkpoint has no checksums.*not verified", msgs[0][0])
+        assert msgs[1] == [], edit
 
 
 # ---- loading runs no code ([Note: loading runs no code]) ---------------------------------------

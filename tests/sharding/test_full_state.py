@@ -4,6 +4,7 @@ than 0 never hold more than one bucket at full size (live tensor bytes, ``LiveBy
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -84,3 +85,60 @@ def test_broadcast_from_rank0_strict_errors_raise_on_every_rank():
         return False
 
     assert run_distributed(fn, world_size=2) == [True, True]
+
+
+def _full_params(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in fsdp_optim.full_state_dict(model).items()}
+
+
+def test_broadcast_from_rank0_refuses_a_meta_tensor_on_every_rank_before_loading():
+    """A meta tensor (right shape, no values) in rank 0's dict raises a ValueError naming it on every rank
+    before the first broadcast; nothing is loaded. Before: rank 0 raised NotImplementedError mid-broadcast
+    ("Cannot copy out of meta tensor") and rank 1 hung in dist.broadcast."""
+    torch.manual_seed(5)
+    source = {k: v.clone() for k, v in TinyTransformer(CFG).state_dict().items()}
+    bad = "layers.1.mlp.w2.weight"
+
+    def fn():
+        model = _sharded(0)
+        before = _full_params(model)
+        mine = {**source, bad: torch.empty(source[bad].shape, device="meta")}
+        for broadcast in (True, False):
+            with pytest.raises(ValueError, match=rf"{bad}: the full state dict's tensor is on the meta device"):
+                fsdp_optim.load_full_state_dict(model, mine if dist.get_rank() == 0 or not broadcast else None,
+                                                broadcast_from_rank0=broadcast)
+        after = _full_params(model)
+        return all(torch.equal(before[k], after[k]) for k in before)
+
+    assert run_distributed(fn, world_size=2, timeout=30) == [True, True]
+
+
+class _Unreadable(dict):
+    """A lazy source (as ``load_hf``'s): shapes and dtypes known without reading, one tensor fails to read."""
+
+    bad = "layers.2.mlp.w1.weight"
+
+    def meta_of(self, key):
+        return torch.empty_like(dict.__getitem__(self, key), device="meta")
+
+    def __getitem__(self, key):
+        if key == self.bad:
+            raise OSError(f"read error on {key}")
+        return dict.__getitem__(self, key)
+
+
+def test_broadcast_from_rank0_read_failure_raises_on_every_rank():
+    """A failure only seen while rank 0 reads (see [Note: broadcasting from rank 0]) raises the same
+    ValueError on every rank, naming the key and what is loaded; no rank hangs. Before: rank 0 raised
+    alone and the others waited in dist.broadcast."""
+    torch.manual_seed(5)
+    source = _Unreadable({k: v.clone() for k, v in TinyTransformer(CFG).state_dict().items()})
+
+    def fn():
+        model = _sharded(0)
+        with pytest.raises(ValueError, match=r"rank 0 cannot send layers\.2\.mlp\.w1\.weight: OSError: read error "
+                                             r"on layers\.2\.mlp\.w1\.weight; (the \d+ tensors sent before it are loaded|nothing was)"):
+            fsdp_optim.load_full_state_dict(model, source if dist.get_rank() == 0 else None, broadcast_from_rank0=True)
+        return True
+
+    assert run_distributed(fn, world_size=2, timeout=30) == [True, True]

@@ -241,3 +241,67 @@ def test_export_whose_final_rename_fails_puts_the_previous_export_back(tmp_path,
         fsdp_optim.export_hf(_sharded(cfg, seed=1), out)
     monkeypatch.undo()
     assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in fsdp_optim.full_state_dict(model).items()}
+
+
+def test_load_hf_convert_skips_non_persistent_buffers_and_its_errors_raise_on_every_rank(tmp_path):
+    """``convert`` is called for ``state_dict()`` names only (not the non-persistent rotary ``inv_freq``,
+    which no file holds), and an exception it raises is a ValueError on every rank naming the name,
+    before anything is loaded. Before: a KeyError for ``model.rotary_emb.inv_freq`` on rank 0 only,
+    and rank 1 hung."""
+    cfg = _config(False)
+    known = set(transformers.AutoModelForCausalLM.from_config(cfg).state_dict())
+    seen, fail = [], {"model.norm.weight"}
+
+    def convert(name):
+        seen.append(name)
+        if name not in known or name in fail:
+            raise KeyError(f"no HF name for {name}")
+        return name, lambda t: t
+
+    def fn():
+        fsdp_optim.export_hf(_sharded(cfg, seed=0), tmp_path / "hf")
+        model = _sharded(cfg, seed=1)
+        before = _state(model)
+        with pytest.raises(ValueError, match=r"load_hf\(.*hf\): convert\('model\.norm\.weight'\) raised KeyError"):
+            fsdp_optim.load_hf(model, tmp_path / "hf", convert=convert)
+        after = _state(model)
+        unchanged = all(torch.equal(before[k], after[k]) for k in before)
+        fail.clear()
+        fsdp_optim.load_hf(model, tmp_path / "hf", convert=convert)
+        return unchanged, sorted(set(seen) - known)
+
+    assert run_distributed(fn, world_size=2, timeout=60) == [(True, [])] * 2
+
+
+def test_load_hf_from_hf_of_the_wrong_shape_raises_on_every_rank(tmp_path):
+    """A ``from_hf`` giving a wrongly shaped tensor: seen on a meta tensor, it is refused before anything
+    is loaded; seen only on real data (numpy), it raises on every rank when read (see [Note:
+    broadcasting from rank 0]). Both name the tensor and the shapes. Before: rank 0 raised mid-broadcast,
+    rank 1 hung, the buckets before it stayed loaded."""
+    cfg = _config(False)
+    victim = "model.layers.0.mlp.down_proj.weight"
+    layouts = {
+        "meta": (lambda t: t.t().contiguous()[:10], r"shape mismatch for model\.layers\.0\.mlp\.down_proj\.weight: "
+                 r"the full state dict has \(10, 32\), the model \(32, 72\)"),
+        "data": (lambda t: torch.from_numpy(t.numpy().T[:10].copy()), r"rank 0 cannot send model\.layers\.0\.mlp\."
+                 r"down_proj\.weight: ValueError: shape mismatch .* has \(10, 32\), the model \(32, 72\)"),
+    }
+
+    def fn():
+        fsdp_optim.export_hf(_sharded(cfg, seed=0), tmp_path / "hf")
+        out = []
+        for from_hf, match in layouts.values():
+            model = _sharded(cfg, seed=1)
+            before = _state(model)
+            with pytest.raises(ValueError, match=match):
+                fsdp_optim.load_hf(model, tmp_path / "hf", convert=lambda n: (n, from_hf if n == victim else (lambda t: t)))
+            after = _state(model)
+            out.append(all(torch.equal(before[k], after[k]) for k in before))
+        return out
+
+    # (the data case loads the buckets before the victim's: only the meta case leaves everything as it was)
+    assert [r[0] for r in run_distributed(fn, world_size=2, timeout=60)] == [True, True]
