@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -14,7 +14,7 @@ from ..sharding._ragged import RaggedShard
 from ..sharding._runtime import materialize_all
 from ..sharding._shard_info import ShardInfo, check_not_replaced, shard_info
 
-__all__ = ["param_info", "checked_param_info", "require_spec", "check_adam_hparams", "make_dcp_ready", "StateShard", "ShardedState", "apply_update"]
+__all__ = ["param_info", "checked_param_info", "require_spec", "check_adam_hparams", "make_dcp_ready", "StateShard", "ShardedState", "apply_update", "discard_last_group"]
 
 
 class StateShard(NamedTuple):
@@ -142,6 +142,15 @@ def apply_update(flat: torch.Tensor, direction: torch.Tensor, step_size: float, 
     if decay:
         x.add_(x, alpha=-decay)
     flat.copy_(x)
+
+
+def discard_last_group(optimizer: torch.optim.Optimizer, plans: dict[torch.Tensor, Any]) -> None:
+    """Undo ``add_param_group``'s append when checking its parameters raised: the group, and the plans
+    and state made for its parameters, go, so a refused group leaves the optimizer as it was."""
+    group = optimizer.param_groups.pop()
+    for p in group["params"]:
+        plans.pop(p, None)
+        optimizer.state.pop(p, None)
 
 
 def make_dcp_ready(optimizer: torch.optim.Optimizer) -> None:

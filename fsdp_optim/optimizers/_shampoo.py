@@ -99,7 +99,9 @@ from torch import Tensor
 
 from ..sharding._blocks import BlockKind, BlockRule, BlockSpec, merge_small_dims
 from ..sharding._shard_info import ShardInfo, shard_info
-from ._base import StateShard, apply_update, checked_param_info, make_dcp_ready, require_spec, profiled_step
+from ._base import (
+    StateShard, apply_update, checked_param_info, discard_last_group, make_dcp_ready, profiled_step, require_spec,
+)
 from ._linalg import aligned, bmm, eigh
 from ._rules import shampoo_rule
 
@@ -463,7 +465,13 @@ class Shampoo(torch.optim.Optimizer):
             hp["start_preconditioning_step"] = None
         where = f"parameter group {len(self.param_groups)}: "
         super().add_param_group({**param_group, **_resolve_hyperparameters(hp, where=where, stacklevel=3)})
-        group = self.param_groups[-1]
+        try:
+            self._plan_group(self.param_groups[-1])
+        except BaseException:
+            discard_last_group(self, self._plans)
+            raise
+
+    def _plan_group(self, group: dict[str, Any]) -> None:
         k = group["max_preconditioner_dim"]
         names = group.get("param_names", [None] * len(group["params"]))
         for name, p in zip(names, group["params"]):

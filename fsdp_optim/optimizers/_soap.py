@@ -66,7 +66,9 @@ import torch
 from torch import Tensor, nn
 
 from ..sharding._blocks import BlockRule, BlockSpec, elements, whole
-from ._base import StateShard, apply_update, checked_param_info, make_dcp_ready, profiled_step, require_spec
+from ._base import (
+    StateShard, apply_update, checked_param_info, discard_last_group, make_dcp_ready, profiled_step, require_spec,
+)
 from ._linalg import aligned, batched_ok, bmm, eigh, qr_q
 from ._rules import shampoo_rule
 from ._shampoo import BlockGeometry, shampoo_blocks
@@ -226,7 +228,13 @@ class SOAP(torch.optim.Optimizer):
         _check_hyperparameters({k: param_group.get(k, v) for k, v in self.defaults.items()},
                                where=f"parameter group {len(self.param_groups)}: ")  # fmt: skip
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        try:
+            self._plan_group(self.param_groups[-1])
+        except BaseException:
+            discard_last_group(self, self._plans)
+            raise
+
+    def _plan_group(self, group: dict[str, Any]) -> None:
         k = self._block_size
         blocks = "SOAP.rule(block_size=None)" if k is None else f"SOAP.rule(block_size={k})"
         names = group.get("param_names", [None] * len(group["params"]))

@@ -487,6 +487,24 @@ def test_layout_that_cuts_a_strip_raises_naming_the_parameter_and_the_fix():
     Shampoo([ok], max_preconditioner_dim=4)  # strips whole: accepted whatever the recorded spec
 
 
+def test_a_group_refused_for_its_layout_leaves_the_optimizer_as_it_was():
+    """add_param_group appends the group, then checks its parameters' layouts: a refusal takes the
+    group (and any state made for it) back out, so the optimizer steps on as before."""
+    full = torch.randn(9, 4)
+
+    def fn():
+        good = make_sharded_param(full, spec=elements(1), layout=RaggedShard((9, 4), (0, 16, 36)), fqn="w")
+        bad = make_sharded_param(full, spec=elements(1), layout=RaggedShard((9, 4), (0, 12, 36)), fqn="layers.0.w")
+        opt = Shampoo([good], max_preconditioner_dim=4)
+        with pytest.raises(ValueError, match="layers.0.w"):
+            opt.add_param_group({"params": [bad]})
+        good.grad = torch.ones_like(good)
+        opt.step()
+        return len(opt.param_groups), bad in opt.state, len(opt.state)
+
+    assert run_distributed(fn, world_size=2) == [(1, False, 1)] * 2
+
+
 def test_grafting_only_before_start_and_lr_scheduler():
     """Before start_preconditioning_step the search direction is the Adam grafting direction, so
     the step is torch.optim.Adam's; an LR scheduler scales it."""

@@ -292,6 +292,18 @@ def test_whole_tensor_mode_rejects_a_split_tensor_naming_it_and_the_fix():
     with pytest.raises(DistributedTestError, match="SOAP.rule\\(block_size=4\\)"):
         run_distributed(fn2, world_size=2)
 
+    def fn3():  # a group refused for its layout is taken back out: the optimizer is as it was
+        good = make_sharded_param(full, spec=whole(), layout=RaggedShard((6, 4), (0, 0, 24)), fqn="w")
+        bad = make_sharded_param(full, spec=whole(), layout=RaggedShard((6, 4), (0, 8, 24)), fqn="layers.0.w")
+        opt = SOAP([good])
+        with pytest.raises(ValueError, match="layers.0.w"):
+            opt.add_param_group({"params": [bad]})
+        good.grad = torch.ones_like(good)
+        opt.step()
+        return len(opt.param_groups), bad in opt.state, len(opt.state)
+
+    assert run_distributed(fn3, world_size=2) == [(1, False, 1)] * 2
+
 
 # ---- batched (see [Note: batched SOAP]) ----------------------------------------------------------
 BATCH_SHAPES = [(37, 50), (64, 64), (64, 64), (64, 64), (5,), (3, 7, 11), (1, 600), (1, 600), (), ()]
