@@ -1334,8 +1334,15 @@ def load_full_state_dict(
     targets = {**dict(model.named_buffers(remove_duplicate=False)), **params}
     if not broadcast_from_rank0 or not dist.is_initialized() or dist.get_world_size() == 1:
         with torch.no_grad():
-            for key, info in pairs:
-                dst, src = targets[key], full[key]
+            for n, (key, info) in enumerate(pairs):
+                dst = targets[key]
+                try:
+                    src = _read_source(full, key, info.shape if info is not None else tuple(dst.shape))
+                except Exception as e:  # noqa: BLE001 - a lazy source (load_hf) failing when read
+                    state = f"the {n} tensors before it are loaded, the rest are not" if n else "nothing was loaded"
+                    raise ValueError(
+                        f"load_full_state_dict: cannot read {key}: {type(e).__name__}: {e}; {state}"
+                    ) from e
                 if info is not None:
                     dst.copy_(src.detach().reshape(-1)[info.start : info.end])
                 else:
@@ -1347,9 +1354,12 @@ def load_full_state_dict(
 def _check_source(key: str, full: Mapping[str, Any], shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """Raise naming ``key`` unless ``full[key]`` can be copied into a target of ``shape`` and ``dtype``:
     a dense tensor with values (not meta), of that shape, of a dtype that converts. A lazy mapping (as
-    ``load_hf``'s) answers ``meta_of(key)``, a meta tensor of what reading would give, without reading."""
+    ``load_hf``'s) answers ``meta_of(key)``, a meta tensor of what reading would give, without reading
+    (or ``None``: then the tensor is checked when read, by ``_read_source``)."""
     lazy = hasattr(full, "meta_of")
     src = full.meta_of(key) if lazy else full[key]
+    if lazy and src is None:
+        return  # only reading can tell: checked then (``_read_source``)
     if not torch.is_tensor(src):
         raise ValueError(f"{key}: the full state dict holds a {_type_name(src)}, not a tensor")
     if tuple(src.shape) != tuple(shape):
@@ -1365,6 +1375,20 @@ def _check_source(key: str, full: Mapping[str, Any], shape: tuple[int, ...], dty
         raise ValueError(f"{key}: the full state dict's tensor is {src.layout}; pass a dense one (.to_dense())")
     if not _copies(src.dtype, dtype):
         raise ValueError(f"{key}: the full state dict's {src.dtype} tensor cannot be copied into the model's {dtype}")
+
+
+def _read_source(full: Mapping[str, Any], key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """``full[key]``, refused unless a tensor of ``shape``: what ``_check_source`` could not see of a lazy
+    source (a ``from_hf`` that needs real data) is seen here, before a wrong shape of the same size is
+    copied in as a silently permuted tensor."""
+    src = full[key]
+    if not torch.is_tensor(src):
+        raise ValueError(f"{key}: the full state dict holds a {_type_name(src)}, not a tensor")
+    if tuple(src.shape) != tuple(shape):
+        raise ValueError(
+            f"shape mismatch for {key}: the full state dict has {tuple(src.shape)}, the model {tuple(shape)}"
+        )
+    return src
 
 
 def _copies(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -1410,12 +1434,7 @@ def _broadcast_full_state(
     loaded: list[str] = []
 
     def fill(dst: torch.Tensor, key: str) -> None:
-        src = full[key]
-        if tuple(src.shape) != tuple(dst.shape):
-            raise ValueError(
-                f"shape mismatch for {key}: the full state dict has {tuple(src.shape)}, the model {tuple(dst.shape)}"
-            )
-        dst.copy_(src.detach())
+        dst.copy_(_read_source(full, key, tuple(dst.shape)).detach())
 
     def rank0_fills(items: list[tuple[torch.Tensor, str]]) -> None:
         """Rank 0 fills each ``(buffer, key)``; its outcome is broadcast, so every rank raises on a failure."""

@@ -366,16 +366,15 @@ def _converted(names: list[str], convert, keys: set[str], file_get, file_meta):
         hf_name, from_hf = mapping[n]
         return from_hf(file_get(hf_name))
 
-    def meta(n: str) -> torch.Tensor:
+    def meta(n: str) -> torch.Tensor | None:
+        """What ``from_hf`` gives, on meta; ``None`` when that needs real data (checked when read): the
+        file's own shape would wrongly refuse a ``from_hf`` that permutes."""
         hf_name, from_hf = mapping[n]
-        t = file_meta(hf_name)
         try:
-            out = from_hf(t)
-        except Exception:  # noqa: BLE001 - needs real data: checked when read (see the docstring)
-            return t
-        if not (torch.is_tensor(out) and out.is_meta):
-            return t
-        return out
+            out = from_hf(file_meta(hf_name))
+        except Exception:  # noqa: BLE001 - e.g. numpy: see the docstring
+            return None
+        return out if torch.is_tensor(out) and out.is_meta else None
 
     return set(mapping), get, meta
 
@@ -498,8 +497,9 @@ class _LazyDict(dict):
     def __getitem__(self, key: str) -> torch.Tensor:
         return self._get(self._source(key))
 
-    def meta_of(self, key: str) -> torch.Tensor:
-        """A meta tensor with the shape and dtype reading ``key`` gives (reads nothing)."""
+    def meta_of(self, key: str) -> torch.Tensor | None:
+        """A meta tensor with the shape and dtype reading ``key`` gives (reads nothing); ``None`` when
+        only reading can tell (a ``from_hf`` that needs real data)."""
         return self._meta(self._source(key))
 
     def get(self, key: str, default=None):

@@ -705,6 +705,7 @@ def test_whole_tensor_save_with_a_failure_on_one_rank_raises_on_every_rank(tmp_p
             save_checkpoint(ck, model=m, optimizer=opt)
         dist.barrier()
         nothing = sorted(os.listdir(tmp_path)) == []
+        dist.barrier()  # both ranks have looked before either starts the next save
         opt.owned_state = owned_state
         save_checkpoint(ck, model=m, optimizer=opt)
         return nothing

@@ -305,3 +305,47 @@ def test_load_hf_from_hf_of_the_wrong_shape_raises_on_every_rank(tmp_path):
 
     # (the data case loads the buckets before the victim's: only the meta case leaves everything as it was)
     assert [r[0] for r in run_distributed(fn, world_size=2, timeout=60)] == [True, True]
+
+
+def _transpose_in_files(hf_dir, name: str) -> None:
+    """Rewrite the exported files with ``name`` stored transposed (a layout only ``convert`` undoes)."""
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        tensors = safetensors_torch.load_file(f)
+        if name in tensors:
+            tensors[name] = tensors[name].t().contiguous()
+            safetensors_torch.save_file(tensors, f, metadata={"format": "pt"})
+            return
+    raise AssertionError(f"{name} is in no exported file")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_load_hf_from_hf_that_needs_real_data_is_checked_when_read(tmp_path, world_size):
+    """A ``from_hf`` that only works on real data (numpy) cannot be evaluated on meta, so its shape is
+    checked when read: one that permutes the file's layout back loads bitwise equal to the exported
+    model, and one that gives a tensor of the same size but the wrong shape raises naming it. Before:
+    the file's own shape was checked instead, so the first was refused at W=2 and the second loaded
+    silently permuted at W=1."""
+    cfg = _config(False)
+    victim = "model.layers.0.mlp.down_proj.weight"  # (32, 72)
+    numpy_t = lambda t: torch.from_numpy(t.numpy().T.copy())  # noqa: E731
+    numpy_as_is = lambda t: torch.from_numpy(t.numpy().copy())  # noqa: E731
+
+    def fn():
+        ref = _sharded(cfg, seed=0)
+        fsdp_optim.export_hf(ref, tmp_path / "hf")
+        want = _state(ref)
+        if dist.get_rank() == 0:
+            _transpose_in_files(tmp_path / "hf", victim)
+        dist.barrier()
+        model = _sharded(cfg, seed=1)
+        fsdp_optim.load_hf(model, tmp_path / "hf", convert=lambda n: (n, numpy_t if n == victim else (lambda t: t)))
+        got = _state(model)
+        loads = sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
+        model = _sharded(cfg, seed=1)
+        with pytest.raises(ValueError, match=r"down_proj\.weight: .*shape mismatch for model\.layers\.0\.mlp\."
+                           r"down_proj\.weight: the full state dict has \(72, 32\), the model \(32, 72\)"):
+            # the file's transposed layout, read as it is
+            fsdp_optim.load_hf(model, tmp_path / "hf", convert=lambda n: (n, numpy_as_is))
+        return loads
+
+    assert run_distributed(fn, world_size=world_size, timeout=60) == [True] * world_size
