@@ -60,8 +60,8 @@ import numpy as np
 
 from fsdp_optim._cli import optimizer_rule
 from fsdp_optim.sharding import BucketPlan, Layout, PlanConfig, plan_model
-from fsdp_optim.sharding._presets import preset_buckets, preset_names
-from fsdp_optim.sharding._wire import LinkModel, WireMode, choose_wire_mode
+from fsdp_optim.sharding.plan import preset_buckets, preset_names
+from fsdp_optim.sharding.plan import LinkModel, WireMode, choose_wire_mode
 
 WORLD_SIZES = (8, 64, 256, 1024, 4096, 16384)
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -414,7 +414,7 @@ def to_markdown(data: dict) -> str:
         "Per step, FSDP collectives of our plan plus our optimizer exchanges, with every ragged bucket moved as "
         "`grouped` (NCCL's list forms: one broadcast / reduce per owner, each its own pipeline: "
         "`owners * (W-1) * alpha`), `padded` (one ring over segments padded to the largest) or `auto` (the "
-        "runtime's per-bucket choice by `fsdp_optim.sharding._wire`); (b) FSDP2 + gather-based torch.optim.Muon "
+        "runtime's per-bucket choice by `fsdp_optim.sharding.plan._wire`); (b) FSDP2 + gather-based torch.optim.Muon "
         "beside them.",
         "",
         "| preset | W | grouped ms | padded ms | auto ms | padded buckets / ragged | (b) FSDP2 + Muon ms |",

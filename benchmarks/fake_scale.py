@@ -30,7 +30,7 @@ from _out import out_dir  # noqa: E402
 import fsdp_optim  # noqa: E402
 from fsdp_optim._testing import LiveBytes  # noqa: E402
 from fsdp_optim.optimizers import adamw_rule, muon_rule  # noqa: E402
-from fsdp_optim.sharding._presets import preset_shapes  # noqa: E402
+from fsdp_optim.sharding.plan import preset_shapes  # noqa: E402
 
 MB = 1e6
 

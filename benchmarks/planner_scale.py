@@ -25,7 +25,7 @@ from _out import out_dir  # noqa: E402
 
 from fsdp_optim._cli import optimizer_rule
 from fsdp_optim.sharding import PlanConfig, plan_model
-from fsdp_optim.sharding._presets import preset_buckets, preset_names
+from fsdp_optim.sharding.plan import preset_buckets, preset_names
 
 OPTIMIZERS = ("adamw", "adamw8bit", "muon", "shampoo")
 LAYOUTS = ("even", "ragged", "auto")

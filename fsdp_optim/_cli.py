@@ -39,7 +39,7 @@ def optimizer_rule(name: str):
 
 # ---- plan ---------------------------------------------------------------------------
 def _add_plan(sub) -> None:
-    from .sharding._presets import preset_names
+    from .sharding.plan import preset_names
 
     p = sub.add_parser(
         "plan",
@@ -70,7 +70,7 @@ def _add_plan(sub) -> None:
 
 def _wire_of(bucket, itemsize: int, wire: str) -> str:
     """What a bucket uses on NCCL: ``even`` (one tensor collective), or the ragged wire mode."""
-    from .sharding._wire import choose_wire_mode
+    from .sharding.plan import choose_wire_mode
 
     sizes = bucket.segment_sizes
     if len(set(sizes)) <= 1:
@@ -79,9 +79,9 @@ def _wire_of(bucket, itemsize: int, wire: str) -> str:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .sharding._plan import PlanConfig
-    from .sharding._planner import plan_model
-    from .sharding._presets import preset_buckets
+    from .sharding.plan import PlanConfig
+    from .sharding.plan import plan_model
+    from .sharding.plan import preset_buckets
 
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")

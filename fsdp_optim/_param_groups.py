@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from .sharding._shard_info import shard_info
+from .sharding import shard_info
 
 __all__ = ["global_shape", "param_groups"]
 

@@ -150,7 +150,7 @@ def make_sharded_param(
     import torch
     import torch.distributed as dist
 
-    from .sharding._shard_info import ShardInfo, set_shard_info
+    from .sharding import ShardInfo, set_shard_info
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     p = torch.nn.Parameter(layout.shard(full.detach(), rank).clone())

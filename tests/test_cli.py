@@ -55,7 +55,7 @@ def test_plan_report(capsys):
 def test_plan_hsdp_shard_size_at_16384_ranks(capsys, optimizer):
     """HSDP at W = 16384 with shard groups of 64: every preset keeps whole Muon matrices / Shampoo
     blocks (no split; padding < 0.1%: measured <= 4e-5) with per-rank bytes max/mean <= 1.10."""
-    from fsdp_optim.sharding._presets import preset_names
+    from fsdp_optim.sharding.plan import preset_names
 
     for model in preset_names():
         argv = ["plan", "--model", model, "--world-size", "16384", "--shard-size", "64", "--optimizer", optimizer]

@@ -9,10 +9,10 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..sharding._blocks import BlockRule, BlockSpec
-from ..sharding._ragged import RaggedShard
-from ..sharding._runtime import materialize_all
-from ..sharding._shard_info import ShardInfo, check_not_replaced, shard_info
+from ..sharding import BlockRule, BlockSpec
+from ..sharding import RaggedShard
+from ..sharding import materialize_all
+from ..sharding import ShardInfo, check_not_replaced, shard_info
 
 __all__ = ["param_info", "checked_param_info", "require_spec", "check_adam_hparams", "make_dcp_ready", "StateShard", "ShardedState", "apply_update", "discard_last_group"]
 
@@ -157,7 +157,7 @@ def make_dcp_ready(optimizer: torch.optim.Optimizer) -> None:
     """Make ``optimizer.state_dict()`` / ``load_state_dict()`` DCP-ready when any parameter is
     sharded (sharded state as ``FlatShardTensor`` of its global form, as FSDP2 does with DTensor),
     so ``torch.distributed.checkpoint`` save/load on them directly reshards across world sizes."""
-    from ..sharding._checkpoint import register_optimizer_hooks
+    from ..sharding import register_optimizer_hooks
 
     if any(shard_info(p) is not None for g in optimizer.param_groups for p in g["params"]):
         register_optimizer_hooks(optimizer)

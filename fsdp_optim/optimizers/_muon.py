@@ -77,8 +77,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..sharding._blocks import BlockRule, expert, whole
-from ..sharding._shard_info import ShardInfo, shard_info
+from ..sharding import BlockRule, expert, whole
+from ..sharding import ShardInfo, shard_info
 from ._adamw import adamw_update
 from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec, profiled_step
 from ._rules import ambiguous_name_guess, muon_rule

@@ -61,8 +61,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..sharding._blocks import BlockRule, elements
-from ..sharding._shard_info import ShardInfo
+from ..sharding import BlockRule, elements
+from ..sharding import ShardInfo
 from ._base import StateShard, check_adam_hparams, checked_param_info, make_dcp_ready, require_spec, profiled_step
 
 __all__ = ["QUANTIZE_MIN_NUMEL", "QuantFormat", "FORMAT_8BIT", "FORMAT_4BIT", "quantize_blockwise", "dequantize_blockwise"]

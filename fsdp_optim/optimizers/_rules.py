@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..sharding._blocks import BlockRule, BlockSpec, elements, expert, merge_small_dims, rows, whole
+from ..sharding import BlockRule, BlockSpec, elements, expert, merge_small_dims, rows, whole
 
 __all__ = [
     "is_embedding_or_head",

@@ -97,8 +97,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..sharding._blocks import BlockKind, BlockRule, BlockSpec, merge_small_dims
-from ..sharding._shard_info import ShardInfo, shard_info
+from ..sharding import BlockKind, BlockRule, BlockSpec, merge_small_dims
+from ..sharding import ShardInfo, shard_info
 from ._base import (
     StateShard, apply_update, checked_param_info, discard_last_group, make_dcp_ready, profiled_step, require_spec,
 )

@@ -65,7 +65,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..sharding._blocks import BlockRule, BlockSpec, elements, whole
+from ..sharding import BlockRule, BlockSpec, elements, whole
 from ._base import (
     StateShard, apply_update, checked_param_info, discard_last_group, make_dcp_ready, profiled_step, require_spec,
 )

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..sharding._blocks import BlockSpec, elements, whole
-from ..sharding._shard_info import ShardInfo, shard_info
+from ..sharding import BlockSpec, elements, whole
+from ..sharding import ShardInfo, shard_info
 from ._base import profiled_step
 
 __all__ = ["WholeTensorOptimizer", "whole_tensor_rule"]

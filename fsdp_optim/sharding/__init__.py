@@ -1,11 +1,48 @@
-"""Sharding core: block specs, RaggedShard layouts, the planner and DistributedBuffer."""
+"""The sharding package's face: what users and the optimizers import.
 
-from ._blocks import BlockKind, BlockRule, BlockSpec, default_rule, elements, expert, heads, rows, whole
+- layout math (re-exported from ``plan``): block specs and rules, RaggedShard, the plan and planner;
+- the runtime: ``fully_shard``, ``ShardInfo`` / ``shard_info`` (a sharded parameter's piece), mixed
+  precision, FP8 all-gather, ``DistributedBuffer``, gradient clipping, initialization;
+- the optimizer contract (for optimizer authors): ``materialize_all``, ``check_not_replaced``,
+  ``register_optimizer_hooks``, ``ShardedState`` / ``OwnedState``.
+
+Everything else in this package is private (``_``-prefixed modules).
+"""
+
 from ._buffer import CollectiveHandle, DistributedBuffer
+from ._checkpoint import register_optimizer_hooks
+from ._clip import clip_grad_norm_
+from ._dtensor import from_dtensor, to_dtensor
 from ._float8 import Float8AllGather, dequantize_blockwise, quantize_blockwise
-from ._plan import BucketPlan, Layout, Placement, Plan, PlanConfig, TensorSpec
-from ._planner import PlanStats, plan_model, tensor_cost
-from ._ragged import RaggedShard, block_aligned_splits, chunk_bounds, from_dtensor, to_dtensor
+from ._fully_shard import ShardedModule, fully_shard, sharded_plan
+from ._init import init_weights
+from ._mixed_precision import MixedPrecisionPolicy
+from ._runtime import materialize_all
+from ._shard_info import ShardInfo, check_not_replaced, set_shard_info, shard_info
+from .plan import (
+    BlockKind,
+    BlockRule,
+    BlockSpec,
+    BucketPlan,
+    Layout,
+    Placement,
+    Plan,
+    PlanConfig,
+    PlanStats,
+    RaggedShard,
+    TensorSpec,
+    block_aligned_splits,
+    chunk_bounds,
+    default_rule,
+    elements,
+    expert,
+    heads,
+    merge_small_dims,
+    plan_model,
+    rows,
+    tensor_cost,
+    whole,
+)
 
 __all__ = [
     "BlockKind",
@@ -16,23 +53,36 @@ __all__ = [
     "DistributedBuffer",
     "Float8AllGather",
     "Layout",
+    "MixedPrecisionPolicy",
     "Placement",
     "Plan",
     "PlanConfig",
     "PlanStats",
     "RaggedShard",
+    "ShardInfo",
+    "ShardedModule",
     "TensorSpec",
     "block_aligned_splits",
+    "check_not_replaced",
     "chunk_bounds",
+    "clip_grad_norm_",
     "default_rule",
     "dequantize_blockwise",
     "elements",
     "expert",
     "from_dtensor",
+    "fully_shard",
     "heads",
+    "init_weights",
+    "materialize_all",
+    "merge_small_dims",
     "plan_model",
     "quantize_blockwise",
+    "register_optimizer_hooks",
     "rows",
+    "set_shard_info",
+    "shard_info",
+    "sharded_plan",
     "tensor_cost",
     "to_dtensor",
     "whole",

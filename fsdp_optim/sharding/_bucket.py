@@ -73,9 +73,9 @@ from torch.profiler import record_function
 from ._buffer import CollectiveHandle, DistributedBuffer, _zero_ranges
 from ._float8 import Float8Gather, tile_aligned
 from ._mixed_precision import MixedPrecisionPolicy
-from ._plan import BucketPlan, PlanConfig
+from .plan import BucketPlan, PlanConfig
 from ._shard_info import ShardInfo, mark_replaced, set_shard_info, shard_info
-from ._wire import choose_wire_mode
+from .plan import choose_wire_mode
 
 if TYPE_CHECKING:
     from ._runtime import _ModuleState, _Runtime

@@ -87,8 +87,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ._plan import BucketPlan
-from ._wire import WireMode
+from ._dist import device_of_backend
+from .plan import BucketPlan
+from .plan import WireMode
 
 __all__ = ["DistributedBuffer", "CollectiveHandle", "UNEVEN_GATHER_MODES"]
 
@@ -185,7 +186,7 @@ class DistributedBuffer:
                 f"plan with world_size={group_size} or call torch.distributed.init_process_group first"
             )
         if device is None:
-            device = _default_device(self.backend)
+            device = device_of_backend(self.backend)
         self.device = torch.device(device)
         self.dtype = dtype
         self.sizes: list[int] = plan.segment_sizes
@@ -446,12 +447,6 @@ class DistributedBuffer:
                 f"bucket {self.plan.name!r}: {what} is on {t.device} but the buffer lives on {self.device}; "
                 "move it first"
             )
-
-
-def _default_device(backend: str | None) -> torch.device:
-    if backend is not None and "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _padding_ranges(plan: BucketPlan) -> list[tuple[int, int]]:

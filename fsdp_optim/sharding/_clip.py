@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from ._runtime import _same_group
+from ._dist import same_group
 from ._shard_info import shard_info
 
 __all__ = ["clip_grad_norm_"]
@@ -61,7 +61,7 @@ def clip_grad_norm_(
         if info is None:
             plain.append(p)
             continue
-        if have_group and not _same_group(group, info.group):
+        if have_group and not same_group(group, info.group):
             raise ValueError(
                 f"clip_grad_norm_: parameter {info.fqn} is sharded over a different process group than the others; "
                 "clip each model's parameters separately"

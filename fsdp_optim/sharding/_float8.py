@@ -47,9 +47,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ._blocks import elements
-from ._plan import BucketPlan, Layout, Placement
-from ._ragged import RaggedShard
+from .plan import elements
+from .plan import BucketPlan, Layout, Placement
+from .plan import RaggedShard
 
 __all__ = ["Float8AllGather", "quantize_blockwise", "dequantize_blockwise", "E4M3_MAX"]
 

@@ -40,10 +40,10 @@ from typing import Any
 
 from torch import nn
 
-from ._blocks import BlockRule
+from .plan import BlockRule
 from ._float8 import Float8AllGather
 from ._mixed_precision import MixedPrecisionPolicy
-from ._plan import Plan, PlanConfig
+from .plan import Plan, PlanConfig
 from ._runtime import _STATE, _buckets_under, _ModuleState, _runtime_of
 from ._setup import _is_managed_inside, _resolve_mesh, build_runtime
 from ._shard_info import shard_info

@@ -72,11 +72,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ._bucket import BucketPhase, BucketState, TrainingState, _Bucket, _Streams, run_post_accumulate_grad_hooks
 from ._float8 import Float8AllGather
 from ._mixed_precision import MixedPrecisionPolicy
-from ._plan import Plan, PlanConfig
+from .plan import Plan, PlanConfig
 from ._shard_info import check_not_replaced, shard_info
 
 if TYPE_CHECKING:
-    from ._blocks import BlockRule
+    from .plan import BlockRule
 
 _STATE = "_fsdp_optim_state"
 
@@ -207,13 +207,6 @@ def materialize_all() -> None:
     for rt in list(_LIVE_RUNTIMES):
         for b in rt.buckets:
             b.materialize()
-
-
-def _same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
-    if a is b:
-        return True
-    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    return (a if a is not None else world) is (b if b is not None else world)
 
 
 # ---------------------------------------------------------------------------------------------

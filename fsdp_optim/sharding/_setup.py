@@ -40,12 +40,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._blocks import BlockSpec, default_rule
+from .plan import BlockSpec, default_rule
 from ._bucket import _Bucket
 from ._checkpoint import register_state_dict_hooks
-from ._plan import Plan, PlanConfig, TensorSpec
-from ._planner import plan_model
-from ._runtime import _STATE, _ModuleState, _Runtime, _same_group
+from .plan import Plan, PlanConfig, TensorSpec
+from .plan import plan_model
+from ._dist import agree_on_error, device_of_backend, same_group
+from ._runtime import _STATE, _ModuleState, _Runtime
 from ._shard_info import replacement_of, shard_info, was_replaced
 
 logger = logging.getLogger(__name__)  # a child of "fsdp_optim": logging.getLogger("fsdp_optim").setLevel(...)
@@ -72,7 +73,7 @@ def _resolve_mesh(
                 )
             return None, 0, 1, torch.device("cpu"), None, 1
         group = dist.group.WORLD
-        return group, dist.get_rank(group), dist.get_world_size(group), _device_of_backend(group), None, 1
+        return group, dist.get_rank(group), dist.get_world_size(group), device_of_backend(group), None, 1
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim not in (1, 2):
             raise ValueError(
@@ -93,17 +94,10 @@ def _resolve_mesh(
             mesh.get_group(rep), mesh.size(rep),
         )  # fmt: skip
     if isinstance(mesh, dist.ProcessGroup):
-        return mesh, dist.get_rank(mesh), dist.get_world_size(mesh), _device_of_backend(mesh), None, 1
+        return mesh, dist.get_rank(mesh), dist.get_world_size(mesh), device_of_backend(mesh), None, 1
     raise ValueError(
         f"mesh must be a 1-D or 2-D (replicate, shard) DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}"
     )
-
-
-def _device_of_backend(group: dist.ProcessGroup) -> torch.device:
-    backend = str(dist.get_backend(group))
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _is_managed_inside(module: nn.Module, p: torch.Tensor) -> bool:
@@ -218,9 +212,9 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
         same_shape = (st.world_size, st.num_replicas) == (root.world_size, root.num_replicas)
         if (
             st.world_size != root.world_size
-            or not _same_group(st.group, root.group)
+            or not same_group(st.group, root.group)
             or st.num_replicas != root.num_replicas
-            or (root.num_replicas > 1 and not _same_group(st.replicate_group, root.replicate_group))
+            or (root.num_replicas > 1 and not same_group(st.replicate_group, root.replicate_group))
         ):
             raise ValueError(
                 f"fully_shard: {type(st.module).__name__} was sharded over a mesh of world size {st.world_size} "
@@ -327,48 +321,35 @@ def _agree(err: BaseException | None, root: _ModuleState, fingerprint: Any) -> N
     HSDP: first within the shard group, then the shard group's verdict across the replicate group,
     so every rank of the 2-D mesh learns of any rank's failure, and every replica must see the
     same model (hence plan the same layout)."""
-    if not (dist.is_available() and dist.is_initialized()) or root.world_size * root.num_replicas == 1:
-        if err is not None:
-            raise err
-        return
-    problem: str | None = None
+    problem = err
     if root.world_size > 1:
-        mine = (None if err is None else f"{type(err).__name__}: {err}", fingerprint)
-        out: list = [None] * root.world_size
-        dist.all_gather_object(out, mine, group=root.group)
-        failed = [(r, msg) for r, (msg, _) in enumerate(out) if msg is not None]
-        bad = [r for r, (_, fp) in enumerate(out) if fp != fingerprint]
-        if failed:
-            r, msg = failed[0]
-            problem = f"fully_shard failed on rank {r} of {root.world_size}: {msg}"
-        elif bad:
-            problem = (
-                f"fully_shard: ranks {bad} of {root.world_size} differ from rank {root.rank} in "
-                f"{_differences(fingerprint, out[bad[0]][1])}; build the same model and pass the same block rule "
-                "and the same fully_shard arguments (plan_config, mp_policy, reshard_after_forward, fp8_all_gather) "
-                "on every rank"
-            )
-    elif err is not None:
-        problem = f"fully_shard failed on shard rank 0 of 1: {type(err).__name__}: {err}"
+        try:
+            prints = agree_on_error(err, group=root.group, what="fully_shard", payload=fingerprint)
+            bad = [r for r, fp in enumerate(prints) if fp != fingerprint]
+            if bad:
+                problem = ValueError(
+                    f"fully_shard: ranks {bad} of {root.world_size} differ from rank {root.rank} in "
+                    f"{_differences(fingerprint, prints[bad[0]])}; build the same model and pass the same block "
+                    "rule and the same fully_shard arguments (plan_config, mp_policy, reshard_after_forward, "
+                    "fp8_all_gather) on every rank"
+                )
+        except Exception as e:  # noqa: BLE001 - agreed within the shard group; the replicas learn it next
+            problem = e
     if root.num_replicas > 1:
-        out = [None] * root.num_replicas
-        dist.all_gather_object(out, (problem, fingerprint), group=root.replicate_group)
-        me = dist.get_rank(root.replicate_group)
-        if problem is None:
-            failed = [(r, p) for r, (p, _) in enumerate(out) if p is not None]
-            bad = [r for r, (_, fp) in enumerate(out) if fp != fingerprint]
-            if failed:
-                problem = f"replica {failed[0][0]} of {root.num_replicas}: {failed[0][1]}"
-            elif bad:
-                problem = (
+        try:
+            prints = agree_on_error(problem, group=root.replicate_group, what="fully_shard (replica)", payload=fingerprint)
+            bad = [r for r, fp in enumerate(prints) if fp != fingerprint]
+            if bad:
+                me = dist.get_rank(root.replicate_group)
+                problem = ValueError(
                     f"fully_shard: replicas {bad} of {root.num_replicas} differ from replica {me} in "
-                    f"{_differences(fingerprint, out[bad[0]][1])}; every replica must build the same model and "
+                    f"{_differences(fingerprint, prints[bad[0]])}; every replica must build the same model and "
                     "pass the same block rule and fully_shard arguments"
                 )
-    if err is not None:
-        raise err
+        except Exception as e:  # noqa: BLE001
+            problem = e
     if problem is not None:
-        raise ValueError(problem)
+        raise problem
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._blocks import BlockSpec
-from ._ragged import RaggedShard
+from .plan import BlockSpec
+from .plan import RaggedShard
 
 __all__ = ["ShardInfo", "shard_info", "set_shard_info", "mark_replaced", "was_replaced", "replacement_of", "check_not_replaced"]
 

@@ -24,7 +24,7 @@ from fsdp_optim.sharding import (
     tensor_cost,
     whole,
 )
-from fsdp_optim.sharding import _planner
+from fsdp_optim.sharding.plan import _planner
 
 
 # ---- independent reference helpers --------------------------------------------------------
@@ -287,13 +287,13 @@ def test_deterministic_across_processes_and_hash_seeds():
     """Same plan in another process with another string-hash seed (no set/dict-order dependence)."""
     code = (
         "from fsdp_optim.sharding import plan_model;"
-        "from fsdp_optim.sharding._presets import preset_buckets;"
+        "from fsdp_optim.sharding.plan import preset_buckets;"
         "from fsdp_optim.optimizers._rules import muon_rule;"
         "p = plan_model(preset_buckets('deepseek-v3', rule=muon_rule()), world_size=24);"
         "print([(b.layout.value, b.rank_bounds, [(q.name, q.offset) for q in b.placements]) for b in p.buckets])"
     )
     from fsdp_optim.optimizers._rules import muon_rule
-    from fsdp_optim.sharding._presets import preset_buckets
+    from fsdp_optim.sharding.plan import preset_buckets
 
     p = plan_model(preset_buckets("deepseek-v3", rule=muon_rule()), world_size=24)
     here = str([(b.layout.value, b.rank_bounds, [(q.name, q.offset) for q in b.placements]) for b in p.buckets])

@@ -18,7 +18,7 @@ import pytest
 
 from fsdp_optim._cli import optimizer_rule
 from fsdp_optim.sharding import Layout, PlanConfig, plan_model
-from fsdp_optim.sharding._presets import PRESETS, preset_buckets, preset_names, preset_shapes
+from fsdp_optim.sharding.plan import PRESETS, preset_buckets, preset_names, preset_shapes
 
 SHAPES_JSON = Path(__file__).resolve().parents[1] / "data" / "model_shapes.json"
 JSON_NAMES = {

@@ -20,6 +20,7 @@ matrix. When a planner must cut a matrix block, it cuts it only on a row boundar
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 from collections.abc import Callable, Sequence
@@ -39,6 +40,8 @@ __all__ = [
     "expert",
     "default_rule",
     "merge_small_dims",
+    "align_down",
+    "align_up",
 ]
 
 
@@ -154,27 +157,17 @@ class BlockSpec:
 
     def align_down(self, shape: Sequence[int], offset: int) -> int:
         """Largest block boundary <= ``offset`` (clamped to ``[0, numel]``)."""
-        numel = math.prod(shape)
-        offset = min(max(offset, 0), numel)
-        if offset == numel:
-            return numel
-        if not self.is_uniform:
-            starts = self.block_starts(shape)
-            return max(s for s in starts if s <= offset)
-        u = self.unit(shape)
-        return offset - offset % u
+        return align_down(offset, math.prod(shape), *self._cuts(shape))
 
     def align_up(self, shape: Sequence[int], offset: int) -> int:
         """Smallest block boundary >= ``offset`` (clamped to ``[0, numel]``)."""
-        numel = math.prod(shape)
-        offset = min(max(offset, 0), numel)
-        down = self.align_down(shape, offset)
-        if down == offset:
-            return offset
+        return align_up(offset, math.prod(shape), *self._cuts(shape))
+
+    def _cuts(self, shape: Sequence[int]) -> tuple[int, list[int] | None]:
+        """``(unit, starts)`` for ``align_down`` / ``align_up``: uniform blocks or explicit starts."""
         if not self.is_uniform:
-            starts = self.block_starts(shape)
-            return min(s for s in starts if s >= offset)
-        return min(down + self.unit(shape), numel)
+            return 1, self.block_starts(shape)
+        return self.unit(shape), None
 
     def split_unit(self, shape: Sequence[int]) -> int:
         """Granularity (elements) at which a planner may cut a matrix block: one row."""
@@ -262,3 +255,28 @@ BlockRule = Callable[[str, torch.Tensor, nn.Module], BlockSpec]
 def default_rule(fqn: str, param: torch.Tensor, module: nn.Module) -> BlockSpec:
     """Plain FSDP: element granularity."""
     return elements(1)
+
+
+# ---- block boundaries (pure; shared by BlockSpec and the planner's geometry) ---------------------
+def align_down(offset: int, numel: int, unit: int, starts: Sequence[int] | None = None) -> int:
+    """Largest block boundary <= ``offset`` of a ``numel``-element tensor whose blocks start at every
+    multiple of ``unit`` or, when given, at the sorted ``starts`` (0 and ``numel`` are boundaries)."""
+    if offset >= numel:
+        return numel
+    if offset <= 0:
+        return 0
+    if starts is None:
+        return offset - offset % unit
+    return starts[bisect.bisect_right(starts, offset) - 1]
+
+
+def align_up(offset: int, numel: int, unit: int, starts: Sequence[int] | None = None) -> int:
+    """Smallest block boundary >= ``offset`` (see ``align_down``)."""
+    if offset >= numel:
+        return numel
+    down = align_down(offset, numel, unit, starts)
+    if down == offset:
+        return offset
+    if starts is None:
+        return min(down + unit, numel)
+    return starts[bisect.bisect_right(starts, offset)]

@@ -61,6 +61,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._blocks import align_down, align_up
 from ._plan import BucketPlan, Layout, Placement, Plan, PlanConfig, TensorSpec
 from ._cost import _cost_profile, _cum_cost, _UniformCost, tensor_cost
 from ._ragged import RaggedShard
@@ -108,23 +109,10 @@ class _Geom:
 
     def align_down(self, x: int) -> int:
         """Largest block boundary <= x (0 and numel are boundaries)."""
-        if x >= self.numel:
-            return self.numel
-        if x <= 0:
-            return 0
-        if self.starts is None:
-            return x - x % self.unit
-        return self.starts[bisect.bisect_right(self.starts, x) - 1]
+        return align_down(x, self.numel, self.unit, self.starts)
 
     def align_up(self, x: int) -> int:
-        if x >= self.numel:
-            return self.numel
-        d = self.align_down(x)
-        if d == x:
-            return x
-        if self.starts is None:
-            return min(d + self.unit, self.numel)
-        return self.starts[bisect.bisect_right(self.starts, x)]
+        return align_up(x, self.numel, self.unit, self.starts)
 
     def is_boundary(self, x: int) -> bool:
         return self.align_down(x) == x

@@ -1,24 +1,30 @@
 """Whole-plan statistics and the human-readable report (``Plan.stats()``, ``Plan.report()``).
 
-Reads plans duck-typed (no import of ``_plan`` at run time), so ``_plan`` can offer these as methods
-without an import cycle.
+Reads plans through the ``PlanLike`` protocol (no import of ``_plan``), so ``_plan`` can offer these
+as methods without an import cycle.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from ._blocks import BlockSpec
 from ._cost import _cost_profile, _cum_cost
 
-if TYPE_CHECKING:
-    from ._plan import Plan
-
 __all__ = ["PlanStats", "plan_stats", "plan_report"]
+
+
+class PlanLike(Protocol):
+    """What the statistics read of a ``Plan``."""
+
+    world_size: int
+    buckets: Sequence[Any]
+    config: Any
+    seconds: float
 
 
 class PlanStats(NamedTuple):
@@ -49,7 +55,7 @@ class PlanStats(NamedTuple):
         return dict(self._asdict())
 
 
-def _per_rank(plan: Plan) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+def _per_rank(plan: PlanLike) -> tuple[np.ndarray, np.ndarray, list[dict]]:
     """Per-rank bytes and cost arrays, plus per-bucket details (for the report)."""
     w = plan.world_size
     rank_bytes = np.zeros(w, dtype=np.float64)
@@ -102,7 +108,7 @@ def _ratio(a: np.ndarray) -> float:
     return float(a.max()) / m if m > 0 else 1.0
 
 
-def plan_stats(plan: Plan, *, _per_rank_cache=None) -> PlanStats:
+def plan_stats(plan: PlanLike, *, _per_rank_cache=None) -> PlanStats:
     """Whole-model statistics of ``plan`` (``Plan.stats()``)."""
     rank_bytes, rank_cost, details = _per_rank_cache or _per_rank(plan)
     param = sum(b.param_numel for b in plan.buckets)
@@ -140,7 +146,7 @@ def _fmt_bytes(x: float) -> str:
     return f"{x:.1f} TiB"
 
 
-def plan_report(plan: Plan) -> str:
+def plan_report(plan: PlanLike) -> str:
     """Human-readable report: layout per bucket, padding, split blocks, per-rank balance,
     bytes per collective (``Plan.report()``)."""
     per_rank = _per_rank(plan)

@@ -1,0 +1,49 @@
+"""Layout math: block specs, RaggedShard ranges, the plan, the planner, its cost model, reports and
+model presets, and the wire model of ragged collectives. Pure functions on shapes: nothing here touches a process group or a device, so a plan
+for 16K ranks is computed (and tested) on one CPU."""
+
+from ._blocks import BlockKind, BlockRule, BlockSpec, default_rule, elements, expert, heads, merge_small_dims, rows, whole
+from ._plan import BucketPlan, Layout, LocalPiece, Placement, Plan, PlanConfig, TensorSpec
+from ._planner import plan_model
+from ._cost import tensor_cost
+from ._presets import PRESETS, ModelPreset, preset_buckets, preset_names, preset_shapes
+from ._ragged import RaggedShard, block_aligned_splits, chunk_bounds
+from ._report import PlanStats
+from ._wire import WIRE_CHOICES, LinkModel, WireMode, choose_wire_mode, grouped_seconds, padded_seconds
+
+__all__ = [
+    "BlockKind",
+    "BlockRule",
+    "BlockSpec",
+    "BucketPlan",
+    "LinkModel",
+    "Layout",
+    "LocalPiece",
+    "ModelPreset",
+    "PRESETS",
+    "Placement",
+    "Plan",
+    "PlanConfig",
+    "PlanStats",
+    "RaggedShard",
+    "TensorSpec",
+    "WIRE_CHOICES",
+    "WireMode",
+    "block_aligned_splits",
+    "choose_wire_mode",
+    "chunk_bounds",
+    "default_rule",
+    "elements",
+    "expert",
+    "grouped_seconds",
+    "heads",
+    "merge_small_dims",
+    "padded_seconds",
+    "plan_model",
+    "preset_buckets",
+    "preset_names",
+    "preset_shapes",
+    "rows",
+    "tensor_cost",
+    "whole",
+]
