@@ -60,34 +60,51 @@ pending reduction), ``gather_full()`` (the full flat buffer in the master dtype,
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import weakref
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from ._buffer import CollectiveHandle, DistributedBuffer, _zero_ranges
-from ._float8 import Float8Gather, tile_aligned
+from ._buffer import CollectiveHandle, DistributedBuffer, zero_ranges
+from ._context import CommContext, Streams, TrainingState
+from ._float8 import Float8AllGather, Float8Gather, tile_aligned
 from ._mixed_precision import MixedPrecisionPolicy
-from .plan import BucketPlan, PlanConfig
 from ._shard_info import ShardInfo, mark_replaced, set_shard_info, shard_info
-from .plan import choose_wire_mode
+from .plan import BucketPlan, choose_wire_mode
 
-if TYPE_CHECKING:
-    from ._runtime import _ModuleState, _Runtime
-    from ._setup import _Entry
+__all__ = ["BucketConfig", "BucketEntry", "BucketPhase", "BucketState", "run_post_accumulate_grad_hooks"]
 
 
-class TrainingState(enum.Enum):
-    """Per root: where the iteration is (see [Note: bucket lifecycle])."""
+@dataclass(frozen=True, kw_only=True)
+class BucketConfig:
+    """One bucket's settings as setup resolved them (its own ``fully_shard`` call's over the root's)."""
 
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
+    group: dist.ProcessGroup | None
+    device: torch.device
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool
+    is_root: bool
+    fp8_all_gather: Float8AllGather | None
+    wire: str
+    """``PlanConfig.wire``: how ragged segments travel (see [Note: wire format])."""
+    replicate_group: dist.ProcessGroup | None = None
+    num_replicas: int = 1
+
+
+class BucketEntry(Protocol):
+    """What a bucket reads of each managed parameter that setup found (``_setup._Entry``)."""
+
+    fqn: str
+    param: torch.Tensor
+    owners: list[tuple[nn.Module, str]]
+    dtype: torch.dtype
+    requires_grad: bool
+    full: torch.Tensor | None
 
 
 class BucketState(enum.Enum):
@@ -114,63 +131,6 @@ def _invariant(ok: bool, what: str) -> None:
         raise AssertionError(f"fully_shard internal error: {what}")
 
 
-class _Streams:
-    """The side streams of one root (CUDA only; on the CPU every field is ``None`` and every use
-    below is a no-op, so the same code runs).
-
-    [Note: streams]
-    As FSDP2 (``_fsdp_param_group.py``), collectives and their local pre/post-processing run off the
-    compute stream, so the next bucket's gather and the previous bucket's reduction overlap compute:
-
-    * ``all_gather``: waits for the compute stream (the segment's latest values: an optimizer step,
-      a checkpoint load), then casts or packs (FP8) the segment and issues the all-gather; waiting for
-      it (``wait_unshard``) runs the finish (dequantize, zero padding) on it, then the compute
-      stream waits for it (an event wait on the GPU, not the host).
-    * ``reduce_scatter``: waits for the compute stream (the gradients of the bucket's backward),
-      issues the reduce-scatter, and runs its finish (divide, accumulate, cast into the gradient
-      segment, zero padding); the compute stream waits for it only at the end of backward (and
-      before anyone reads the gradients: ``settle``), not when the next bucket's reduction is
-      issued, so backward compute never stalls on a reduction.
-    * ``all_reduce`` (HSDP): waits for the reduce-scatter stream, all-reduces the reduced shard
-      across replicas and adds or casts it into the gradient segment.
-
-    Lifetimes: the gathered buffer and the gradient segment are allocated on the compute stream
-    before the side stream waits for it, so their use is ordered after the allocation, and they are
-    freed on the compute stream after it waited for the side stream. The flat gradient buffer is
-    made on the compute stream (the gradients are copied into it there) but read by the reduce-scatter
-    stream, so it is marked with ``record_stream`` before its last reference is dropped: the
-    allocator does not hand its memory out again until that stream's work is done. Buffers made
-    inside a side-stream context (casts, FP8 packs, receive buffers) live and die on that stream.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        cuda = device.type == "cuda" and torch.cuda.is_available()
-        self.all_gather = torch.cuda.Stream(device, priority=-1) if cuda else None
-        self.reduce_scatter = torch.cuda.Stream(device, priority=-1) if cuda else None
-        self.all_reduce = torch.cuda.Stream(device) if cuda else None
-
-    def on(self, stream: torch.cuda.Stream | None):
-        """``with streams.on(s):`` run on side stream ``s`` after it waited for the current stream."""
-        if stream is None:
-            return contextlib.nullcontext()
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        return torch.cuda.stream(stream)
-
-    def compute_waits_for(self, stream: torch.cuda.Stream | None) -> None:
-        """The current (compute) stream waits for ``stream``'s work so far (a GPU-side wait)."""
-        if stream is not None:
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
-
-    def waits(self, waiter: torch.cuda.Stream | None, waitee: torch.cuda.Stream | None) -> None:
-        if waiter is not None and waitee is not None:
-            waiter.wait_stream(waitee)
-
-    def record(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
-        """``tensor``, made on another stream, is used by ``stream``: its memory is not reused before."""
-        if stream is not None:
-            tensor.record_stream(stream)
-
-
 class _Bucket:
     """One flat buffer: sharded parameters (views into the segment), the gathered buffer and the
     unsharded parameters (views into it), and the gradient reduction."""
@@ -179,40 +139,36 @@ class _Bucket:
         self,
         *,
         index: int,
-        state: _ModuleState,
         plan: BucketPlan,
-        entries: list[_Entry],
-        root: _ModuleState,
+        entries: list[BucketEntry],
+        config: BucketConfig,
+        ctx: CommContext,
         lazy: bool = False,
     ) -> None:
         self.index = index
-        self.state = state
         self.plan = plan
         self.entries = entries
-        self.is_root = state is root
-        self.runtime: _Runtime | None = None
-        mp = state.mp_policy or root.mp_policy or MixedPrecisionPolicy()
+        self.ctx = ctx
+        self.is_root = config.is_root
+        mp = config.mp_policy
         master = entries[0].dtype
         self.param_dtype = mp.param_dtype or master
         self.reduce_dtype = mp.reduce_dtype or master
-        self.reshard_after_forward = state.reshard_after_forward and not self.is_root
+        self.reshard_after_forward = config.reshard_after_forward and not self.is_root
         self.requires_sync = True
-        fp8 = state.fp8_all_gather or root.fp8_all_gather
+        fp8 = config.fp8_all_gather
         # Meta-built and nothing to move in: the segment has no memory until the bucket is first used, so provisional plans of inner calls cost no memory (see [Note: meta-device
         # initialization]). FP8 buckets are allocated at once (their byte buffers are made here).
         self._lazy = lazy and fp8 is None
-        backend = str(dist.get_backend(root.group)) if dist.is_available() and dist.is_initialized() else None
-        wire = choose_wire_mode(
-            plan.segment_sizes, element_size=self.param_dtype.itemsize,
-            wire=(root.plan_config or PlanConfig()).wire, backend=backend,
-        )  # fmt: skip
+        backend = str(dist.get_backend(config.group)) if dist.is_available() and dist.is_initialized() else None
+        wire = choose_wire_mode(plan.segment_sizes, element_size=self.param_dtype.itemsize, wire=config.wire, backend=backend)
         self.buffer = DistributedBuffer(
-            plan, group=root.group, device=root.device, dtype=master, allocate=not self._lazy, wire=wire
+            plan, group=config.group, device=config.device, dtype=master, allocate=not self._lazy, wire=wire
         )
         self.rank = self.buffer.rank
         # HSDP: the replicas of this rank's segment (see [Note: HSDP]).
-        self.num_replicas = root.num_replicas
-        self.replicate_group = root.replicate_group if root.num_replicas > 1 else None
+        self.num_replicas = config.num_replicas
+        self.replicate_group = config.replicate_group if config.num_replicas > 1 else None
         self._native_avg = self.replicate_group is not None and "nccl" in str(dist.get_backend(self.replicate_group))
         # Sharded parameters: flat views into the segment.
         self.sharded: list[nn.Parameter] = []
@@ -226,7 +182,7 @@ class _Bucket:
                     sp,
                     ShardInfo(
                         fqn=e.fqn, shape=pl.shape, spec=pl.spec, layout=pl.shard, rank=self.rank,
-                        group=root.group, bucket=index, split=pl.split,
+                        group=config.group, bucket=index, split=pl.split,
                     ),
                 )
                 self.sharded.append(sp)
@@ -244,15 +200,15 @@ class _Bucket:
         self.gathered: torch.Tensor | None = None
         self.unsharded: list[nn.Parameter] | None = None
         self._gathered_nbytes = self.buffer.total_numel * self.param_dtype.itemsize
-        self._device = root.device
+        self._device = config.device
         # FP8 all-gather (opt-in): which parameters travel as codes + scales (see [Note: FP8 all-gather]).
         self.fp8_gather: Float8Gather | None = None
         if fp8 is not None:
             flags = [fp8.eligible(pl.shape) and tile_aligned(pl, fp8.tile_shape[0]) for pl in plan.placements]
             if any(flags):
                 self.fp8_gather = Float8Gather(
-                    plan=plan, fp8=flags, config=fp8, param_dtype=self.param_dtype, group=root.group,
-                    device=root.device, even=self.buffer.is_even,
+                    plan=plan, fp8=flags, config=fp8, param_dtype=self.param_dtype, group=config.group,
+                    device=config.device, even=self.buffer.is_even,
                 )
         self._range_name = f"{index}:{plan.name}"
         # Lifecycle (see [Note: bucket lifecycle]).
@@ -395,15 +351,15 @@ class _Bucket:
         if self.is_gathered:
             return
         self.settle()
-        self.runtime.check_collective(self, "all_gather")
+        self.ctx.check_collective(self.plan.name, "all_gather")
         self._alloc_gathered()
-        self.gathered_at_step = self.runtime.num_optimizer_steps
+        self.gathered_at_step = self.ctx.num_optimizer_steps
         seg = self.buffer.segment
-        streams = self.runtime.streams
+        streams = self.ctx.streams
         with streams.on(streams.all_gather), record_function(f"fsdp_optim::all_gather({self._range_name})"):
             if self.fp8_gather is not None:
                 inner = self.fp8_gather.buffer.all_gather(src=self.fp8_gather.pack(seg), async_op=True)
-                self.gather_handle = _Float8Handle(self.fp8_gather, inner, self.gathered, self.buffer._full_padding)
+                self.gather_handle = _Float8Handle(self.fp8_gather, inner, self.gathered, self.buffer.full_padding)
             else:
                 src = seg if seg.dtype == self.param_dtype else seg.to(self.param_dtype)
                 self.gather_handle = self.buffer.all_gather(src=src, out=self.gathered, async_op=True)
@@ -411,7 +367,7 @@ class _Bucket:
 
     def _finish_gather(self) -> None:
         if self.where is BucketState.GATHERING:
-            streams = self.runtime.streams
+            streams = self.ctx.streams
             with streams.on(streams.all_gather), record_function(f"fsdp_optim::all_gather_wait({self._range_name})"):
                 self.gather_handle.wait()
             streams.compute_waits_for(streams.all_gather)
@@ -441,26 +397,26 @@ class _Bucket:
 
     # ---- forward ----------------------------------------------------------------------------
     def pre_forward(self) -> None:
-        rt = self.runtime
-        if rt.state is TrainingState.PRE_BACKWARD:  # recomputation (activation checkpointing)
+        ctx = self.ctx
+        if ctx.state is TrainingState.PRE_BACKWARD:  # recomputation (activation checkpointing)
             self.unshard()
             self.wait_unshard()
             return
         self.used = True
         if torch.is_grad_enabled():
             self.phase = BucketPhase.FORWARD
-        rt.forward_order.append(self)
+        ctx.forward_order.append(self)
         self.unshard()
-        nxt = rt.next_in_forward(self)
+        nxt = ctx.next_in_forward(self)
         if nxt is not None:
             nxt.unshard()  # prefetch: issued before this bucket computes
         self.wait_unshard()
 
     def post_forward(self) -> None:
-        rt = self.runtime
-        if rt.state is TrainingState.PRE_BACKWARD:
+        ctx = self.ctx
+        if ctx.state is TrainingState.PRE_BACKWARD:
             return
-        rt.post_forward_order.append(self)
+        ctx.post_forward_order.append(self)
         if self.reshard_after_forward:
             self.reshard()
         else:
@@ -468,17 +424,17 @@ class _Bucket:
 
     # ---- backward ---------------------------------------------------------------------------
     def pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
-        rt = self.runtime
-        rt.queue_final_callback()
+        ctx = self.ctx
+        ctx.queue_final_callback()
         if self.phase is BucketPhase.BACKWARD:
             return grad
         # IDLE, or REDUCED: the module's backward runs again after its gradients were reduced (a
         # module called k times whose calls the count no longer covers: ``retain_graph`` or two
         # forwards before their backwards). Gather again; what comes is reduced and added.
         self.phase = BucketPhase.BACKWARD
-        rt.state = TrainingState.PRE_BACKWARD
+        ctx.state = TrainingState.PRE_BACKWARD
         self.unshard()
-        nxt = rt.next_in_backward(self)
+        nxt = ctx.next_in_backward(self)
         if nxt is not None:
             nxt.unshard()  # prefetch the bucket whose backward runs next
         self.wait_unshard()
@@ -534,14 +490,14 @@ class _Bucket:
         self.flat_grad = self.flat_views = None
         self._reduced_arrived, self._arrived = self._arrived, None
         self.settle()  # a second synced backward before the previous reduction was waited for
-        self.runtime.check_collective(self, "reduce_scatter")
+        self.ctx.check_collective(self.plan.name, "reduce_scatter")
         accumulate = self._prepare_grad_segment()
         out = self.grad_seg
         if self.replicate_group is not None and (accumulate or self.reduce_dtype != self.buffer.dtype):
             # The replicas all-reduce only this backward's reduced shard, in reduce_dtype; it is added
             # to (or cast into) the gradient segment afterwards.
             out = torch.empty(self.buffer.segment_numel, dtype=self.reduce_dtype, device=self.buffer.device)
-        streams = self.runtime.streams
+        streams = self.ctx.streams
         streams.record(flat, streams.reduce_scatter)  # made on the compute stream, read there ([Note: streams])
         if out is not self.grad_seg:
             streams.record(out, streams.reduce_scatter)
@@ -552,7 +508,7 @@ class _Bucket:
             )
         self._replica_out = (out, accumulate) if self.replicate_group is not None else None
         self.where = BucketState.REDUCING
-        self.runtime.issue_reduce(self)
+        self.ctx.issue_reduce(self)
 
     def _prepare_grad_segment(self) -> bool:
         """Choose the gradient segment the reduction writes; returns whether it adds to it.
@@ -595,7 +551,7 @@ class _Bucket:
         replicas (async; no-op without replicas, or when already issued or done)."""
         if self.reduce_handle is None or self._replica_out is None or self.replica_work is not None:
             return
-        streams = self.runtime.streams
+        streams = self.ctx.streams
         with streams.on(streams.reduce_scatter):  # the reduce-scatter stream waits for it, not compute
             self.reduce_handle.wait()
         out = self._replica_out[0]
@@ -614,7 +570,7 @@ class _Bucket:
         at the end of backward; see [Note: streams])."""
         if self.where is not BucketState.REDUCING:
             return
-        streams = self.runtime.streams
+        streams = self.ctx.streams
         last = streams.all_reduce if self._replica_out is not None else streams.reduce_scatter
         with streams.on(streams.reduce_scatter), record_function(f"fsdp_optim::reduce_wait({self._range_name})"):
             self.reduce_handle.wait()
@@ -643,13 +599,13 @@ class _Bucket:
             has_grad.append(sp.grad is not None or got)
             if sp.grad is None and not got:
                 # No gradient on this rank: settled at the end of backward ([Note: unused parameters]).
-                self.runtime.unarrived.append((self, i, views[i]))
+                self.ctx.unarrived.append((self, i, views[i]))
                 continue
             if sp.grad is None or not _same_view(sp.grad, views[i]):
                 sp.grad = views[i]
             if got:
                 received.append(sp)
-        self.runtime.arrivals.append((self, trainable, has_grad))
+        self.ctx.arrivals.append((self, trainable, has_grad))
         self._grad_seg_ref = weakref.ref(seg)
         self.where = BucketState.SHARDED
         if sync_compute:
@@ -666,7 +622,7 @@ class _Bucket:
         parameters and a reduction still in flight (neither reached ``.grad`` before the user's
         ``zero_grad``, which must not be undone now), then reshard."""
         if self.where is BucketState.REDUCING:
-            streams = self.runtime.streams
+            streams = self.ctx.streams
             with streams.on(streams.reduce_scatter):
                 self.reduce_handle.cancel()
                 if self.replica_work is not None:
@@ -702,7 +658,7 @@ class _Float8Handle:
         if not self._done:
             recv = self._inner.wait()
             self._fp8.unpack(recv, self._out)
-            _zero_ranges(self._out, self._padding)
+            zero_ranges(self._out, self._padding)
             self._done, self._inner = True, None
         return self._out
 
@@ -720,7 +676,7 @@ class _Done:
 _DONE = _Done()
 
 
-def run_post_accumulate_grad_hooks(params: list[nn.Parameter], streams: _Streams, last) -> None:
+def run_post_accumulate_grad_hooks(params: list[nn.Parameter], streams: Streams, last) -> None:
     """Run the hooks registered with ``register_post_accumulate_grad_hook`` on sharded parameters
     whose ``.grad`` was just set (as FSDP2 does: e.g. an optimizer step inside backward). The compute
     stream first waits for the reduction, since the hooks run there."""

@@ -215,10 +215,10 @@ class DistributedBuffer:
         self.segment = make(self.segment_numel, dtype=dtype, device=self.device)
         self.is_allocated = True
         self.grad_segment: torch.Tensor | None = None
-        self._full_padding = _padding_ranges(plan)
+        self.full_padding = _padding_ranges(plan)
         self._seg_padding = [
             (max(a, self.segment_start) - self.segment_start, min(b, self.segment_end) - self.segment_start)
-            for a, b in self._full_padding
+            for a, b in self.full_padding
             if min(b, self.segment_end) > max(a, self.segment_start)
         ]
 
@@ -298,7 +298,7 @@ class DistributedBuffer:
                 self._copy_out_padded(stage, recv)
             if recv is not out:
                 out.copy_(recv)
-            _zero_ranges(out, self._full_padding)
+            zero_ranges(out, self.full_padding)
             return out
 
         handle = CollectiveHandle(works, finish, keep=(src, recv, stage, send))
@@ -349,7 +349,7 @@ class DistributedBuffer:
                 out.add_(recv)
             elif recv is not out:
                 out.copy_(recv)
-            _zero_ranges(out, self._seg_padding)
+            zero_ranges(out, self._seg_padding)
             return out
 
         handle = CollectiveHandle(works, finish, keep=(full_grad, recv, stage, recv_padded))
@@ -461,6 +461,6 @@ def _padding_ranges(plan: BucketPlan) -> list[tuple[int, int]]:
     return out
 
 
-def _zero_ranges(t: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> None:
+def zero_ranges(t: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> None:
     for a, b in ranges:
         t[a:b].zero_()

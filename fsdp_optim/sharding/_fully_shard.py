@@ -44,6 +44,7 @@ from .plan import BlockRule
 from ._float8 import Float8AllGather
 from ._mixed_precision import MixedPrecisionPolicy
 from .plan import Plan, PlanConfig
+from ._checkpoint import register_state_dict_hooks
 from ._runtime import _STATE, _buckets_under, _ModuleState, _runtime_of
 from ._setup import _is_managed_inside, _resolve_mesh, build_runtime
 from ._shard_info import shard_info
@@ -139,6 +140,7 @@ def fully_shard(
         state.remove()  # a failed call leaves no trace
         module.__class__ = cls
         raise
+    register_state_dict_hooks(module)  # DCP-ready model.state_dict() / load_state_dict()
     return module
 
 

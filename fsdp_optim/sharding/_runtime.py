@@ -56,7 +56,6 @@ runs without a gradient ([Note: unused parameters]); skipping a whole sharded mo
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -66,10 +65,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._bucket import BucketPhase, BucketState, TrainingState, _Bucket, _Streams, run_post_accumulate_grad_hooks
+from ._bucket import BucketPhase, BucketState, _Bucket, run_post_accumulate_grad_hooks
+from ._context import CommContext, TrainingState
 from ._float8 import Float8AllGather
 from ._mixed_precision import MixedPrecisionPolicy
 from .plan import Plan, PlanConfig
@@ -128,7 +127,7 @@ class _ModuleState:
         mp = self.effective_mp
         if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_tensors((args, kwargs), mp.param_dtype)
-        if self.bucket is not None and torch.is_grad_enabled() and rt.state is TrainingState.FORWARD:
+        if self.bucket is not None and torch.is_grad_enabled() and rt.ctx.state is TrainingState.FORWARD:
             args, kwargs = _register_post_backward(self.bucket, args, kwargs)
         return args, kwargs
 
@@ -215,7 +214,7 @@ def materialize_all() -> None:
 class _Runtime:
     """Everything one root manages: its plan, one ``_Bucket`` per bucket, per-iteration state."""
 
-    def __init__(self, root: _ModuleState, plan: Plan, buckets: list[_Bucket]) -> None:
+    def __init__(self, root: _ModuleState, plan: Plan, buckets: list[_Bucket], ctx: CommContext) -> None:
         self.root_state = root
         self.plan = plan
         self.buckets = buckets
@@ -223,28 +222,13 @@ class _Runtime:
         self.rank = root.rank
         self.world_size = root.world_size
         self.device = root.device
-        self.state = TrainingState.IDLE
-        self.prev_forward_order: list[_Bucket] = []
-        self.forward_order: list[_Bucket] = []
-        self.post_forward_order: list[_Bucket] = []
-        self.callback_queued = False
-        self.pending_reduces: list[_Bucket] = []
-        # (bucket, index, reduced view) of trainable parameters without a gradient on this rank in the
-        # reduction just waited for; settled at the end of backward ([Note: unused parameters]).
-        self.unarrived: list[tuple[_Bucket, int, torch.Tensor]] = []
-        # (bucket, trainable indices, whether this rank has a gradient for each) of every reduction
-        # waited for in this backward, and the agreement on them still in flight.
-        self.arrivals: list[tuple[_Bucket, list[int], list[bool]]] = []
+        self.ctx = ctx  # shared with the buckets: iteration state, streams, reductions in flight
+        ctx.end_of_backward = self.final_callback
         self._arrival_work: tuple[Any, torch.Tensor] | None = None
-        self.generation = 0  # bumped at the end of every backward (see _PendingCall)
-        self.num_optimizer_steps = 0  # steps of any optimizer since setup (see [Note: stale gathers])
-        self.streams = _Streams(root.device)  # side streams on CUDA, none on the CPU ([Note: streams])
-        self.debug = os.environ.get("FSDP_OPTIM_DEBUG", "0") not in ("", "0")
-        self.num_collectives = 0
         _LIVE_RUNTIMES.add(self)
         _install_optimizer_hooks()
 
-    def _detach(self) -> None:
+    def detach(self) -> None:
         """Drop this (absorbed) runtime's storage now rather than at the next cyclic GC."""
         _LIVE_RUNTIMES.discard(self)
         for b in self.buckets:
@@ -253,13 +237,13 @@ class _Runtime:
 
     # ---- per-iteration hooks --------------------------------------------------------------
     def root_pre_forward(self) -> None:
-        if self.state is TrainingState.PRE_BACKWARD:
+        if self.ctx.state is TrainingState.PRE_BACKWARD:
             if torch._C._current_graph_task_id() != -1:
                 return  # recomputation inside backward (activation checkpointing)
             self.abandon_backward()  # the last backward raised before its end-of-backward callback
-        self.finish_reduces()
-        self.prev_forward_order = self.forward_order
-        self.forward_order, self.post_forward_order = [], []
+        self.ctx.finish_reduces()
+        self.ctx.prev_forward_order = self.ctx.forward_order
+        self.ctx.forward_order, self.ctx.post_forward_order = [], []
         for b in self.buckets:
             b.rebind()  # (allocates a lazy bucket)
             b.used = False
@@ -270,14 +254,14 @@ class _Runtime:
             # an optimizer stepped after it was issued. Steps are counted by torch's global
             # optimizer step hook, which runs on every rank alike (every rank steps the same
             # optimizers), so every rank decides the same and the collectives stay matched.
-            if b.is_gathered and (not b.explicit_unshard or b.gathered_at_step != self.num_optimizer_steps):
+            if b.is_gathered and (not b.explicit_unshard or b.gathered_at_step != self.ctx.num_optimizer_steps):
                 b.reshard()
             if b.phase is not BucketPhase.IDLE:
                 b.phase = BucketPhase.IDLE  # left by a forward whose graph was dropped
-        self.state = TrainingState.FORWARD
+        self.ctx.state = TrainingState.FORWARD
 
     def root_post_forward(self) -> None:
-        if self.state is TrainingState.PRE_BACKWARD:
+        if self.ctx.state is TrainingState.PRE_BACKWARD:
             return
         for b in self.buckets:
             if b.where is BucketState.GATHERING and not b.used:
@@ -285,26 +269,7 @@ class _Runtime:
         if not torch.is_grad_enabled():
             for b in self.buckets:
                 b.reshard()
-        self.state = TrainingState.IDLE
-
-    def next_in_forward(self, b: _Bucket) -> _Bucket | None:
-        order = self.prev_forward_order
-        for i, x in enumerate(order[:-1]):
-            if x is b:
-                return order[i + 1]
-        return None
-
-    def next_in_backward(self, b: _Bucket) -> _Bucket | None:
-        order = self.post_forward_order
-        for i in range(len(order) - 1, 0, -1):
-            if order[i] is b:
-                return order[i - 1]
-        return None
-
-    def queue_final_callback(self) -> None:
-        if not self.callback_queued:
-            self.callback_queued = True
-            Variable._execution_engine.queue_callback(self.final_callback)
+        self.ctx.state = TrainingState.IDLE
 
     def final_callback(self) -> None:
         for b in self.buckets:
@@ -313,13 +278,13 @@ class _Runtime:
             elif b.has_unreduced_grads:  # gradients that reached it after its reduction: added
                 b.phase = BucketPhase.BACKWARD
                 b.post_backward()
-        self.finish_reduces()
+        self.ctx.finish_reduces()
         self.settle_unarrived()
         for b in self.buckets:
             b.end_of_backward()
-        self.generation += 1  # calls registered by graphs that backward did not reach no longer count
-        self.callback_queued = False
-        self.state = TrainingState.IDLE
+        self.ctx.generation += 1  # calls registered by graphs that backward did not reach no longer count
+        self.ctx.callback_queued = False
+        self.ctx.state = TrainingState.IDLE
 
     def settle_unarrived(self) -> None:
         """[Note: unused parameters]
@@ -338,8 +303,8 @@ class _Runtime:
         never wait (the common step, where every parameter gets one, reads nothing), and the
         collective is waited for at the next backward's end. An empty piece (the parameter lies on
         other ranks) has nothing to attach."""
-        arrivals, self.arrivals = self.arrivals, []
-        pending, self.unarrived = self.unarrived, []
+        arrivals, self.ctx.arrivals = self.ctx.arrivals, []
+        pending, self.ctx.unarrived = self.ctx.unarrived, []
         if self._arrival_work is not None:  # the previous backward's agreement: long done
             self._arrival_work[0].wait()
             self._arrival_work = None
@@ -376,7 +341,7 @@ class _Runtime:
             if any(summed[q] > 0 for q in at.get((id(b), i), ())):
                 b.sharded[i].grad = view
                 received.append(b.sharded[i])
-        run_post_accumulate_grad_hooks(received, self.streams, None)
+        run_post_accumulate_grad_hooks(received, self.ctx.streams, None)
 
     def abandon_backward(self) -> None:
         """A backward raised (e.g. a caught out-of-memory error) before its end-of-backward callback,
@@ -384,58 +349,13 @@ class _Runtime:
         them, drop the gradients it left on gathered parameters and reset, so the next forward and
         backward run normally. (Reductions done before it raised attached their ``.grad``, as plain
         PyTorch accumulates before an error; ``zero_grad`` clears them.)"""
-        self.pending_reduces = []
-        self.unarrived, self.arrivals = [], []
+        self.ctx.pending_reduces = []
+        self.ctx.unarrived, self.ctx.arrivals = [], []
         for b in self.buckets:
             b.abandon_backward()
-        self.generation += 1
-        self.callback_queued = False
-        self.state = TrainingState.IDLE
-
-    def check_collective(self, b: _Bucket, op: str) -> None:
-        """Debug mode (``FSDP_OPTIM_DEBUG=1``): before each collective, all ranks agree on what it is
-        (bucket and operation), so a rank whose sequence differs (it skipped a module's forward, or
-        backward) raises on every rank, naming it, instead of hanging or mixing up buckets."""
-        if not self.debug or self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return
-        self.num_collectives += 1
-        mine = (b.plan.name, op, self.num_collectives)
-        every: list = [None] * self.world_size
-        dist.all_gather_object(every, mine, group=self.group)
-        bad = [r for r, x in enumerate(every) if x[:2] != mine[:2]]
-        if bad:
-            raise RuntimeError(
-                "fully_shard (FSDP_OPTIM_DEBUG): ranks disagree on the next collective: "
-                + "; ".join(f"rank {r}: {x[1]} of bucket {x[0]!r} (collective #{x[2]})" for r, x in enumerate(every))
-                + ". Every rank must run the same sharded modules' forward and backward in the same order "
-                "(a rank that skips a module or a backward hangs the others without this check)"
-            )
-
-    def issue_reduce(self, b: _Bucket) -> None:
-        """Track ``b``'s reduction in flight. As FSDP2 with side streams (CUDA): one reduction stays
-        in flight while the next bucket's backward computes, and is waited for when the next is
-        issued. The same on the CPU, where gloo's threads run it: waiting at once instead (as FSDP2
-        does there) freed its flat buffer one bucket earlier, at a cost of 1% of the fp32 step's peak
-        and 8% of its time (``benchmarks/step_memory.py``, ``bench_fsdp_adamw.py``, W = 2)."""
-        if b.replicate_group is None:
-            self.pending_reduces.append(b)
-            while len(self.pending_reduces) > 1:
-                self.pending_reduces.pop(0).wait_reduces(sync_compute=False)
-            return
-        # HSDP: the previous bucket's reduce-scatter is done by now (its all-reduce across replicas
-        # goes out while this bucket's reduce-scatter runs); the one before it completes.
-        for prev in self.pending_reduces:
-            prev.start_replica_reduce()
-        self.pending_reduces.append(b)
-        while len(self.pending_reduces) > 2:
-            self.pending_reduces.pop(0).wait_reduces(sync_compute=False)
-
-    def finish_reduces(self) -> None:
-        """Wait for every reduction; then the compute stream waits for the side streams once."""
-        while self.pending_reduces:
-            self.pending_reduces.pop(0).wait_reduces(sync_compute=False)
-        self.streams.compute_waits_for(self.streams.reduce_scatter)
-        self.streams.compute_waits_for(self.streams.all_reduce)
+        self.ctx.generation += 1
+        self.ctx.callback_queued = False
+        self.ctx.state = TrainingState.IDLE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,7 +408,7 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         call = ctx.call
         b = call.bucket
-        b.runtime.queue_final_callback()
+        b.ctx.queue_final_callback()
         call.finish()
         if b.num_pending_calls <= 0 and b.phase is not BucketPhase.REDUCED:  # the module's last use is done
             b.post_backward()
@@ -509,14 +429,14 @@ class _PendingCall:
 
     def __init__(self, bucket: _Bucket) -> None:
         self.bucket = bucket
-        self.generation = bucket.runtime.generation
+        self.generation = bucket.ctx.generation
         self.done = False
         bucket.num_pending_calls += 1
 
     def finish(self) -> None:
         if not self.done:
             self.done = True
-            if self.generation == self.bucket.runtime.generation:
+            if self.generation == self.bucket.ctx.generation:
                 self.bucket.num_pending_calls -= 1
 
     def __del__(self) -> None:
@@ -570,7 +490,7 @@ def _optimizer_post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
     # Every rank runs the same optimizer steps, so marking every live runtime keeps the decision in
     # root_pre_forward the same on every rank (see [Note: stale gathers]).
     for rt in list(_LIVE_RUNTIMES):
-        rt.num_optimizer_steps += 1
+        rt.ctx.num_optimizer_steps += 1
 
 
 def _install_optimizer_hooks() -> None:

@@ -40,14 +40,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .plan import BlockSpec, default_rule
-from ._bucket import _Bucket
-from ._checkpoint import register_state_dict_hooks
-from .plan import Plan, PlanConfig, TensorSpec
-from .plan import plan_model
+from ._bucket import BucketConfig, _Bucket
+from ._context import CommContext, Streams
 from ._dist import agree_on_error, device_of_backend, same_group
+from ._mixed_precision import MixedPrecisionPolicy
 from ._runtime import _STATE, _ModuleState, _Runtime
 from ._shard_info import replacement_of, shard_info, was_replaced
+from .plan import BlockSpec, Plan, PlanConfig, TensorSpec, default_rule, plan_model
 
 logger = logging.getLogger(__name__)  # a child of "fsdp_optim": logging.getLogger("fsdp_optim").setLevel(...)
 
@@ -416,12 +415,13 @@ def build_runtime(root: _ModuleState) -> _Runtime:
     build_order = [i for i in range(len(plan.buckets)) if absorbs[i]] + [
         i for i in range(len(plan.buckets)) if not absorbs[i]
     ]
+    ctx = CommContext(group=root.group, world_size=root.world_size, device=root.device, streams=Streams(root.device))
     buckets: list[_Bucket | None] = [None] * len(plan.buckets)
     for i in build_order:
         st, bp, ordered = bucket_states[i], plan.buckets[i], ordered_entries[i]
         old_pieces = [sources.get(id(e.param)) for e in ordered]
         lazy = not absorbs[i] and all(e.full is None for e in ordered)  # meta-built, nothing to move in
-        b = _Bucket(index=i, state=st, plan=bp, entries=ordered, root=root, lazy=lazy)
+        b = _Bucket(index=i, plan=bp, entries=ordered, config=_bucket_config(st, root), ctx=ctx, lazy=lazy)
         if absorbs[i]:
             _move_pieces(b, old_pieces, old_bucket_of)
         buckets[i] = b
@@ -435,18 +435,31 @@ def build_runtime(root: _ModuleState) -> _Runtime:
                     ob.release()
         del old_pieces
     for rt in old:
-        rt._detach()
-    rt = _Runtime(root, plan, buckets)
+        rt.detach()
+    rt = _Runtime(root, plan, buckets, ctx)
     for st in states:
         st.runtime = rt
         st.bucket = None
-    for b in buckets:
-        b.state.bucket = b
-        b.runtime = rt
+    for st, b in zip(bucket_states, buckets):
+        st.bucket = b
     _move_buffers(root.module, root.device)
-    register_state_dict_hooks(root.module)
     _log_plan(root, plan, buckets, absorbed=len(old))
     return rt
+
+
+def _bucket_config(st: _ModuleState, root: _ModuleState) -> BucketConfig:
+    """A bucket's settings: its own call's, else the root's (plan-wide ones are the root's)."""
+    return BucketConfig(
+        group=root.group,
+        device=root.device,
+        mp_policy=st.mp_policy or root.mp_policy or MixedPrecisionPolicy(),
+        reshard_after_forward=st.reshard_after_forward,
+        is_root=st is root,
+        fp8_all_gather=st.fp8_all_gather or root.fp8_all_gather,
+        wire=(root.plan_config or PlanConfig()).wire,
+        replicate_group=root.replicate_group,
+        num_replicas=root.num_replicas,
+    )
 
 
 def _log_plan(root: _ModuleState, plan, buckets: list[_Bucket], *, absorbed: int) -> None:

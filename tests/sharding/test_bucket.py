@@ -15,7 +15,8 @@ from torch import nn
 
 import fsdp_optim
 from fsdp_optim._testing import run_distributed
-from fsdp_optim.sharding._bucket import BucketPhase, BucketState, TrainingState
+from fsdp_optim.sharding._bucket import BucketPhase, BucketState
+from fsdp_optim.sharding._context import TrainingState
 from fsdp_optim.sharding._runtime import _STATE
 from tests._models import TinyConfig, TinyTransformer, assert_close_after_adamw, make_batch
 
@@ -83,7 +84,7 @@ def test_states_follow_the_note_through_an_iteration():
         def during(name):
             def hook(module, args, output):
                 b = module._fsdp_optim_state.bucket
-                seen.setdefault(name, []).append((b.where, b.phase, rt.state))
+                seen.setdefault(name, []).append((b.where, b.phase, rt.ctx.state))
             return hook
 
         for i, layer in enumerate(model.layers):
@@ -104,7 +105,7 @@ def test_states_follow_the_note_through_an_iteration():
         with torch.no_grad():
             _loss(model, *_batch(0))
         after_eval = _states(model)
-        return seen, out, after_eval, rt.state, fsdp_optim.full_state_dict(model)
+        return seen, out, after_eval, rt.ctx.state, fsdp_optim.full_state_dict(model)
 
     for seen, out, after_eval, final_state, got in run_distributed(fn, world_size=3):
         for name, obs in seen.items():
@@ -279,7 +280,8 @@ def test_stream_graph_matches_the_note(hsdp):
         model = _shard(_model(), mesh=mesh)
         rt = model._fsdp_optim_state.runtime
         rec = _RecordingStreams()
-        rt.streams = rec
+        rt.ctx.streams = rec
+        module_of = {id(st.bucket): m for m in model.modules() if (st := getattr(m, "_fsdp_optim_state", None)) is not None}
         for b in rt.buckets:
             for op in ("all_gather", "reduce_scatter"):
                 orig = getattr(b.buffer, op)
@@ -289,7 +291,7 @@ def test_stream_graph_matches_the_note(hsdp):
                     return _orig(*args, **kwargs)
 
                 setattr(b.buffer, op, logged)
-            b.state.module.register_forward_pre_hook(
+            module_of[id(b)].register_forward_pre_hook(
                 lambda m, a, _name=b.plan.name: rec.log.append(("compute", _name)) if not m is model else None
             )
         opt = torch.optim.AdamW(model.parameters(), lr=LR)

@@ -128,7 +128,7 @@ def test_a_dropped_graph_does_not_defer_the_next_backwards_reductions():
                 orig = b.post_backward
 
                 def logged(_orig=orig, _name=name or "<root>"):
-                    order.append((_name, b.runtime.callback_queued and _in_final_callback[0]))
+                    order.append((_name, b.ctx.callback_queued and _in_final_callback[0]))
                     return _orig()
 
                 b.post_backward = logged
