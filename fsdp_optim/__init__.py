@@ -1,15 +1,25 @@
-"""fsdp_optim: FSDP with block-aligned ragged sharding for whole-block optimizers."""
+"""fsdp_optim: FSDP with block-aligned ragged sharding for whole-block optimizers.
+
+The public face: ``fully_shard`` and its settings, checkpoints and state dicts, helpers for user code.
+The optimizers are ``fsdp_optim.optimizers``; layouts, plans and the optimizer contract are
+``fsdp_optim.sharding`` (its ``plan`` package holds the pure layout math).
+"""
 
 from . import _quiet_torchao, sharding  # noqa: F401  (_quiet_torchao: see its docstring)
 from ._param_groups import global_shape, param_groups
+from .sharding import (
+    Float8AllGather,
+    MixedPrecisionPolicy,
+    ShardedModule,
+    ShardInfo,
+    clip_grad_norm_,
+    fully_shard,
+    init_weights,
+    shard_info,
+    sharded_plan,
+)
 from .sharding._checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
-from .sharding._clip import clip_grad_norm_
-from .sharding._float8 import Float8AllGather
-from .sharding._fully_shard import ShardedModule, fully_shard, sharded_plan
 from .sharding._hf import export_hf, load_hf
-from .sharding._init import init_weights
-from .sharding._mixed_precision import MixedPrecisionPolicy
-from .sharding._shard_info import ShardInfo, shard_info
 from .sharding._state_dict import full_state_dict
 
 __all__ = [

@@ -1,0 +1,191 @@
+"""The package's shape (docs/architecture.md): no import circles, one face per package, pure layout math,
+and every public name the docs use still importable."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "fsdp_optim"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Modules of the package that ``name`` imports anywhere (top level, functions, type-checking blocks)."""
+    is_pkg = path.name == "__init__.py"
+    here = name.split(".") if is_pkg else name.split(".")[:-1]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:  # `from .x import name`: the module is x
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {name: _imports(name, path, known) for name, path in known.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    # A package's __init__ (its face) imports its modules; a module importing its own package's face back
+    # would be a circle too, and is caught here like any other.
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_optimizers_import_only_the_sharding_face():
+    graph = _graph()
+    reach_ins = {
+        (m, t)
+        for m, ts in graph.items()
+        if m.startswith("fsdp_optim.optimizers")
+        for t in ts
+        if t.startswith("fsdp_optim.sharding") and t != "fsdp_optim.sharding"
+    }
+    assert not reach_ins, f"optimizers must import from fsdp_optim.sharding's face only: {sorted(reach_ins)}"
+
+
+def test_layout_math_is_pure():
+    # sharding/plan: shapes in, layouts out; no process group, no runtime module.
+    for name, path in _modules().items():
+        if not name.startswith("fsdp_optim.sharding.plan"):
+            continue
+        text = path.read_text()
+        assert "torch.distributed" not in text, f"{name} imports torch.distributed"
+        outside = {t for t in _graph()[name] if not t.startswith("fsdp_optim.sharding.plan")}
+        assert not outside, f"{name} imports {sorted(outside)} from outside sharding/plan"
+
+
+# The public names as of the layout change (issue #28): each must keep working.
+_PUBLIC = {
+    "fsdp_optim": [
+        "Float8AllGather", "MixedPrecisionPolicy", "ShardInfo", "ShardedModule", "clip_grad_norm_", "export_hf",
+        "full_state_dict", "fully_shard", "global_shape", "init_weights", "load_checkpoint", "load_full_state_dict",
+        "load_hf", "param_groups", "save_checkpoint", "shard_info", "sharded_plan", "sharding",
+    ],
+    "fsdp_optim.optimizers": [
+        "AdamW", "AdamW4bit", "AdamW8bit", "Muon", "SOAP", "Shampoo", "WholeTensorOptimizer", "adamw8bit_rule",
+        "adamw_rule", "adamw_update", "is_embedding_or_head", "muon_rule", "shampoo_rule", "whole_tensor_rule",
+    ],
+    "fsdp_optim.sharding": [
+        "BlockKind", "BlockRule", "BlockSpec", "BucketPlan", "CollectiveHandle", "DistributedBuffer", "Float8AllGather",
+        "Layout", "Placement", "Plan", "PlanConfig", "PlanStats", "RaggedShard", "TensorSpec", "block_aligned_splits",
+        "chunk_bounds", "default_rule", "dequantize_blockwise", "elements", "expert", "from_dtensor", "heads",
+        "plan_model", "quantize_blockwise", "rows", "tensor_cost", "to_dtensor", "whole",
+    ],
+}
+
+
+@pytest.mark.parametrize("module", sorted(_PUBLIC))
+def test_public_names_keep_working(module):
+    mod = importlib.import_module(module)
+    missing = [n for n in _PUBLIC[module] if not hasattr(mod, n)]
+    assert not missing, f"{module} lost {missing}"
+    unlisted = [n for n in _PUBLIC[module] if n != "sharding" and n not in getattr(mod, "__all__", ())]
+    assert not unlisted, f"{module}.__all__ misses {unlisted}"
+
+
+def _names_in_docs() -> set[str]:
+    """Every ``fsdp_optim.x.y`` the README, docs, recipes and examples mention, and every name their Python
+    code (files, and ```python blocks of the Markdown pages) imports from ``fsdp_optim``."""
+    pages = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    code = [p.read_text() for p in sorted((ROOT / "examples").glob("*.py")) + sorted((ROOT / "recipes").glob("*.py"))]
+    names: set[str] = set()
+    for page in pages:
+        text = page.read_text()
+        names |= set(re.findall(r"\bfsdp_optim(?:\.[A-Za-z_]\w*)+", text))
+        code += re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    for text in code:
+        names |= set(re.findall(r"\bfsdp_optim(?:\.[A-Za-z_]\w*)+", text))
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:  # a fragment
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp_optim") and not node.level:
+                names |= {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def test_every_name_the_docs_use_imports():
+    bad = []
+    for dotted in sorted(_names_in_docs()):
+        parts = dotted.split(".")
+        if parts[1].startswith("_") or parts[-1] in ("py", "json", "md"):  # private modules, file names
+            continue
+        obj = importlib.import_module("fsdp_optim")
+        for i, part in enumerate(parts[1:], 1):
+            if hasattr(obj, part):
+                obj = getattr(obj, part)
+                continue
+            try:
+                obj = importlib.import_module(".".join(parts[: i + 1]))
+            except ImportError:
+                bad.append(dotted)
+                break
+    assert not bad, f"names in the README/docs/examples that do not import: {bad}"
