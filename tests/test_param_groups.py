@@ -51,3 +51,35 @@ def test_global_shape_plain_and_errors():
         fsdp_optim.param_groups(model, weight_decay=-1)
     with pytest.raises(ValueError, match="model must be an nn.Module"):
         fsdp_optim.param_groups([w], weight_decay=0.1)
+
+
+def test_groups_made_with_p_dim_warn_at_the_first_step(dist_run):
+    # Issue #29: the trap is detectable at the first step (an empty decay group beside a no-decay group
+    # holding sharded matrices); the groups fsdp_optim.param_groups makes do not warn.
+    import warnings
+
+    def fn():
+        model, _ = _unsharded()
+        fsdp_optim.fully_shard(model, blocks=AdamW.blocks)
+        params = [p for p in model.parameters() if p.requires_grad]
+        caught = {}
+        for how in ("ndim", "global"):
+            if how == "ndim":
+                groups = [
+                    {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+                ]
+            else:
+                groups = fsdp_optim.param_groups(model, weight_decay=0.1)
+            opt = torch.optim.AdamW(groups, lr=1e-3)
+            model(torch.zeros(2, 4, dtype=torch.long)).sum().backward()
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                opt.step()
+            opt.zero_grad()
+            caught[how] = [str(x.message) for x in w if "p.dim() >= 2" in str(x.message)]
+        return caught
+
+    for caught in dist_run(fn, world_size=2):
+        assert len(caught["ndim"]) == 1 and "fsdp_optim.param_groups" in caught["ndim"][0], caught
+        assert caught["global"] == []

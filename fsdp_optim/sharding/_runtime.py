@@ -361,19 +361,26 @@ class _Runtime:
 # ---------------------------------------------------------------------------------------------
 # Helpers on nested inputs / outputs; the post-backward Function
 # ---------------------------------------------------------------------------------------------
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], _memo: dict | None = None) -> Any:
     """``obj`` with every tensor ``t`` in it replaced by ``fn(t)``, in a fixed order: pytree
     containers (tuples, lists, dicts, named tuples, registered types) and dataclass instances, which
     pytree treats as leaves (a plain ``@dataclass`` output or input, as FSDP2 accepts); a dataclass
-    is copied with the new field values, or returned as is when none changed."""
+    is copied with the new field values, or returned as is when none changed.
+
+    ``fn`` runs once per distinct tensor: one object in is one object out wherever it appears, so a
+    module that tests identity (``nn.MultiheadAttention``'s ``query is key`` fast path for
+    self-attention) takes the same path as without ``fully_shard``."""
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {} if _memo is None else _memo
     leaves, spec = tree_flatten(obj)
     out = []
     for x in leaves:
         if torch.is_tensor(x):
-            x = fn(x)
+            if id(x) not in memo:
+                memo[id(x)] = (x, fn(x))  # (x kept alive so its id is not reused meanwhile)
+            x = memo[id(x)][1]
         elif is_dataclass(x) and not isinstance(x, type):
             values = {f.name: getattr(x, f.name) for f in fields(x) if hasattr(x, f.name)}
-            new = {k: _map_tensors(v, fn) for k, v in values.items()}
+            new = {k: _map_tensors(v, fn, memo) for k, v in values.items()}
             if any(new[k] is not values[k] for k in values):
                 x = copy.copy(x)
                 set_field = object.__setattr__ if x.__dataclass_params__.frozen else setattr
@@ -384,7 +391,7 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    """Every tensor in ``obj``, in ``_map_tensors``'s order."""
+    """Every distinct tensor in ``obj``, in ``_map_tensors``'s order."""
     found: list[torch.Tensor] = []
     _map_tensors(obj, lambda t: found.append(t) or t)
     return found
@@ -450,8 +457,8 @@ def _register_post_backward(bucket: _Bucket, args: tuple, kwargs: dict) -> tuple
     inputs = [x for x in _tensors_in((args, kwargs)) if x.requires_grad]
     if not inputs:
         return args, kwargs
-    outs = iter(_PostBackward.apply(_PendingCall(bucket), *inputs))
-    return _map_tensors((args, kwargs), lambda x: next(outs) if x.requires_grad else x)
+    outs = dict(zip(map(id, inputs), _PostBackward.apply(_PendingCall(bucket), *inputs)))
+    return _map_tensors((args, kwargs), lambda x: outs.get(id(x), x))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,7 +490,32 @@ def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                 "too (it shards every parameter the inner calls did not)",
                 stacklevel=3,
             )
+    if multi:
+        _warn_if_grouped_by_local_dim(optimizer)
     _CHECKED_OPTIMIZERS[optimizer] = num_params
+
+
+def _warn_if_grouped_by_local_dim(optimizer: torch.optim.Optimizer) -> None:
+    """A sharded parameter is 1-D locally, so param groups made with ``p.dim() >= 2`` (the usual
+    "decay matrices, not norms and biases") put every matrix in the no-decay group and leave the
+    decay group empty. Cheap to see at the first step: an empty group that decays beside a group
+    that does not decay but holds sharded matrices."""
+    groups = optimizer.param_groups
+    decays_nothing = any(g.get("weight_decay", 0) and not g["params"] for g in groups)
+    if not decays_nothing:
+        return
+    for g in groups:
+        matrices = [i for p in g["params"] if (i := shard_info(p)) is not None and len(i.shape) >= 2]
+        if not g.get("weight_decay", 0) and matrices:
+            warnings.warn(
+                f"{type(optimizer).__name__}: a param group with weight_decay > 0 is empty while a group without "
+                f"weight decay holds {len(matrices)} sharded matrices (e.g. {matrices[0].fqn}, global shape "
+                f"{tuple(matrices[0].shape)}): a sharded parameter is 1-D on each rank, so a `p.dim() >= 2` test "
+                "sees none. Group by the global shape: fsdp_optim.param_groups(model, weight_decay=...) or "
+                "fsdp_optim.global_shape(p)",
+                stacklevel=4,
+            )
+            return
 
 
 def _optimizer_post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
