@@ -170,26 +170,7 @@ class _Bucket:
         self.num_replicas = config.num_replicas
         self.replicate_group = config.replicate_group if config.num_replicas > 1 else None
         self._native_avg = self.replicate_group is not None and "nccl" in str(dist.get_backend(self.replicate_group))
-        # Sharded parameters: flat views into the segment.
-        self.sharded: list[nn.Parameter] = []
-        with torch.no_grad():
-            for e, pl, view in zip(entries, plan.placements, self.buffer.local_views()):
-                if e.full is not None:
-                    a, b = pl.shard.range(self.rank)
-                    view.copy_(e.full.detach().reshape(-1)[a:b])
-                sp = nn.Parameter(view, requires_grad=e.requires_grad)
-                set_shard_info(
-                    sp,
-                    ShardInfo(
-                        fqn=e.fqn, shape=pl.shape, spec=pl.spec, layout=pl.shard, rank=self.rank,
-                        group=config.group, bucket=index, split=pl.split,
-                    ),
-                )
-                self.sharded.append(sp)
-                e.full = None
-                if e.param is not sp:
-                    mark_replaced(e.param, e.fqn, replacement=sp)
-                e.param = sp  # drop the original (full) tensor: it is not kept alive by the runtime
+        self.sharded = self._shard_entries(config.group)  # flat views into the segment
         self.expected_ptrs = [sp.data_ptr() for sp in self.sharded]
         if self._lazy:
             self.buffer.drop_segment()
@@ -232,6 +213,30 @@ class _Bucket:
 
     def __repr__(self) -> str:
         return f"_Bucket({self.plan.name!r}, {self.where.value}, {self.phase.value})"
+
+    def _shard_entries(self, group: dist.ProcessGroup | None) -> list[nn.Parameter]:
+        """This rank's piece of every entry as a parameter viewing the segment, with its ``ShardInfo``;
+        the entries' full tensors are dropped and the originals marked replaced."""
+        sharded = []
+        with torch.no_grad():
+            for e, pl, view in zip(self.entries, self.plan.placements, self.buffer.local_views()):
+                if e.full is not None:
+                    a, b = pl.shard.range(self.rank)
+                    view.copy_(e.full.detach().reshape(-1)[a:b])
+                sp = nn.Parameter(view, requires_grad=e.requires_grad)
+                set_shard_info(
+                    sp,
+                    ShardInfo(
+                        fqn=e.fqn, shape=pl.shape, spec=pl.spec, layout=pl.shard, rank=self.rank,
+                        group=group, bucket=self.index, split=pl.split,
+                    ),
+                )  # fmt: skip
+                sharded.append(sp)
+                e.full = None
+                if e.param is not sp:
+                    mark_replaced(e.param, e.fqn, replacement=sp)
+                e.param = sp  # drop the original (full) tensor: it is not kept alive by the runtime
+        return sharded
 
     @property
     def trainable_local(self) -> list[int]:

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from ._dist import same_group
+from ._dist import is_distributed, same_group
 from ._shard_info import shard_info
 
 __all__ = ["clip_grad_norm_"]
@@ -42,32 +42,9 @@ def clip_grad_norm_(
     every gradient.
     """
     params = [parameters] if torch.is_tensor(parameters) else list(parameters)
-    # torch accepts a negative max_norm: the coefficient turns negative and flips every gradient.
-    # (A tensor max_norm is checked where that needs no device sync: on the CPU.)
-    if not torch.is_tensor(max_norm) or max_norm.device.type == "cpu":
-        value = float(max_norm)
-        if not value >= 0:  # (also NaN)
-            raise ValueError(
-                f"clip_grad_norm_: max_norm must be >= 0 (the largest total gradient norm to keep), got {value}; "
-                "a negative max_norm would flip the sign of every gradient. Pass a positive number "
-                "(or math.inf not to clip)"
-            )
+    _check_args(max_norm, norm_type)
     norm_type = float(norm_type)
-    if not (norm_type == math.inf or norm_type > 0):
-        raise ValueError(f"clip_grad_norm_: norm_type must be positive or inf, got {norm_type}")
-    sharded, plain, group, have_group = [], [], None, False
-    for p in params:
-        info = shard_info(p)
-        if info is None:
-            plain.append(p)
-            continue
-        if have_group and not same_group(group, info.group):
-            raise ValueError(
-                f"clip_grad_norm_: parameter {info.fqn} is sharded over a different process group than the others; "
-                "clip each model's parameters separately"
-            )
-        group, have_group = info.group, True
-        sharded.append(p)
+    sharded, plain, group = _by_sharding(params)
     grads_sh = [p.grad for p in sharded if p.grad is not None]
     grads_pl = [p.grad for p in plain if p.grad is not None]
     all_grads = grads_sh + grads_pl
@@ -75,23 +52,10 @@ def clip_grad_norm_(
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in all_grads) else torch.float32
     inf = norm_type == math.inf
 
-    def partial(grads: list[torch.Tensor]) -> torch.Tensor:
-        # One foreach norm per (device, dtype) group, accumulated in ``dtype`` (no per-tensor loop;
-        # torch.nn.utils.get_total_norm does the same per group, in the gradients' own dtype).
-        acc = torch.zeros((), dtype=dtype, device=device)
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for g in grads:
-            if g.numel():
-                groups.setdefault((g.device, g.dtype), []).append(g.detach())
-        for gs in groups.values():
-            norms = torch.stack(torch._foreach_norm(gs, norm_type, dtype=dtype)).to(device)
-            acc = torch.maximum(acc, norms.max()) if inf else acc + (norms**norm_type).sum()
-        return acc
-
-    total = partial(grads_sh)
-    if have_group and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    total = _partial_norm(grads_sh, norm_type, dtype, device)
+    if sharded and is_distributed(group):
         dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
-    rest = partial(grads_pl)
+    rest = _partial_norm(grads_pl, norm_type, dtype, device)
     total = torch.maximum(total, rest) if inf else (total + rest) ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -106,3 +70,55 @@ def clip_grad_norm_(
     for (dev, dt), gs in by_dtype.items():
         torch._foreach_mul_(gs, clip_coef.to(device=dev, dtype=dt))
     return total
+
+
+def _check_args(max_norm: float | torch.Tensor, norm_type: float) -> None:
+    # torch accepts a negative max_norm: the coefficient turns negative and flips every gradient.
+    # (A tensor max_norm is checked where that needs no device sync: on the CPU.)
+    if not torch.is_tensor(max_norm) or max_norm.device.type == "cpu":
+        value = float(max_norm)
+        if not value >= 0:  # (also NaN)
+            raise ValueError(
+                f"clip_grad_norm_: max_norm must be >= 0 (the largest total gradient norm to keep), got {value}; "
+                "a negative max_norm would flip the sign of every gradient. Pass a positive number "
+                "(or math.inf not to clip)"
+            )
+    norm_type = float(norm_type)
+    if not (norm_type == math.inf or norm_type > 0):
+        raise ValueError(f"clip_grad_norm_: norm_type must be positive or inf, got {norm_type}")
+
+
+def _by_sharding(
+    params: list[torch.Tensor],
+) -> tuple[list[torch.Tensor], list[torch.Tensor], dist.ProcessGroup | None]:
+    """``(sharded, plain, the sharded ones' group)``; sharded parameters of two groups are refused."""
+    sharded, plain, group = [], [], None
+    for p in params:
+        info = shard_info(p)
+        if info is None:
+            plain.append(p)
+            continue
+        if sharded and not same_group(group, info.group):
+            raise ValueError(
+                f"clip_grad_norm_: parameter {info.fqn} is sharded over a different process group than the others; "
+                "clip each model's parameters separately"
+            )
+        group = info.group
+        sharded.append(p)
+    return sharded, plain, group
+
+
+def _partial_norm(grads: list[torch.Tensor], norm_type: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``sum |g|^p`` (the max for ``inf``) over ``grads``: one foreach norm per (device, dtype) group,
+    accumulated in ``dtype`` (no per-tensor loop; torch.nn.utils.get_total_norm does the same per
+    group, in the gradients' own dtype)."""
+    inf = norm_type == math.inf
+    acc = torch.zeros((), dtype=dtype, device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        if g.numel():
+            groups.setdefault((g.device, g.dtype), []).append(g.detach())
+    for gs in groups.values():
+        norms = torch.stack(torch._foreach_norm(gs, norm_type, dtype=dtype)).to(device)
+        acc = torch.maximum(acc, norms.max()) if inf else acc + (norms**norm_type).sum()
+    return acc

@@ -359,8 +359,6 @@ def _agree(err: BaseException | None, root: _ModuleState, fingerprint: Any) -> N
 # ---------------------------------------------------------------------------------------------
 def build_runtime(root: _ModuleState) -> _Runtime:
     """Plan everything under ``root`` at once, absorb earlier roots under it, return its runtime."""
-    err: BaseException | None = None
-    fingerprint = None
     # An earlier root under this module may still be gathered (a forward without backward): swap
     # its sharded parameters back first (local, no collective) so discovery sees those.
     for m in root.module.modules():
@@ -368,6 +366,29 @@ def build_runtime(root: _ModuleState) -> _Runtime:
         if st is not None and st.runtime is not None and st.runtime.root_state is st:
             for b in st.runtime.buckets:
                 b.reshard()
+    states, entries, bucket_states, plan = _plan_under(root)
+    ctx = CommContext(group=root.group, world_size=root.world_size, device=root.device, streams=Streams(root.device))
+    old = [st.runtime for st in states if st.runtime is not None and st.runtime.root_state is st]
+    buckets = _build_buckets(root, entries, bucket_states, plan, old, ctx)
+    for rt in old:
+        rt.detach()
+    rt = _Runtime(root, plan, buckets, ctx)
+    for st in states:
+        st.runtime = rt
+        st.bucket = None
+    for st, b in zip(bucket_states, buckets):
+        st.bucket = b
+    _move_buffers(root.module, root.device)
+    _log_plan(root, plan, buckets, absorbed=len(old))
+    return rt
+
+
+def _plan_under(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry], list[_ModuleState], Plan]:
+    """Discover, validate and plan every parameter under ``root``; agreed on by every rank (a user
+    error raises everywhere, see [Note: agreeing on errors]). Returns the recorded modules, the
+    parameters, the modules that own a bucket (plan order) and the plan."""
+    err: BaseException | None = None
+    fingerprint = None
     try:
         states, entries = _discover(root)
         _validate(root, states, entries)
@@ -390,10 +411,19 @@ def build_runtime(root: _ModuleState) -> _Runtime:
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         err = e
     _agree(err, root, fingerprint)
+    return states, entries, bucket_states, plan
 
-    # Absorb earlier roots under this module: their parameters move shard to shard into the new
-    # plan (see [Note: absorbing without the full model]); the others are sliced locally.
-    old = [st.runtime for st in states if st.runtime is not None and st.runtime.root_state is st]
+
+def _build_buckets(
+    root: _ModuleState,
+    entries: list[_Entry],
+    bucket_states: list[_ModuleState],
+    plan: Plan,
+    old: list[_Runtime],
+    ctx: CommContext,
+) -> list[_Bucket]:
+    """One bucket per planned bucket. Pieces of the earlier roots ``old`` move shard to shard into
+    the new plan (see [Note: absorbing without the full model]); the others are sliced locally."""
     for rt in old:
         for b in rt.buckets:
             b.wait_reduces()
@@ -415,7 +445,6 @@ def build_runtime(root: _ModuleState) -> _Runtime:
     build_order = [i for i in range(len(plan.buckets)) if absorbs[i]] + [
         i for i in range(len(plan.buckets)) if not absorbs[i]
     ]
-    ctx = CommContext(group=root.group, world_size=root.world_size, device=root.device, streams=Streams(root.device))
     buckets: list[_Bucket | None] = [None] * len(plan.buckets)
     for i in build_order:
         st, bp, ordered = bucket_states[i], plan.buckets[i], ordered_entries[i]
@@ -434,17 +463,7 @@ def build_runtime(root: _ModuleState) -> _Runtime:
                 if unmoved[id(ob)] == 0:
                     ob.release()
         del old_pieces
-    for rt in old:
-        rt.detach()
-    rt = _Runtime(root, plan, buckets, ctx)
-    for st in states:
-        st.runtime = rt
-        st.bucket = None
-    for st, b in zip(bucket_states, buckets):
-        st.bucket = b
-    _move_buffers(root.module, root.device)
-    _log_plan(root, plan, buckets, absorbed=len(old))
-    return rt
+    return buckets
 
 
 def _bucket_config(st: _ModuleState, root: _ModuleState) -> BucketConfig:
