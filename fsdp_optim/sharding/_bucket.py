@@ -156,6 +156,7 @@ class _Bucket:
         self.reduce_dtype = mp.reduce_dtype or master
         self.reshard_after_forward = config.reshard_after_forward and not self.is_root
         self.requires_sync = True
+        self.grad_premul: float | None = None  # set_gradient_divide_factor: multiplies the gradients before the averaging
         fp8 = config.fp8_all_gather
         # Meta-built and nothing to move in: the segment has no memory until the bucket is first used, so provisional plans of inner calls cost no memory (see [Note: meta-device
         # initialization]). FP8 buckets are allocated at once (their byte buffers are made here).
@@ -493,6 +494,8 @@ class _Bucket:
         if not self.requires_sync:
             return  # keep summing into flat_grad (gradient accumulation without sync)
         self.flat_grad = self.flat_views = None
+        if self.grad_premul is not None:
+            flat.mul_(self.grad_premul)
         self._reduced_arrived, self._arrived = self._arrived, None
         self.settle()  # a second synced backward before the previous reduction was waited for
         self.ctx.check_collective(self.plan.name, "reduce_scatter")

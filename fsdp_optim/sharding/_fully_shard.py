@@ -165,6 +165,19 @@ class ShardedModule:
         for b in _buckets_under(self, recurse):
             b.reshard_after_forward = bool(reshard_after_forward) and not b.is_root
 
+    def set_gradient_divide_factor(self, factor: float, *, recurse: bool = True) -> None:
+        """Divide the summed gradients by ``factor`` instead of averaging over this module's shard
+        group (and replicas), as FSDP2's ``set_gradient_divide_factor``: e.g. experts sharded over the
+        ranks that hold the same experts under expert parallelism receive tokens from every rank,
+        so their gradients are averaged over the whole data-parallel world. Applied as one
+        multiplication of each bucket's unsharded gradients by ``group size / factor`` before the
+        reduction (exact when that ratio is a power of two)."""
+        factor = float(factor)
+        if not factor > 0 or factor == float("inf"):
+            raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor}")
+        for b in _buckets_under(self, recurse):
+            b.grad_premul = None if factor == b.buffer.world_size * b.num_replicas else b.buffer.world_size * b.num_replicas / factor
+
     def unshard(self) -> None:
         """Gather this module's bucket now (its next forward uses this gather instead of issuing one);
         freed as after any forward (``reshard_after_forward``), by ``reshard()``, or, if an optimizer

@@ -99,6 +99,22 @@ def _resolve_mesh(
     )
 
 
+def _is_separate_root(st: _ModuleState, root: _ModuleState) -> bool:
+    """[Note: separate roots]
+    An earlier root whose mesh differs from this call's (another process group, e.g. the experts of
+    a mixture-of-experts layer sharded over the ranks that hold the same experts under expert
+    parallelism) is not absorbed: it keeps its own plan, buckets and hooks, and this call plans the
+    rest. Its forward gathers and its backward reduces over its own group; each root queues its own
+    end-of-backward callback. A non-root call over another group is still an error (``_validate``)."""
+    rt = st.runtime
+    if rt is None or rt.root_state is not st:
+        return False
+    return st.world_size != root.world_size or not same_group(st.group, root.group) or (
+        st.num_replicas != root.num_replicas
+        or (root.num_replicas > 1 and not same_group(st.replicate_group, root.replicate_group))
+    )
+
+
 def _is_managed_inside(module: nn.Module, p: torch.Tensor) -> bool:
     """``p`` belongs to a root whose module lies inside ``module`` (it will be absorbed)."""
     for m in module.modules():
@@ -145,6 +161,8 @@ def _discover(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry]]:
     while stack:
         m, prefix, chain = stack.pop()
         st = getattr(m, _STATE, None)
+        if st is not None and st is not root and _is_separate_root(st, root):
+            continue  # sharded over another group (e.g. experts under expert parallelism): stays its own root
         if st is not None:
             chain = (*chain, st)
             if id(st) not in seen_states:
