@@ -99,6 +99,8 @@ class _ModuleState:
     mp_policy: MixedPrecisionPolicy | None
     plan_config: PlanConfig | None
     fp8_all_gather: Float8AllGather | None = None
+    separate_root: bool = False
+    """Kept as its own root by an enclosing call over another mesh ([Note: separate roots])."""
     runtime: _Runtime | None = None
     bucket: _Bucket | None = None
     handles: list = field(default_factory=list)

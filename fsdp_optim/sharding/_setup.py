@@ -105,9 +105,12 @@ def _is_separate_root(st: _ModuleState, root: _ModuleState) -> bool:
     a mixture-of-experts layer sharded over the ranks that hold the same experts under expert
     parallelism) is not absorbed: it keeps its own plan, buckets and hooks, and this call plans the
     rest. Its forward gathers and its backward reduces over its own group; each root queues its own
-    end-of-backward callback. A non-root call over another group is still an error (``_validate``)."""
+    end-of-backward callback. Only a root that asked for it (``separate_root``: set for the
+    experts of ``expert_parallel``) is kept apart: any other call over another mesh is an error
+    (``_validate``), since a module whose gradients are not averaged over the data-parallel ranks
+    would silently drift."""
     rt = st.runtime
-    if rt is None or rt.root_state is not st:
+    if rt is None or rt.root_state is not st or not st.separate_root:
         return False
     return st.world_size != root.world_size or not same_group(st.group, root.group) or (
         st.num_replicas != root.num_replicas

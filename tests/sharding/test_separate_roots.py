@@ -46,6 +46,7 @@ def test_a_root_over_another_group_is_not_absorbed(world_size):
         alone = [dist.new_group([r]) for r in range(world)][rank]
         model = _model()
         fsdp_optim.fully_shard(model[1], mesh=alone)
+        model[1]._fsdp_optim_state.separate_root = True  # (what expert_parallel's experts ask for)
         fsdp_optim.fully_shard(model)
         inner = fsdp_optim.shard_info(model[1][0].weight)
         outer = fsdp_optim.shard_info(model[0].weight)
