@@ -8,6 +8,7 @@ The experts-module contract (what ``expert_parallel`` accepts):
 
 - every parameter (direct or in submodules) has dim 0 = experts, the same ``E`` for all of them
   (``w1``/``w3`` ``[E, hidden, dim]``, ``w2`` ``[E, dim, hidden]``, a bias ``[E, hidden]``...);
+  buffers are left whole (keep per-expert state in parameters), parameters are not tied elsewhere;
 - ``forward(x, num_tokens_per_expert)``: ``x`` is ``[T, dim]`` tokens sorted by expert (expert 0's
   rows first, contiguous), ``num_tokens_per_expert`` a ``[E]`` integer tensor summing to ``T``;
   it returns ``[T, out]`` in the same row order, and treats each row independently (a token's
@@ -287,6 +288,11 @@ def expert_parallel(experts: nn.Module, *, group: dist.ProcessGroup | None = Non
     docstring) or has fewer experts than ranks.
     """
     ep_rank, ep_size = rank_and_world_size(group)
+    if ep_rank < 0:
+        raise ValueError(
+            f"expert_parallel: this rank is not a member of the EP group (size {ep_size}); call it only "
+            f"on the ranks of `group` (build one EP group per replica with dist.new_group on every rank)"
+        )
     err, num_experts = None, 0
     try:
         num_experts = _check_module(experts, ep_size)

@@ -208,6 +208,14 @@ def test_expert_parallel_without_process_group_is_identity():
     assert torch.equal(experts.w1, w1)
     x = torch.randn(5, D)
     assert experts(x, torch.tensor([1, 2, 0, 2])).shape == (5, D)
+    with pytest.raises(ValueError, match="already expert parallel"):
+        expert_parallel(experts)
+    with pytest.raises(ValueError, match=r"must be a \[num_experts\] = \[4\] tensor"):
+        experts(x, torch.tensor([3, 2]))
+    mixed = _GroupedSwiGLU(4)
+    mixed.w2 = nn.Parameter(torch.zeros(3, D, H))
+    with pytest.raises(ValueError, match="disagree on dim 0"):
+        expert_parallel(mixed)
 
 
 # ---- dispatch / combine against the single-process reference ------------------------------------
