@@ -58,9 +58,14 @@ __all__ = [
 #      sender, in the caller's order.
 # Both token exchanges are ``_AllToAll`` autograd functions whose backward is the reverse exchange,
 # so backward runs the same two collectives in reverse order on every rank. Hence:
-#   - per-expert math sees the same rows in the same order as a single process holding the whole
-#     batch, so outputs, input gradients and expert weight gradients are bitwise those of that run
-#     (fp32, the expert forward row-independent);
+#   - when the EP group feeds the whole batch (ep = W), each expert sees the same rows in the same
+#     order as a single process holding that batch, so outputs, input gradients and expert weight
+#     gradients are bitwise those of that run, provided the experts module computes each expert's
+#     block on its own (a per-expert loop). Elementwise ops over all local experts' rows at once
+#     (``grouped_linear`` then SiLU) put a row at a different position than in the single-process
+#     tensor, and ATen's CPU kernels round a vector body and a scalar tail differently: equal to
+#     rounding there. With ep < W an expert only sees its EP group's rows (a smaller matmul block,
+#     and replicas' partial gradients summed): equal to rounding too;
 #   - the owner's weight gradient already sums every sender's tokens (one matmul over all arrived
 #     rows): never all-reduce expert gradients over the EP group. With data parallel over W ranks
 #     and a per-rank mean loss, the owner's gradient is W times the global-mean gradient; reduce it
