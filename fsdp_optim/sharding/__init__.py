@@ -1,7 +1,7 @@
 """The sharding package's face: what users and the optimizers import.
 
 - layout math (re-exported from ``plan``): block specs and rules, RaggedShard, the plan and planner;
-- the runtime: ``fully_shard``, ``ShardInfo`` / ``shard_info`` (a sharded parameter's piece), mixed
+- the runtime: ``fully_shard``, ``expert_parallel`` (experts split whole over an EP group), ``ShardInfo`` / ``shard_info`` (a sharded parameter's piece), mixed
   precision, FP8 all-gather, ``DistributedBuffer``, gradient clipping, initialization;
 - the optimizer contract (for optimizer authors): ``materialize_all``, ``check_not_replaced``,
   ``register_optimizer_hooks``, ``ShardedState`` / ``OwnedState``.
@@ -13,8 +13,10 @@ from ._buffer import CollectiveHandle, DistributedBuffer
 from ._checkpoint import register_optimizer_hooks
 from ._clip import clip_grad_norm_
 from ._dtensor import from_dtensor, to_dtensor
+from ._expert_parallel import ExpertGroups, ExpertShard, expert_parallel, expert_parallel_groups, expert_shard
 from ._float8 import Float8AllGather, dequantize_blockwise, quantize_blockwise
 from ._fully_shard import ShardedModule, fully_shard, sharded_plan
+from ._grouped_mm import grouped_linear
 from ._init import init_weights
 from ._mixed_precision import MixedPrecisionPolicy
 from ._runtime import materialize_all
@@ -39,6 +41,7 @@ from .plan import (
     heads,
     merge_small_dims,
     plan_model,
+    expert_ranges,
     rows,
     tensor_cost,
     whole,
@@ -51,6 +54,8 @@ __all__ = [
     "BucketPlan",
     "CollectiveHandle",
     "DistributedBuffer",
+    "ExpertGroups",
+    "ExpertShard",
     "Float8AllGather",
     "Layout",
     "MixedPrecisionPolicy",
@@ -70,7 +75,12 @@ __all__ = [
     "dequantize_blockwise",
     "elements",
     "expert",
+    "expert_parallel",
+    "expert_parallel_groups",
+    "expert_ranges",
+    "expert_shard",
     "from_dtensor",
+    "grouped_linear",
     "fully_shard",
     "heads",
     "init_weights",

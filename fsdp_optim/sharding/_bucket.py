@@ -72,6 +72,7 @@ from torch.profiler import record_function
 
 from ._buffer import CollectiveHandle, DistributedBuffer, zero_ranges
 from ._context import CommContext, Streams, TrainingState
+from ._expert_parallel import expert_shard
 from ._float8 import Float8AllGather, Float8Gather, tile_aligned
 from ._mixed_precision import MixedPrecisionPolicy
 from ._shard_info import ShardInfo, mark_replaced, set_shard_info, shard_info
@@ -229,7 +230,7 @@ class _Bucket:
                     sp,
                     ShardInfo(
                         fqn=e.fqn, shape=pl.shape, spec=pl.spec, layout=pl.shard, rank=self.rank,
-                        group=group, bucket=self.index, split=pl.split,
+                        group=group, bucket=self.index, split=pl.split, expert=expert_shard(e.param),
                     ),
                 )  # fmt: skip
                 sharded.append(sp)

@@ -22,19 +22,22 @@ that arrived from every rank, and the result comes back in the caller's row orde
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ._dist import agree_on_error, rank_and_world_size
+from .plan import expert_ranges, token_splits
 
 __all__ = [
+    "ExpertGroups",
     "ExpertParallelModule",
     "ExpertShard",
     "expert_parallel",
+    "expert_parallel_groups",
     "expert_ranges",
     "expert_shard",
     "local_permutation",
@@ -106,30 +109,6 @@ def expert_shard(p: torch.Tensor) -> ExpertShard | None:
 
 
 # ---- index arithmetic (pure) ------------------------------------------------------------------
-def expert_ranges(num_experts: int, ep_size: int) -> list[range]:
-    """Global expert ids owned by each of ``ep_size`` ranks: contiguous, sizes differ by at most one,
-    larger first (6 over 4 -> 2/2/1/1). Every rank owns at least one expert."""
-    if ep_size < 1:
-        raise ValueError(f"ep_size must be >= 1, got {ep_size}")
-    if num_experts < ep_size:
-        raise ValueError(
-            f"num_experts={num_experts} < ep_size={ep_size}: every EP rank must own at least one whole "
-            f"expert; use an EP group of at most {num_experts} ranks (or more experts)"
-        )
-    base, extra = divmod(num_experts, ep_size)
-    out, start = [], 0
-    for r in range(ep_size):
-        n = base + (r < extra)
-        out.append(range(start, start + n))
-        start += n
-    return out
-
-
-def token_splits(num_tokens_per_expert: Sequence[int], ranges: Sequence[range]) -> list[int]:
-    """Rows sent to each rank: the caller's per-expert counts summed over each rank's experts."""
-    return [sum(num_tokens_per_expert[e] for e in r) for r in ranges]
-
-
 def local_permutation(recv_counts: torch.Tensor) -> torch.Tensor:
     """``recv_counts[s, e]`` rows from source ``s`` for local expert ``e`` arrived ordered by
     ``(s, e)``; return ``idx`` with ``arrived[idx]`` ordered by ``(e, s)`` (stable within a block)."""
@@ -342,3 +321,38 @@ def expert_parallel(experts: nn.Module, *, group: dist.ProcessGroup | None = Non
     )
     experts.__class__ = _ep_class(type(experts))
     return experts
+
+
+class ExpertGroups(NamedTuple):
+    """This rank's two groups under expert parallelism (``expert_parallel_groups``)."""
+
+    ep: dist.ProcessGroup | None
+    """The ranks whose experts together make the whole layer (tokens travel within it)."""
+    replicas: dist.ProcessGroup | None
+    """The ranks holding the same experts: the mesh of ``fully_shard(experts, mesh=...)``."""
+
+
+def expert_parallel_groups(ep_size: int, *, group: dist.ProcessGroup | None = None) -> ExpertGroups:
+    """Split ``group`` (default: the world; ``W`` ranks) into EP groups of ``ep_size`` contiguous ranks
+    (``[i * ep, (i + 1) * ep)``: the all-to-all traffic stays among neighbours, within a node on
+    GPUs) and replica groups of the ``W / ep_size`` ranks holding the same experts (``{j, j + ep, ...}``).
+    Every rank of ``group`` must call it (it creates every group, in the same order)."""
+    rank, world = rank_and_world_size(group)
+    if ep_size < 1 or world % ep_size:
+        raise ValueError(
+            f"expert_parallel_groups: ep_size={ep_size} must divide the world size {world} (ranks per EP group "
+            f"times the replicas of each expert); choose an ep of {[d for d in range(1, world + 1) if world % d == 0]}"
+        )
+    if world == 1:
+        return ExpertGroups(ep=None, replicas=None)
+    members = list(range(world)) if group is None else dist.get_process_group_ranks(group)
+    ep = replicas = None
+    for i in range(world // ep_size):
+        g = dist.new_group([members[i * ep_size + j] for j in range(ep_size)])
+        if rank // ep_size == i:
+            ep = g
+    for j in range(ep_size):
+        g = dist.new_group([members[i * ep_size + j] for i in range(world // ep_size)])
+        if rank % ep_size == j:
+            replicas = g
+    return ExpertGroups(ep=ep, replicas=replicas)

@@ -45,6 +45,7 @@ from ._float8 import Float8AllGather
 from ._mixed_precision import MixedPrecisionPolicy
 from .plan import Plan, PlanConfig
 from ._checkpoint import register_state_dict_hooks
+from ._expert_parallel import expert_shard
 from ._runtime import _STATE, _buckets_under, _ModuleState, _runtime_of
 from ._setup import _is_managed_inside, _resolve_mesh, build_runtime
 from ._shard_info import shard_info
@@ -85,22 +86,7 @@ def fully_shard(
     [Note: FP8 all-gather] below and ``Float8AllGather``); an inner ``None`` takes the root's. Returns ``module``, whose class now also derives from :class:`ShardedModule`. See the
     module docstring for the root rule.
     """
-    if not isinstance(module, nn.Module):
-        raise ValueError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise ValueError(f"mp_policy must be a MixedPrecisionPolicy or None, got {type(mp_policy).__name__}")
-    if plan_config is not None and not isinstance(plan_config, PlanConfig):
-        raise ValueError(f"plan_config must be a PlanConfig or None, got {type(plan_config).__name__}")
-    if fp8_all_gather is not None and not isinstance(fp8_all_gather, Float8AllGather):
-        raise ValueError(
-            f"fp8_all_gather must be a Float8AllGather or None (e.g. Float8AllGather(tile='128x128')), got "
-            f"{type(fp8_all_gather).__name__}"
-        )
-    _check_reshard_after_forward(reshard_after_forward)
-    if blocks is not None and not callable(blocks):
-        raise ValueError(
-            f"blocks must be a block rule rule(fqn, param, module) -> BlockSpec (e.g. muon_rule()), got {blocks!r}"
-        )
+    _check_arguments(module, blocks, reshard_after_forward, mp_policy, plan_config, fp8_all_gather)
     group, rank, world_size, device, replicate_group, num_replicas = _resolve_mesh(mesh)
     existing = getattr(module, _STATE, None)
     if existing is not None:
@@ -130,6 +116,7 @@ def fully_shard(
         mp_policy=mp_policy,
         plan_config=plan_config,
         fp8_all_gather=fp8_all_gather,
+        separate_root=_is_experts(module),
     )
     cls = type(module)
     if not issubclass(cls, ShardedModule):
@@ -141,7 +128,46 @@ def fully_shard(
         module.__class__ = cls
         raise
     register_state_dict_hooks(module)  # DCP-ready model.state_dict() / load_state_dict()
+    if state.separate_root:
+        # The experts' owners receive tokens from every rank of their EP group: their gradients are
+        # averaged over the whole data-parallel world, not only over this call's mesh.
+        ep_size = next(shard_info(p).expert.ep_size for p in module.parameters())
+        module.set_gradient_divide_factor(world_size * num_replicas * ep_size)
     return module
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """Every parameter under ``module`` was sharded by ``expert_parallel``: it is planned as its own
+    root over ``mesh`` (the ranks holding the same experts; [Note: separate roots])."""
+    marks = [expert_shard(p) is not None for p in module.parameters()]
+    return bool(marks) and all(marks)
+
+
+def _check_arguments(
+    module: Any,
+    blocks: Any,
+    reshard_after_forward: Any,
+    mp_policy: Any,
+    plan_config: Any,
+    fp8_all_gather: Any,
+) -> None:
+    """The arguments' types (a user error names the argument and what it takes)."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(f"mp_policy must be a MixedPrecisionPolicy or None, got {type(mp_policy).__name__}")
+    if plan_config is not None and not isinstance(plan_config, PlanConfig):
+        raise ValueError(f"plan_config must be a PlanConfig or None, got {type(plan_config).__name__}")
+    if fp8_all_gather is not None and not isinstance(fp8_all_gather, Float8AllGather):
+        raise ValueError(
+            f"fp8_all_gather must be a Float8AllGather or None (e.g. Float8AllGather(tile='128x128')), got "
+            f"{type(fp8_all_gather).__name__}"
+        )
+    _check_reshard_after_forward(reshard_after_forward)
+    if blocks is not None and not callable(blocks):
+        raise ValueError(
+            f"blocks must be a block rule rule(fqn, param, module) -> BlockSpec (e.g. muon_rule()), got {blocks!r}"
+        )
 
 
 def sharded_plan(module: nn.Module) -> Plan:

@@ -43,6 +43,7 @@ from torch import nn
 from ._bucket import BucketConfig, _Bucket
 from ._context import CommContext, Streams
 from ._dist import agree_on_error, device_of_backend, same_group
+from ._expert_parallel import expert_shard
 from ._mixed_precision import MixedPrecisionPolicy
 from ._runtime import _STATE, _ModuleState, _Runtime
 from ._shard_info import replacement_of, shard_info, was_replaced
@@ -251,6 +252,13 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
             )
     for e in entries:
         p = e.param
+        if expert_shard(p) is not None and not e.state.separate_root:
+            raise ValueError(
+                f"fully_shard: {e.fqn} (local shape {tuple(p.shape)}) belongs to an expert_parallel module that "
+                f"{type(e.state.module).__name__}'s call would plan with the rest of the model over world size "
+                f"{root.world_size}; call fully_shard on the experts module itself first, over the ranks that hold "
+                "the same experts (expert_parallel_groups(...).replicas), then on the enclosing modules"
+            )
         info = shard_info(p)
         if info is not None:
             e.shape, e.requires_grad = tuple(info.shape), p.requires_grad
@@ -301,6 +309,8 @@ _FINGERPRINT_PARTS = {
     "mp_policy": "a bucket's mp_policy (param_dtype, reduce_dtype, output_dtype or cast_forward_inputs)",
     "reshard_after_forward": "a bucket's reshard_after_forward",
     "fp8_all_gather": "a bucket's fp8_all_gather",
+    "experts": "the experts they hold (shard an expert_parallel module over the ranks that hold the same "
+    "experts: expert_parallel_groups(...).replicas)",
 }
 
 
@@ -326,6 +336,9 @@ def _fingerprint(root: _ModuleState, plan: Plan, bucket_states: list[_ModuleStat
         "mp_policy": digest([st.mp_policy or root.mp_policy for st in bucket_states]),
         "reshard_after_forward": digest([st.reshard_after_forward and st is not root for st in bucket_states]),
         "fp8_all_gather": digest([st.fp8_all_gather or root.fp8_all_gather for st in bucket_states]),
+        "experts": digest(
+            [(es.first_expert, es.num_local_experts) for p in root.module.parameters() if (es := expert_shard(p))]
+        ),
     }
 
 

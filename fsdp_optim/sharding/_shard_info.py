@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .plan import BlockSpec
-from .plan import RaggedShard
+from ._expert_parallel import ExpertShard
+from .plan import BlockSpec, RaggedShard
 
 __all__ = ["ShardInfo", "shard_info", "set_shard_info", "mark_replaced", "was_replaced", "replacement_of", "check_not_replaced"]
 
@@ -45,6 +45,10 @@ class ShardInfo:
     """Index of the bucket (communication unit) the parameter lives in."""
     split: bool = False
     """A matrix block of this parameter is cut across ranks (see ``Placement.split``)."""
+    expert: ExpertShard | None = None
+    """Expert parallelism: the experts this rank's slice holds. ``shape``, ``layout`` and ``group``
+    then describe the local slice ``[E_local, ...]`` sharded over the ranks holding the same experts;
+    ``global_shape`` / ``global_start`` place this rank's piece in the whole ``[E, ...]`` tensor."""
 
     @property
     def world_size(self) -> int:
@@ -57,6 +61,19 @@ class ShardInfo:
     @property
     def end(self) -> int:
         return self.layout.bounds[self.rank + 1]
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """The whole tensor's shape (``shape`` unless expert parallel)."""
+        return self.shape if self.expert is None else self.expert.global_shape
+
+    @property
+    def global_start(self) -> int:
+        """Where this rank's piece starts in the whole tensor, row-major flat (``start`` unless expert
+        parallel: the local slice begins at expert ``first_expert``)."""
+        if self.expert is None:
+            return self.start
+        return self.expert.first_expert * math.prod(self.shape[1:]) + self.start
 
     @property
     def local_numel(self) -> int:

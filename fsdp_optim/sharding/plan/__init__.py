@@ -6,6 +6,7 @@ from ._blocks import BlockKind, BlockRule, BlockSpec, default_rule, elements, ex
 from ._plan import BucketPlan, Layout, LocalPiece, Placement, Plan, PlanConfig, TensorSpec
 from ._planner import plan_model
 from ._cost import tensor_cost
+from ._experts import expert_ranges, token_splits
 from ._presets import PRESETS, ModelPreset, preset_buckets, preset_names, preset_shapes
 from ._ragged import RaggedShard, block_aligned_splits, chunk_bounds
 from ._report import PlanStats
@@ -35,6 +36,7 @@ __all__ = [
     "default_rule",
     "elements",
     "expert",
+    "expert_ranges",
     "grouped_seconds",
     "heads",
     "merge_small_dims",
@@ -45,5 +47,6 @@ __all__ = [
     "preset_shapes",
     "rows",
     "tensor_cost",
+    "token_splits",
     "whole",
 ]

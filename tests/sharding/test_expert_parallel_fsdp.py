@@ -1,0 +1,224 @@
+"""Expert parallelism under fully_shard (issue #26): experts split whole over an EP group, each local
+slice FSDP-sharded over the ranks holding the same experts ([Note: separate roots]), the dense part
+sharded over the world. Training equals a single process on the global batch (torch.optim.AdamW, the
+reference nobody here wrote), and Muon on the experts equals torch.optim.Muon per expert matrix,
+bitwise, with no collective in its step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.debug import CommDebugMode
+
+import fsdp_optim
+from fsdp_optim._testing import run_distributed
+from fsdp_optim.optimizers import Muon
+from fsdp_optim.sharding import expert_parallel, expert_parallel_groups, shard_info
+
+D, H, TOP_K, ROWS, STEPS, LR = 8, 12, 2, 24, 3, 1e-2
+
+
+class _Experts(nn.Module):
+    """SwiGLU experts ``[E, H, D]`` / ``[E, D, H]``, one expert's rows at a time (the contract of
+    ``expert_parallel``: tokens sorted by expert, per-expert counts)."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(num_experts, H, D) / D**0.5)
+        self.w3 = nn.Parameter(torch.randn(num_experts, H, D) / D**0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, D, H) / H**0.5)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        out, start = [], 0
+        for e, n in enumerate(num_tokens_per_expert.tolist()):
+            xe = x[start : start + n]
+            out.append((F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)) @ self.w2[e].T)
+            start += n
+        return torch.cat(out)
+
+
+class _Net(nn.Module):
+    """A dense layer, a top-k routed MoE and a dense head."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(D, D)
+        self.router = nn.Linear(D, num_experts, bias=False)
+        self.experts = _Experts(num_experts)
+        self.head = nn.Linear(D, 3)
+        self.num_experts = num_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        # Row by row (a product and a last-dim sum): a matmul's rounding may depend on the row count.
+        scores = torch.softmax((h[:, None, :] * self.router.weight).sum(-1), dim=-1)
+        gates, route = torch.topk(scores, TOP_K, dim=-1)
+        flat = route.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        y = self.experts(h.index_select(0, order // TOP_K), counts)
+        y = torch.empty_like(y).index_copy(0, order, y)
+        return self.head(h + (y.view(-1, TOP_K, D) * gates.unsqueeze(-1)).sum(1))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(ROWS, D, generator=g), torch.randn(ROWS, 3, generator=g)
+
+
+def _reference(num_experts: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = _Net(num_experts)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def _shard(model: _Net, ep: int, blocks=None) -> None:
+    groups = expert_parallel_groups(ep)
+    expert_parallel(model.experts, group=groups.ep)
+    fsdp_optim.fully_shard(model.experts, mesh=groups.replicas, blocks=blocks)
+    fsdp_optim.fully_shard(model, blocks=blocks)
+
+
+def _pieces(model: nn.Module) -> dict[str, tuple[tuple[int, ...], int, torch.Tensor]]:
+    """Each parameter's (whole shape, where this rank's piece starts in it, the piece)."""
+    return {
+        n: (tuple(i.global_shape), i.global_start, p.detach().clone())
+        for n, p in model.named_parameters()
+        if (i := shard_info(p)) is not None
+    }
+
+
+def _assemble(ranks: list[dict]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    for pieces in ranks:
+        for n, (shape, start, flat) in pieces.items():
+            full = out.setdefault(n, torch.full(shape, float("nan")))
+            hits = covered.setdefault(n, torch.zeros(shape, dtype=torch.int64))
+            full.view(-1)[start : start + flat.numel()] = flat
+            hits.view(-1)[start : start + flat.numel()] += 1
+    for n, hits in covered.items():
+        assert bool((hits == 1).all()), f"{n}: the ranks' pieces do not cover it exactly once"
+    return out
+
+
+@pytest.mark.parametrize("num_experts", [8, 6])
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_training_equals_one_process(ep, num_experts):
+    reference, ref_losses = _reference(num_experts)
+
+    def fn():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        model = _Net(num_experts)
+        _shard(model, ep)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses = []
+        n = ROWS // world
+        for step in range(STEPS):
+            x, y = _batch(step)
+            loss = F.mse_loss(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
+            loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        mean = torch.stack(losses)
+        dist.all_reduce(mean)
+        out = _pieces(model), (mean / world).tolist()
+        del model, opt
+        return out
+
+    ranks = run_distributed(fn, world_size=4)
+    params = _assemble([r[0] for r in ranks])
+    assert set(params) == set(reference)
+    for k, v in reference.items():
+        torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    torch.testing.assert_close(torch.tensor(ranks[0][1]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+
+
+def test_muon_on_experts_is_torch_muon_per_matrix_without_collectives():
+    # After one backward at W = 4, ep = 2 (each expert slice FSDP-sharded over 2 ranks, whole expert
+    # matrices by Muon's rule), each rank steps the expert matrices it holds whole: equal to
+    # torch.optim.Muon on each matrix bitwise, and no collective in step().
+    def fn():
+        model = _Net(8)
+        _shard(model, 2, blocks=Muon.blocks)
+        x, y = _batch(0)
+        rank, n = dist.get_rank(), ROWS // 4
+        F.mse_loss(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
+        experts = [p for p in model.experts.parameters()]
+        refs = []
+        for p in experts:
+            info = shard_info(p)
+            assert info.expert is not None and info.expert.ep_size == 2
+            for off, r, c in info.owned_matrices():
+                w = nn.Parameter(p.detach()[off - info.start : off - info.start + r * c].view(r, c).clone())
+                w.grad = p.grad[off - info.start : off - info.start + r * c].view(r, c).clone()
+                refs.append((p, off - info.start, w))
+        ref_opt = torch.optim.Muon([w for _, _, w in refs], lr=0.02, momentum=0.9, weight_decay=0.0)
+        ref_opt.step()
+        opt = Muon(experts, lr=0.02, momentum=0.9, weight_decay=0.0)
+        with CommDebugMode() as comm:
+            opt.step()
+        equal = all(torch.equal(p.detach()[o : o + w.numel()].view_as(w), w.detach()) for p, o, w in refs)
+        out = equal, len(refs), comm.get_total_counts()
+        del model, opt, ref_opt
+        return out
+
+    for equal, num_matrices, num_collectives in run_distributed(fn, world_size=4):
+        assert equal and num_collectives == 0
+        assert num_matrices > 0
+
+
+def test_experts_planned_with_the_rest_are_refused():
+    # The experts' own fully_shard call (over the ranks holding the same experts) must come first.
+    def fn():
+        model = _Net(4)
+        groups = expert_parallel_groups(2)
+        expert_parallel(model.experts, group=groups.ep)
+        try:
+            fsdp_optim.fully_shard(model)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    for msg in run_distributed(fn, world_size=2):
+        assert msg is not None and "call fully_shard on the experts module itself first" in msg
+
+
+def test_experts_sharded_over_ranks_holding_other_experts_are_refused():
+    def fn():
+        model = _Net(4)
+        groups = expert_parallel_groups(2)
+        expert_parallel(model.experts, group=groups.ep)
+        try:
+            fsdp_optim.fully_shard(model.experts, mesh=groups.ep)  # the EP group: ranks with other experts
+        except ValueError as e:
+            return str(e)
+        return None
+
+    for msg in run_distributed(fn, world_size=2):
+        assert msg is not None and "the experts they hold" in msg
+
+
+def test_ep_groups_refuse_an_ep_that_does_not_divide_the_world():
+    def fn():
+        try:
+            expert_parallel_groups(2)
+        except ValueError as e:
+            return str(e)
+
+    for msg in run_distributed(fn, world_size=3):
+        assert "ep_size=2 must divide the world size 3" in msg
