@@ -15,7 +15,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed
 from fsdp_optim.optimizers import SOAP
-from fsdp_optim.optimizers._soap import _outer, _rotate, reference_merge_dims
+from fsdp_optim.optimizers._preconditioner import outer as _outer
+from fsdp_optim.optimizers._soap import _rotate, reference_merge_dims
 from fsdp_optim.optimizers._shampoo import shampoo_blocks
 from fsdp_optim.sharding import RaggedShard, elements, whole
 from tests.optimizers.test_linalg import last_param_after
