@@ -299,7 +299,7 @@ def matrix_inverse_root(a: Tensor, root: float, epsilon: float) -> Tensor:
 def _resolve_hyperparameters(hp: dict[str, Any], *, where: str, stacklevel: int) -> dict[str, Any]:
     """Check one group's hyperparameters (``ValueError`` naming the value and the fix, prefixed by
     ``where``) and fill the derived defaults: ``grafting`` as its enum value, ``grafting_beta2``
-    (None: 0.999 Adam, 0.99 RMSprop; ignored, with a warning, by AdaGrad), ``start_preconditioning_step``
+    (None: 0.999 Adam, 0.99 RMSprop; ignored, with a warning, by AdaGrad and without grafting), ``start_preconditioning_step``
     (None: the frequency). Pure but for the warning."""
     lr, betas = hp["lr"], tuple(hp["betas"])
     if not lr >= 0.0:
@@ -325,6 +325,12 @@ def _resolve_hyperparameters(hp: dict[str, Any], *, where: str, stacklevel: int)
     if graft is Grafting.ADAGRAD and gb2 != 1.0:
         warnings.warn(f"Shampoo: {where}grafting_beta2={gb2} is ignored by AdaGrad grafting", stacklevel=stacklevel)
         gb2 = 1.0
+    if graft is Grafting.NONE and hp["grafting_beta2"] is not None:
+        warnings.warn(
+            f"Shampoo: {where}grafting_beta2={gb2} is ignored without grafting (grafting=None); for Adam grafting "
+            "pass grafting='adam' (or 'rmsprop') with it",
+            stacklevel=stacklevel,
+        )
     if graft is Grafting.NONE:
         gb2 = 1.0
     if not hp["epsilon"] > 0.0 or not hp["grafting_epsilon"] > 0.0:
@@ -426,8 +432,9 @@ class Shampoo(BlockPreconditioner):
         resolved = _resolve_hyperparameters(raw, where="", stacklevel=3)
         # Defaults keep what the caller left unset (None) so that a group setting ``grafting`` or
         # ``precondition_frequency`` gets its own derived default (add_param_group resolves each group).
+        ignored = resolved["grafting"] in (Grafting.ADAGRAD.value, Grafting.NONE.value)  # warned once, above
         defaults = dict(resolved, start_preconditioning_step=start_preconditioning_step,
-                        grafting_beta2=None if resolved["grafting"] == Grafting.ADAGRAD.value else grafting_beta2)  # fmt: skip
+                        grafting_beta2=None if ignored else grafting_beta2)  # fmt: skip
         self._rule = blocks
         super().__init__(params, defaults, batched=batched)
         if blocks is not None and self._plans and all(shard_info(t) is not None for t in self._plans):
