@@ -27,6 +27,8 @@ every such dim by ``Q_i^T`` (``tensordot`` over dim 0, the dims cycling back int
 With ``block_size = k`` the units are Shampoo's blocks (``merge_small_dims`` + k-chunks of every
 dim, see [Note: Shampoo blocks]); each block is its own SOAP unit, so every rank's blocks are
 complete and a sharded run equals the single-process run bitwise. The step issues no collectives.
+A non-finite gradient raises ``FloatingPointError`` naming the parameters before any state changes
+(as Shampoo's: [Note: non-finite gradients]).
 
 Tolerance against the reference: every op above is the same math in fp32, but the order of the
 rotations and the ``eigh`` / ``qr`` LAPACK calls on differently laid-out (yet equal) inputs can
@@ -316,9 +318,6 @@ class SOAP(BlockPreconditioner):
                 "Q": plan.factor_shard}  # fmt: skip
 
     # ---- step -------------------------------------------------------------------------
-    def _check_finite(self, params: list[Tensor]) -> None:
-        """Not checked (yet): a non-finite gradient reaches ``eigh``."""
-
     def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
         plan, st = self._plans[p], self.state[p]
         st["step"] += 1

@@ -5,6 +5,7 @@ equals the single-process run bitwise for W = 1..4 with zero collectives; state 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import warnings
 
@@ -397,6 +398,34 @@ def test_batched_block_soap_sharded_equals_looped_single_process_bitwise(world_s
     for key in ref_state:
         assert torch.equal(state[key], ref_state[key]), key
     assert all(c == {} for per_rank in comms for c in per_rank), comms
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("block_size", [None, 2])
+def test_non_finite_gradient_raises_naming_the_parameter_and_changes_nothing(block_size, batched):
+    """A NaN or Inf gradient (on the first call, which builds the bases, and on a later one) is named
+    with its shape before any parameter or state changes, so the step can be skipped and training go
+    on; without the check ``eigh`` fails to converge on the first call and NaNs spread later."""
+    gen = torch.Generator().manual_seed(4)
+    a, b = torch.nn.Parameter(torch.randn(4, 3, generator=gen)), torch.nn.Parameter(torch.randn(5, generator=gen))
+    opt = SOAP([{"params": [a, b], "param_names": ["layers.0.w", "layers.0.b"]}], block_size=block_size,
+               batched=batched, precondition_1d=True, precondition_frequency=1)  # fmt: skip
+    for step, bad in enumerate([float("nan"), float("inf"), float("nan")]):
+        before = copy.deepcopy(opt.state_dict())
+        a0, b0 = a.detach().clone(), b.detach().clone()
+        a.grad, b.grad = torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)
+        b.grad[1] = bad
+        with pytest.raises(FloatingPointError, match=r"SOAP: non-finite gradient .* layers\.0\.b \(shape \(5,\)\)") as e:
+            opt.step()
+        assert "layers.0.w" not in str(e.value)
+        assert torch.equal(a, a0) and torch.equal(b, b0)
+        after = opt.state_dict()
+        for i, st in before["state"].items():
+            for k, v in st.items():
+                assert torch.equal(v, after["state"][i][k]), (step, k)
+        b.grad[1] = 0.0  # the same step without the bad element goes on
+        opt.step()
+    assert all(torch.isfinite(v).all() for st in opt.state.values() for v in st.values())
 
 
 def test_bad_arguments():
