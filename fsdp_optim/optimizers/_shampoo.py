@@ -381,7 +381,8 @@ class Shampoo(BlockPreconditioner):
     Shampoo's direction replaces the grafting one. ``exponent_override``: the root ``p`` of
     ``factor^{-1/p}`` (0: ``2 * order``). ``grafting``: ``None`` (DistributedShampoo's default),
     ``"adam"``, ``"rmsprop"`` or ``"adagrad"``, with ``grafting_beta2`` (default 0.999 Adam, 0.99
-    RMSprop; Adam/RMSprop need ``< 1``: use ``"adagrad"`` for a sum) and ``grafting_epsilon``.
+    RMSprop; Adam/RMSprop need ``< 1``: use ``"adagrad"`` for a sum; ignored, with a warning, without
+    grafting) and ``grafting_epsilon``.
     ``factor_matrix_dtype``: ``torch.float32`` or ``torch.float64`` factors. ``batched``: the factor EMA with
     foreach ops and the outer products, ``eigh`` and preconditioning matmuls batched over same-shape
     blocks of a parameter group (see [Note: batched Shampoo]); ``False``: one block at a time (the
