@@ -574,13 +574,10 @@ class Shampoo(BlockPreconditioner):
         c = self._begin(p, group)
         plan, state, fdt = c.plan, c.state, group["factor_matrix_dtype"]
         gv = c.g.view(plan.local_shape)
-        views, outers = [], []
-        for b in plan.blocks:  # 1. factors (raw gradient)
+        for b in plan.blocks:  # 1. factors (raw gradient), one block's outer products at a time
             gb = gv[b.index].to(fdt).contiguous()  # float64 factors: the outer products in float64 too
-            for dim, f in enumerate(_factor_views(state["factor_matrices"], b)):
-                views.append(f)
-                outers.append(outer(gb, dim))
-        factor_ema_(views, outers, group["betas"][1])
+            factor_ema_(_factor_views(state["factor_matrices"], b), [outer(gb, d) for d in range(gb.ndim)],
+                        group["betas"][1])  # fmt: skip
         if c.roots:  # 2. inverse roots
             root = group["exponent_override"] or 2 * plan.geom.order
             factors, inv = state["factor_matrices"], state["inv_factor_matrices"]
