@@ -87,11 +87,10 @@ run bitwise. The step issues no collectives.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -99,28 +98,15 @@ from torch import Tensor
 
 from ..sharding import BlockKind, BlockRule, BlockSpec, merge_small_dims
 from ..sharding import ShardInfo, shard_info
-from ._base import (
-    StateShard, apply_update, checked_param_info, discard_last_group, make_dcp_ready, profiled_step, require_spec,
-)
+from ._base import StateShard, apply_update, checked_param_info, require_spec
 from ._linalg import aligned, bmm, eigh
+from ._preconditioner import (
+    BlockPreconditioner, Grafting, factor_ema_, graft_rescale_, grafting_direction, outer, outer_batched, square_view,
+    update_grafting_,
+)
 from ._rules import shampoo_rule
 
 __all__ = ["Shampoo", "Grafting", "shampoo_blocks", "matrix_inverse_root"]
-
-_GRAFT_NORM_EPS = 1e-16  # distributed_shampoo.py _precondition_and_grafting adds 1e-16 to the Shampoo norm
-
-
-class Grafting(enum.Enum):
-    """The layer-wise step-size method grafted onto Shampoo (DistributedShampoo's ``grafting_config``)."""
-
-    NONE = "none"
-    ADAM = "adam"
-    """EMA of ``g^2`` with ``(1 - beta2)`` weight, always bias-corrected (``AdamPreconditionerConfig``)."""
-    RMSPROP = "rmsprop"
-    """EMA of ``g^2`` with ``(1 - beta2)`` weight, no bias correction (``RMSpropPreconditionerConfig``)."""
-    ADAGRAD = "adagrad"
-    """Sum of ``g^2`` (``AdaGradPreconditionerConfig``)."""
-
 
 _GRAFTING_BETA2_DEFAULT = {Grafting.ADAM: 0.999, Grafting.RMSPROP: 0.99}  # shampoo_types.py defaults
 
@@ -192,6 +178,16 @@ class BlockGeometry(NamedTuple):
         """Elements of the factors of strips ``[s0, s1)`` (all blocks, each its factors in dim order)."""
         return sum(self.strip_factor_numel(self.strip_rows(i)) for i in range(s0, s1))
 
+    def local_blocks(self, start: int, end: int) -> Iterator[tuple[tuple[int, ...], tuple[slice, ...]]]:
+        """``(shape, index)`` of every block of the strips held by a shard of flat range ``[start, end)``
+        (whole strips), in global block order, ``index`` into its local ``[rows, *dims[1:]]`` view."""
+        row_base = start // self.cols
+        tails = self.tail_chunks
+        for i in range(self.strip_at(start), self.strip_at(end)):
+            r, row0 = self.strip_rows(i), self.strip_start_row(i) - row_base
+            for t in tails:
+                yield (r, *(n for _, n in t)), (slice(row0, row0 + r), *(slice(s, s + n) for s, n in t))
+
 
 def shampoo_blocks(shape: tuple[int, ...], k: int, spec: BlockSpec | None = None) -> BlockGeometry:
     """The block geometry of a tensor of global ``shape`` with ``max_preconditioner_dim = k``:
@@ -203,8 +199,6 @@ def shampoo_blocks(shape: tuple[int, ...], k: int, spec: BlockSpec | None = None
 
 
 class _Block(NamedTuple):
-    row0: int
-    """First row in this rank's local ``[local_rows, *dims[1:]]`` view."""
     shape: tuple[int, ...]
     index: tuple[slice, ...]
     """The block in that local view."""
@@ -226,41 +220,42 @@ class _ParamPlan(NamedTuple):
         return (self.info.local_numel // g.cols if g.cols else 0, *g.dims[1:])
 
 
+class _Ctx(NamedTuple):
+    """One parameter's step in progress (``Shampoo._begin``)."""
+
+    p: Tensor
+    plan: _ParamPlan
+    state: dict[str, Tensor]
+    t: int
+    g: Tensor
+    """The local gradient, flat, fp32."""
+    gbar: Tensor
+    """The filtered gradient (bias-corrected)."""
+    graft_dir: Tensor | None
+    roots: bool
+    """Whether the inverse roots are recomputed this step."""
+    bc2: float
+    """The factors' bias correction ``1 - beta2^t`` (1 without)."""
+    direction: Tensor
+    """The search direction, filled by the step (the grafting one before ``start_preconditioning_step``)."""
+
+
 def _plan_param(name: str, info: ShardInfo, geom: BlockGeometry) -> _ParamPlan:
     if info.numel == 0:
         return _ParamPlan(name, info, geom, (0, 0), ())
-    s0, s1 = geom.strip_at(info.start), geom.strip_at(info.end)
-    row_base = info.start // geom.cols
     blocks, off = [], 0
-    tails = geom.tail_chunks
-    for i in range(s0, s1):
-        r, row0 = geom.strip_rows(i), geom.strip_start_row(i) - row_base
-        for t in tails:
-            shape = (r, *(n for _, n in t))
-            index = (slice(row0, row0 + r), *(slice(s, s + n) for s, n in t))
-            blocks.append(_Block(row0, shape, index, off))
-            off += sum(n * n for n in shape)
-    return _ParamPlan(name, info, geom, (s0, s1), tuple(blocks))
+    for shape, index in geom.local_blocks(info.start, info.end):
+        blocks.append(_Block(shape, index, off))
+        off += sum(n * n for n in shape)
+    return _ParamPlan(name, info, geom, (geom.strip_at(info.start), geom.strip_at(info.end)), tuple(blocks))
 
 
 def _factor_views(flat: Tensor, b: _Block) -> list[Tensor]:
     out, off = [], b.factor
     for n in b.shape:
-        out.append(flat[off : off + n * n].view(n, n))
+        out.append(square_view(flat, off, n))
         off += n * n
     return out
-
-
-def _outer(g: Tensor, dim: int) -> Tensor:
-    """Contraction of ``g`` with itself over every dim but ``dim`` (``G G^T``, ``G^T G``, ``g g^T``),
-    on an aligned copy where ``g`` is a misaligned view ([Note: alignment-independent kernels])."""
-    g = aligned(g)
-    if g.ndim == 1:
-        return torch.outer(g, g)
-    if g.ndim == 2:
-        return g @ g.mT if dim == 0 else g.mT @ g
-    other = [d for d in range(g.ndim) if d != dim]
-    return torch.tensordot(g, g, dims=(other, other))
 
 
 def _precondition(g: Tensor, roots: list[Tensor]) -> Tensor:
@@ -274,16 +269,6 @@ def _precondition(g: Tensor, roots: list[Tensor]) -> Tensor:
     for r in roots:  # contract dim 0, append the new dim last: after N steps the dims are back in order
         g = torch.tensordot(g, r, dims=([0], [0]))
     return g
-
-
-def _outer_batched(g: Tensor, dim: int) -> Tensor:
-    """``_outer`` of every ``g[i]`` of a ``[B, *shape]`` stack: ``[B, n, n]`` (each matrix's result
-    independent of its batch-mates: [Note: alignment-independent kernels])."""
-    if g.ndim == 2:
-        return g.unsqueeze(-1) * g.unsqueeze(-2)
-    if g.ndim == 3:
-        return bmm(g, g.mT) if dim == 0 else bmm(g.mT, g)
-    return torch.stack([_outer(x, dim) for x in g.unbind(0)])
 
 
 def _precondition_batched(x: Tensor, roots: list[Tensor]) -> Tensor:
@@ -314,7 +299,7 @@ def matrix_inverse_root(a: Tensor, root: float, epsilon: float) -> Tensor:
 def _resolve_hyperparameters(hp: dict[str, Any], *, where: str, stacklevel: int) -> dict[str, Any]:
     """Check one group's hyperparameters (``ValueError`` naming the value and the fix, prefixed by
     ``where``) and fill the derived defaults: ``grafting`` as its enum value, ``grafting_beta2``
-    (None: 0.999 Adam, 0.99 RMSprop; ignored, with a warning, by AdaGrad), ``start_preconditioning_step``
+    (None: 0.999 Adam, 0.99 RMSprop; ignored, with a warning, by AdaGrad and without grafting), ``start_preconditioning_step``
     (None: the frequency). Pure but for the warning."""
     lr, betas = hp["lr"], tuple(hp["betas"])
     if not lr >= 0.0:
@@ -340,6 +325,12 @@ def _resolve_hyperparameters(hp: dict[str, Any], *, where: str, stacklevel: int)
     if graft is Grafting.ADAGRAD and gb2 != 1.0:
         warnings.warn(f"Shampoo: {where}grafting_beta2={gb2} is ignored by AdaGrad grafting", stacklevel=stacklevel)
         gb2 = 1.0
+    if graft is Grafting.NONE and hp["grafting_beta2"] is not None:
+        warnings.warn(
+            f"Shampoo: {where}grafting_beta2={gb2} is ignored without grafting (grafting=None); for Adam grafting "
+            "pass grafting='adam' (or 'rmsprop') with it",
+            stacklevel=stacklevel,
+        )
     if graft is Grafting.NONE:
         gb2 = 1.0
     if not hp["epsilon"] > 0.0 or not hp["grafting_epsilon"] > 0.0:
@@ -374,7 +365,7 @@ def _resolve_hyperparameters(hp: dict[str, Any], *, where: str, stacklevel: int)
     return dict(hp, betas=betas, grafting=graft.value, grafting_beta2=gb2, start_preconditioning_step=start)
 
 
-class Shampoo(torch.optim.Optimizer):
+class Shampoo(BlockPreconditioner):
     """Blocked Shampoo on sharded or plain parameters, DistributedShampoo's algorithm and defaults.
 
     Shard with ``Shampoo.blocks`` (``Shampoo.rule(max_preconditioner_dim=1024)``) or
@@ -390,7 +381,8 @@ class Shampoo(torch.optim.Optimizer):
     Shampoo's direction replaces the grafting one. ``exponent_override``: the root ``p`` of
     ``factor^{-1/p}`` (0: ``2 * order``). ``grafting``: ``None`` (DistributedShampoo's default),
     ``"adam"``, ``"rmsprop"`` or ``"adagrad"``, with ``grafting_beta2`` (default 0.999 Adam, 0.99
-    RMSprop; Adam/RMSprop need ``< 1``: use ``"adagrad"`` for a sum) and ``grafting_epsilon``.
+    RMSprop; Adam/RMSprop need ``< 1``: use ``"adagrad"`` for a sum; ignored, with a warning, without
+    grafting) and ``grafting_epsilon``.
     ``factor_matrix_dtype``: ``torch.float32`` or ``torch.float64`` factors. ``batched``: the factor EMA with
     foreach ops and the outer products, ``eigh`` and preconditioning matmuls batched over same-shape
     blocks of a parameter group (see [Note: batched Shampoo]); ``False``: one block at a time (the
@@ -399,6 +391,7 @@ class Shampoo(torch.optim.Optimizer):
     launches to save).
     """
 
+    _name = "Shampoo"
     blocks = staticmethod(shampoo_rule(1024))
 
     @classmethod
@@ -440,36 +433,27 @@ class Shampoo(torch.optim.Optimizer):
         resolved = _resolve_hyperparameters(raw, where="", stacklevel=3)
         # Defaults keep what the caller left unset (None) so that a group setting ``grafting`` or
         # ``precondition_frequency`` gets its own derived default (add_param_group resolves each group).
+        ignored = resolved["grafting"] in (Grafting.ADAGRAD.value, Grafting.NONE.value)  # warned once, above
         defaults = dict(resolved, start_preconditioning_step=start_preconditioning_step,
-                        grafting_beta2=None if resolved["grafting"] == Grafting.ADAGRAD.value else grafting_beta2)  # fmt: skip
-        self._plans: dict[Tensor, _ParamPlan] = {}
+                        grafting_beta2=None if ignored else grafting_beta2)  # fmt: skip
         self._rule = blocks
-        self._batched = batched
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, batched=batched)
         if blocks is not None and self._plans and all(shard_info(t) is not None for t in self._plans):
             warnings.warn("Shampoo: blocks= is ignored: every parameter is sharded and its recorded spec is used",
                           stacklevel=2)  # fmt: skip
-        make_dcp_ready(self)
 
     # ---- groups and state ---------------------------------------------------------------
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group, its hyperparameters checked and resolved as the constructor's (a group that
-        sets ``grafting`` gets that grafting's ``grafting_beta2`` default, one that sets
+    def _resolve_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
+        """The group's hyperparameters checked and resolved as the constructor's (a group that sets
+        ``grafting`` gets that grafting's ``grafting_beta2`` default, one that sets
         ``precondition_frequency`` its own ``start_preconditioning_step``)."""
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         hp = {k: param_group.get(k, v) for k, v in self.defaults.items()}
         if "grafting" in param_group and "grafting_beta2" not in param_group:
             hp["grafting_beta2"] = None  # the group's own grafting's default, not the constructor's
         if "precondition_frequency" in param_group and "start_preconditioning_step" not in param_group:
             hp["start_preconditioning_step"] = None
         where = f"parameter group {len(self.param_groups)}: "
-        super().add_param_group({**param_group, **_resolve_hyperparameters(hp, where=where, stacklevel=3)})
-        try:
-            self._plan_group(self.param_groups[-1])
-        except BaseException:
-            discard_last_group(self, self._plans)
-            raise
+        return {**param_group, **_resolve_hyperparameters(hp, where=where, stacklevel=4)}
 
     def _plan_group(self, group: dict[str, Any]) -> None:
         k = group["max_preconditioner_dim"]
@@ -542,216 +526,118 @@ class Shampoo(torch.optim.Optimizer):
                 self.state[p][k] = v.to(device=p.device, copy=True)
 
     # ---- step -------------------------------------------------------------------------
-    @profiled_step
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001 - torch.optim signature
-        """One Shampoo step on every local block (see [Note: Shampoo step]); no communication."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        todo = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        for p, _ in todo:
-            if p.grad.is_sparse or torch.is_complex(p):
-                raise RuntimeError("Shampoo does not support sparse gradients or complex parameters")
-        self._check_finite([p for p, _ in todo])
-        batched = self._batched if self._batched is not None else any(p.is_cuda for p, _ in todo)
-        if not batched:
-            for p, group in todo:
-                self._step_param(p, group)
-            return loss
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                self._step_group_batched(params, group)
-        return loss
+    def _batched_default(self, params: list[Tensor]) -> bool:
+        return any(p.is_cuda for p in params)
 
-    def _check_finite(self, params: list[Tensor]) -> None:
-        """``FloatingPointError`` naming the parameter(s) whose local gradient has a NaN or Inf (one
-        host sync per step). Raised before any state changes, so the step can be retried or skipped."""
-        if not params:
-            return
-        flags = torch.stack([torch.isfinite(p.grad).all() for p in params]).tolist()
-        bad = [self._plans[p] for p, ok in zip(params, flags) if not ok]
-        if bad:
-            names = ", ".join(f"{b.name} (shape {tuple(b.info.shape)})" for b in bad)
-            raise FloatingPointError(
-                f"Shampoo: non-finite gradient (NaN or Inf) in {names} on rank {bad[0].info.rank}; no state was "
-                "changed. Find its source (loss scale, learning rate, data) or skip this step"
-            )
-
-    def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
+    def _begin(self, p: Tensor, group: dict[str, Any]) -> _Ctx:
+        """Per-element work of one parameter: step count, grafting state, filtered gradient, grafting
+        direction ([Note: Shampoo step] 1, 3 and 4's grafting)."""
         plan, state = self._plans[p], self.state[p]
-        beta1, beta2 = group["betas"]
+        beta1 = group["betas"][0]
         graft, gb2 = Grafting(group["grafting"]), group["grafting_beta2"]
-        bias = group["use_bias_correction"]
         state["step"] += 1
         t = int(state["step"].item())
         g = p.grad.reshape(-1).float()
-        gv = g.view(plan.local_shape)
-        fdt = group["factor_matrix_dtype"]
-
-        # 1. factors (raw gradient) and grafting state
-        factors = state["factor_matrices"]
-        for b in plan.blocks:
-            gb = gv[b.index].to(fdt).contiguous()  # float64 factors: the outer products in float64 too
-            for dim, f in enumerate(_factor_views(factors, b)):
-                outer = _outer(gb, dim)
-                if beta2 == 1.0:
-                    f.add_(outer)
-                else:
-                    f.mul_(beta2).add_(outer, alpha=1 - beta2)
         if graft is not Grafting.NONE:
-            v = state["grafting_state"]
-            if graft is Grafting.ADAGRAD:
-                v.addcmul_(g, g)
-            else:
-                v.mul_(gb2).addcmul_(g, g, value=1 - gb2)
-
-        # 2. inverse roots
-        start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
-        if t == start or (t > start and t % freq == 0):
-            self._inverse_roots(plan, state, group, t)
-
-        # 3. filtered gradient
+            update_grafting_(state["grafting_state"], g, graft, gb2)
         if beta1 > 0:
             m = state["filtered_grad"]
             m.lerp_(g, 1 - beta1)
-            gbar = m / (1 - beta1**t) if bias else m
+            gbar = m / (1 - beta1**t) if group["use_bias_correction"] else m
         else:
             gbar = g
-
-        # 4. search direction: grafting before start, else Shampoo (grafted per block)
         graft_dir = None
         if graft is not Grafting.NONE:
-            v = state["grafting_state"]
-            vhat = v / (1 - gb2**t) if graft is Grafting.ADAM else v
-            graft_dir = gbar / vhat.sqrt().add_(group["grafting_epsilon"])
+            graft_dir = grafting_direction(gbar, state["grafting_state"], graft, gb2, t, group["grafting_epsilon"])
+        start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
+        beta2 = group["betas"][1]
+        bc2 = 1 - beta2**t if group["use_bias_correction"] and beta2 < 1.0 else 1.0
         if t < start:
             d = graft_dir if graft_dir is not None else gbar.clone()
         else:
             d = torch.empty_like(g)
-            dv, gbarv = d.view(plan.local_shape), gbar.view(plan.local_shape)
-            graftv = graft_dir.view(plan.local_shape) if graft_dir is not None else None
-            inv = state["inv_factor_matrices"]
-            for b in plan.blocks:
-                pre = _precondition(gbarv[b.index].contiguous(), _factor_views(inv, b))
-                if graftv is not None:
-                    pre = pre * (graftv[b.index].contiguous().norm() / pre.norm().add(_GRAFT_NORM_EPS))
-                dv[b.index] = pre
+        return _Ctx(p, plan, state, t, g, gbar, graft_dir, t == start or (t > start and t % freq == 0), bc2, d)
 
-        # 5. weight decay, momentum, update
-        flat = p.view(-1)
+    def _finish(self, c: _Ctx, group: dict[str, Any]) -> None:
+        """Weight decay, momentum and the update ([Note: Shampoo step] 5)."""
+        d, flat = c.direction, c.p.view(-1)
         if group["weight_decay"] != 0:
             d = d.add(flat, alpha=group["weight_decay"])
         mu = group["momentum"]
         if mu > 0:
-            buf = state["momentum_buffer"]
+            buf = c.state["momentum_buffer"]
             buf.mul_(mu).add_(d)
             d = d.add(buf, alpha=mu) if group["nesterov"] else buf
         apply_update(flat, d, group["lr"])
 
+    def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
+        c = self._begin(p, group)
+        plan, state, fdt = c.plan, c.state, group["factor_matrix_dtype"]
+        gv = c.g.view(plan.local_shape)
+        for b in plan.blocks:  # 1. factors (raw gradient), one block's outer products at a time
+            gb = gv[b.index].to(fdt).contiguous()  # float64 factors: the outer products in float64 too
+            factor_ema_(_factor_views(state["factor_matrices"], b), [outer(gb, d) for d in range(gb.ndim)],
+                        group["betas"][1])  # fmt: skip
+        if c.roots:  # 2. inverse roots
+            root = group["exponent_override"] or 2 * plan.geom.order
+            factors, inv = state["factor_matrices"], state["inv_factor_matrices"]
+            for b in plan.blocks:
+                for f, r in zip(_factor_views(factors, b), _factor_views(inv, b)):
+                    r.copy_(matrix_inverse_root(f / c.bc2, root, group["epsilon"]))
+        if c.t >= group["start_preconditioning_step"]:  # 4. Shampoo's direction, grafted per block
+            dv, gbarv = c.direction.view(plan.local_shape), c.gbar.view(plan.local_shape)
+            graftv = c.graft_dir.view(plan.local_shape) if c.graft_dir is not None else None
+            for b in plan.blocks:
+                pre = _precondition(gbarv[b.index].contiguous(), _factor_views(state["inv_factor_matrices"], b))
+                if graftv is not None:
+                    pre = graft_rescale_(pre.unsqueeze(0), graftv[b.index].contiguous().unsqueeze(0))[0]
+                dv[b.index] = pre
+        self._finish(c, group)
+
     def _step_group_batched(self, params: list[Tensor], group: dict[str, Any]) -> None:
         """One step of every parameter of ``group`` with block work batched per block shape."""
-        beta1, beta2 = group["betas"]
-        graft, gb2 = Grafting(group["grafting"]), group["grafting_beta2"]
-        bias, fdt, eps = group["use_bias_correction"], group["factor_matrix_dtype"], group["epsilon"]
-        start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
-        ctx = []
-        for p in params:  # per-element work
-            plan, state = self._plans[p], self.state[p]
-            state["step"] += 1
-            t = int(state["step"].item())
-            g = p.grad.reshape(-1).float()
-            if graft is not Grafting.NONE:
-                v = state["grafting_state"]
-                if graft is Grafting.ADAGRAD:
-                    v.addcmul_(g, g)
-                else:
-                    v.mul_(gb2).addcmul_(g, g, value=1 - gb2)
-            if beta1 > 0:
-                m = state["filtered_grad"]
-                m.lerp_(g, 1 - beta1)
-                gbar = m / (1 - beta1**t) if bias else m
-            else:
-                gbar = g
-            graft_dir = None
-            if graft is not Grafting.NONE:
-                v = state["grafting_state"]
-                vhat = v / (1 - gb2**t) if graft is Grafting.ADAM else v
-                graft_dir = gbar / vhat.sqrt().add_(group["grafting_epsilon"])
-            roots = t == start or (t > start and t % freq == 0)
-            bc2 = 1 - beta2**t if bias and beta2 < 1.0 else 1.0
-            d = graft_dir if graft_dir is not None else gbar.clone()  # t < start; overwritten below otherwise
-            if t >= start:
-                d = torch.empty_like(g)
-            ctx.append((p, plan, state, t, g, gbar, graft_dir, roots, bc2, d))
-
-        by_shape: dict[tuple[int, ...], list[tuple[int, _Block]]] = {}
-        fv: dict[tuple[int, int], list[Tensor]] = {}  # (param, factor offset) -> factor views
+        start, fdt = group["start_preconditioning_step"], group["factor_matrix_dtype"]
+        ctx = [self._begin(p, group) for p in params]
+        by_shape: dict[tuple[int, ...], list[tuple[_Ctx, _Block]]] = {}
+        fv: dict[tuple[int, int], list[Tensor]] = {}  # (context, factor offset) -> factor views
         iv: dict[tuple[int, int], list[Tensor]] = {}  # ... -> inverse-root views
-        for ci, c in enumerate(ctx):
-            for b in c[1].blocks:
-                by_shape.setdefault(b.shape, []).append((ci, b))
-                fv[ci, b.factor] = _factor_views(c[2]["factor_matrices"], b)
-                iv[ci, b.factor] = _factor_views(c[2]["inv_factor_matrices"], b)
+        for c in ctx:
+            for b in c.plan.blocks:
+                by_shape.setdefault(b.shape, []).append((c, b))
+                fv[id(c), b.factor] = _factor_views(c.state["factor_matrices"], b)
+                iv[id(c), b.factor] = _factor_views(c.state["inv_factor_matrices"], b)
+
+        def stack(key: str, items: list[tuple[_Ctx, _Block]]) -> Tensor:
+            return torch.stack([getattr(c, key).view(c.plan.local_shape)[b.index] for c, b in items])
 
         # factors: batched outer products, then one foreach EMA over every factor of the group
         views, outers = [], []
         for shape, items in by_shape.items():
-            gs = torch.stack([ctx[ci][4].view(ctx[ci][1].local_shape)[b.index] for ci, b in items]).to(fdt)
+            gs = stack("g", items).to(fdt)
             for dim in range(len(shape)):
-                outers.extend(_outer_batched(gs, dim).unbind(0))
-                views.extend(fv[ci, b.factor][dim] for ci, b in items)
-        if views:
-            if beta2 == 1.0:
-                torch._foreach_add_(views, outers)
-            else:
-                torch._foreach_mul_(views, beta2)
-                torch._foreach_add_(views, outers, alpha=1 - beta2)
+                outers.extend(outer_batched(gs, dim).unbind(0))
+                views.extend(fv[id(c), b.factor][dim] for c, b in items)
+        factor_ema_(views, outers, group["betas"][1])
 
         for shape, items in by_shape.items():
             order = len(shape)
             root = group["exponent_override"] or 2 * order
             # inverse roots: one batched eigh per factor dim
-            sel = [(ci, b) for ci, b in items if ctx[ci][7]]
+            sel = [(c, b) for c, b in items if c.roots]
             for dim in range(order) if sel else ():
-                fs = torch.stack([fv[ci, b.factor][dim] / ctx[ci][8] for ci, b in sel])
-                out = [iv[ci, b.factor][dim] for ci, b in sel]
-                torch._foreach_copy_(out, list(matrix_inverse_root(fs, root, eps).unbind(0)))
+                fs = torch.stack([fv[id(c), b.factor][dim] / c.bc2 for c, b in sel])
+                out = [iv[id(c), b.factor][dim] for c, b in sel]
+                torch._foreach_copy_(out, list(matrix_inverse_root(fs, root, group["epsilon"]).unbind(0)))
             # preconditioning (and grafting norms) batched
-            sel = [(ci, b) for ci, b in items if ctx[ci][3] >= start]
+            sel = [(c, b) for c, b in items if c.t >= start]
             if not sel:
                 continue
-            xs = torch.stack([ctx[ci][5].view(ctx[ci][1].local_shape)[b.index] for ci, b in sel])
-            rs = [torch.stack([iv[ci, b.factor][dim] for ci, b in sel]) for dim in range(order)]
-            pre = _precondition_batched(xs, rs)
-            if graft is not Grafting.NONE:
-                gd = torch.stack([ctx[ci][6].view(ctx[ci][1].local_shape)[b.index] for ci, b in sel])
-                dims = tuple(range(1, order + 1))
-                scale = torch.linalg.vector_norm(gd, dim=dims) / torch.linalg.vector_norm(pre, dim=dims).add(
-                    _GRAFT_NORM_EPS
-                )
-                pre.mul_(scale.view(-1, *([1] * order)))
-            for i, (ci, b) in enumerate(sel):
-                ctx[ci][9].view(ctx[ci][1].local_shape)[b.index] = pre[i]
+            rs = [torch.stack([iv[id(c), b.factor][dim] for c, b in sel]) for dim in range(order)]
+            pre = _precondition_batched(stack("gbar", sel), rs)
+            if group["grafting"] != Grafting.NONE.value:
+                graft_rescale_(pre, stack("graft_dir", sel))
+            for i, (c, b) in enumerate(sel):
+                c.direction.view(c.plan.local_shape)[b.index] = pre[i]
 
-        for p, _, state, _, _, _, _, _, _, d in ctx:  # weight decay, momentum, update
-            flat = p.view(-1)
-            if group["weight_decay"] != 0:
-                d = d.add(flat, alpha=group["weight_decay"])
-            mu = group["momentum"]
-            if mu > 0:
-                buf = state["momentum_buffer"]
-                buf.mul_(mu).add_(d)
-                d = d.add(buf, alpha=mu) if group["nesterov"] else buf
-            apply_update(flat, d, group["lr"])
-
-    def _inverse_roots(self, plan: _ParamPlan, state: dict[str, Tensor], group: dict[str, Any], t: int) -> None:
-        beta2, eps = group["betas"][1], group["epsilon"]
-        bc2 = 1 - beta2**t if group["use_bias_correction"] and beta2 < 1.0 else 1.0
-        root = group["exponent_override"] or 2 * plan.geom.order
-        factors, inv = state["factor_matrices"], state["inv_factor_matrices"]
-        for b in plan.blocks:
-            for f, r in zip(_factor_views(factors, b), _factor_views(inv, b)):
-                r.copy_(matrix_inverse_root(f / bc2, root, eps))
+        for c in ctx:
+            self._finish(c, group)

@@ -27,6 +27,8 @@ every such dim by ``Q_i^T`` (``tensordot`` over dim 0, the dims cycling back int
 With ``block_size = k`` the units are Shampoo's blocks (``merge_small_dims`` + k-chunks of every
 dim, see [Note: Shampoo blocks]); each block is its own SOAP unit, so every rank's blocks are
 complete and a sharded run equals the single-process run bitwise. The step issues no collectives.
+A non-finite gradient raises ``FloatingPointError`` naming the parameters before any state changes
+(as Shampoo's: [Note: non-finite gradients]).
 
 Tolerance against the reference: every op above is the same math in fp32, but the order of the
 rotations and the ``eigh`` / ``qr`` LAPACK calls on differently laid-out (yet equal) inputs can
@@ -41,7 +43,7 @@ every parameter stacked into ``[B, *shape]``: rotations and outer products by ba
 moments updated on the stacks, ``eigh`` / ``argsort`` / ``gather`` / ``qr`` on ``[B, n, n]``
 stacks, the factor EMA as one foreach ``lerp`` per batch; then the update per parameter; then the
 moments' rotations and the refresh per batch. Per unit these are ``_step_param``'s ops in its
-order, with every operand laid out as there (``_outer_batched`` mirrors ``tensordot``'s layouts).
+order, with every operand laid out as there (``outer_batched`` mirrors ``tensordot``'s layouts).
 On CPU batched equals looped bitwise (tested): LAPACK ``syevd`` / ``geqrf`` and BLAS ``gemm`` run
 per matrix, and stacks go through ``_linalg``'s kernels ([Note: alignment-independent kernels]):
 a product runs batched only where ATen would hand it to BLAS (``m k n >= 400``; below, its own loop
@@ -65,11 +67,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..sharding import BlockRule, BlockSpec, elements, whole
-from ._base import (
-    StateShard, apply_update, checked_param_info, discard_last_group, make_dcp_ready, profiled_step, require_spec,
-)
+from ..sharding import BlockRule, BlockSpec, ShardInfo, elements, whole
+from ._base import StateShard, apply_update, checked_param_info, require_spec
 from ._linalg import aligned, batched_ok, bmm, eigh, qr_q
+from ._preconditioner import BlockPreconditioner, factor_ema_, outer, outer_batched, square_view
 from ._rules import shampoo_rule
 from ._shampoo import BlockGeometry, shampoo_blocks
 
@@ -122,6 +123,7 @@ class _Unit(NamedTuple):
 
 class _Plan(NamedTuple):
     name: str
+    info: ShardInfo
     units: tuple[_Unit, ...]
     factor_shard: StateShard
     elem_shard: StateShard
@@ -145,7 +147,7 @@ def _check_hyperparameters(hp: dict[str, Any], *, where: str) -> None:
         )
 
 
-class SOAP(torch.optim.Optimizer):
+class SOAP(BlockPreconditioner):
     """SOAP with the reference ``soap.py``'s signature and semantics (see [Note: SOAP semantics]).
 
     Shard with ``SOAP.rule(block_size=...)`` for the same ``block_size``: ``None`` keeps each tensor
@@ -160,6 +162,7 @@ class SOAP(torch.optim.Optimizer):
     two runs: 0.91-0.97x median, 0.94-1.09x averaged over a precondition period).
     """
 
+    _name = "SOAP"
     blocks = staticmethod(soap_rule(None))
 
     @classmethod
@@ -199,10 +202,7 @@ class SOAP(torch.optim.Optimizer):
                           stacklevel=2)  # fmt: skip
         self._data_format = data_format
         self._block_size = block_size
-        self._batched = batched
-        self._plans: dict[Tensor, _Plan] = {}
-        super().__init__(params, defaults)
-        make_dcp_ready(self)
+        super().__init__(params, defaults, batched=batched)
 
     # ---- planning ---------------------------------------------------------------------
     def _preconditioned(self, n: int, order: int, group: dict[str, Any]) -> bool:
@@ -221,18 +221,10 @@ class SOAP(torch.optim.Optimizer):
                 out.append(None)
         return tuple(out), off
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group, its hyperparameters checked as the constructor's."""
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+    def _resolve_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
         _check_hyperparameters({k: param_group.get(k, v) for k, v in self.defaults.items()},
                                where=f"parameter group {len(self.param_groups)}: ")  # fmt: skip
-        super().add_param_group(param_group)
-        try:
-            self._plan_group(self.param_groups[-1])
-        except BaseException:
-            discard_last_group(self, self._plans)
-            raise
+        return param_group
 
     def _plan_group(self, group: dict[str, Any]) -> None:
         k = self._block_size
@@ -245,7 +237,7 @@ class SOAP(torch.optim.Optimizer):
             if k is None:
                 ok = all(b in (0, info.numel) for b in info.layout.bounds)
                 require_spec(info, ok, optimizer="SOAP", need="each tensor whole on one rank", blocks=blocks)
-                plan = self._whole_plan(label, info.shape, info.local_numel, group)
+                plan = self._whole_plan(label, info, group)
             else:
                 geom = shampoo_blocks(info.shape, k, info.spec)
                 ok = info.numel == 0 or all(geom.is_strip_boundary(b) for b in info.layout.bounds)
@@ -261,11 +253,12 @@ class SOAP(torch.optim.Optimizer):
             st.setdefault("GG", torch.zeros(n, dtype=torch.float32, device=p.device))
             st.setdefault("Q", torch.zeros(n, dtype=torch.float32, device=p.device))
 
-    def _whole_plan(self, name: str, shape: tuple[int, ...], local_numel: int, group: dict[str, Any]) -> _Plan:
+    def _whole_plan(self, name: str, info: ShardInfo, group: dict[str, Any]) -> _Plan:
+        shape = tuple(info.shape)
         numel = math.prod(shape)
-        if local_numel == 0 or numel == 0:
+        if info.local_numel == 0 or numel == 0:
             fac_total = self._unit_factor_numel(self._whole_shape(shape, group)[0], group) if numel else 0
-            return _Plan(name, (), StateShard(fac_total, 0, 0), StateShard(numel, 0, 0))
+            return _Plan(name, info, (), StateShard(fac_total, 0, 0), StateShard(numel, 0, 0))
         ushape, to_u, from_u = self._whole_shape(shape, group)
         offs, total = self._factor_offsets(ushape, 0, group)
 
@@ -275,7 +268,7 @@ class SOAP(torch.optim.Optimizer):
         def store(flat: Tensor, u: Tensor) -> None:
             flat.copy_(from_u(u).reshape(-1))
 
-        return _Plan(name, (_Unit(ushape, to_unit, store, (0, numel), offs),), StateShard(total, 0, total),
+        return _Plan(name, info, (_Unit(ushape, to_unit, store, (0, numel), offs),), StateShard(total, 0, total),
                      StateShard(numel, 0, numel))  # fmt: skip
 
     def _whole_shape(self, shape: tuple[int, ...], group: dict[str, Any]):
@@ -294,7 +287,7 @@ class SOAP(torch.optim.Optimizer):
 
     def _block_plan(self, name: str, info, geom: BlockGeometry, group: dict[str, Any]) -> _Plan:
         if info.numel == 0:
-            return _Plan(name, (), StateShard(0, 0, 0), StateShard(0, 0, 0))
+            return _Plan(name, info, (), StateShard(0, 0, 0), StateShard(0, 0, 0))
         tails = geom.tail_chunks
 
         def strip_numel(i: int) -> int:
@@ -305,23 +298,18 @@ class SOAP(torch.optim.Optimizer):
         before = sum(strip_numel(i) for i in range(s0))
         total = before + sum(strip_numel(i) for i in range(s0, geom.num_strips))
         local_shape = (info.local_numel // geom.cols, *geom.dims[1:])
-        row_base = info.start // geom.cols
         units, off = [], 0
-        for i in range(s0, s1):
-            r, row0 = geom.strip_rows(i), geom.strip_start_row(i) - row_base
-            for t in tails:
-                shape = (r, *(n for _, n in t))
-                index = (slice(row0, row0 + r), *(slice(s, s + n) for s, n in t))
-                offs, off = self._factor_offsets(shape, off, group)
+        for shape, index in geom.local_blocks(info.start, info.end):
+            offs, off = self._factor_offsets(shape, off, group)
 
-                def to_unit(flat: Tensor, index=index) -> Tensor:
-                    return flat.view(local_shape)[index].contiguous()
+            def to_unit(flat: Tensor, index=index) -> Tensor:
+                return flat.view(local_shape)[index].contiguous()
 
-                def store(flat: Tensor, u: Tensor, index=index) -> None:
-                    flat.view(local_shape)[index] = u
+            def store(flat: Tensor, u: Tensor, index=index) -> None:
+                flat.view(local_shape)[index] = u
 
-                units.append(_Unit(shape, to_unit, store, None, offs))
-        return _Plan(name, tuple(units), StateShard(total, before, before + off),
+            units.append(_Unit(shape, to_unit, store, None, offs))
+        return _Plan(name, info, tuple(units), StateShard(total, before, before + off),
                      StateShard(info.numel, info.start, info.end))  # fmt: skip
 
     def state_shards(self, p: Tensor) -> dict[str, StateShard]:
@@ -330,27 +318,6 @@ class SOAP(torch.optim.Optimizer):
                 "Q": plan.factor_shard}  # fmt: skip
 
     # ---- step -------------------------------------------------------------------------
-    @profiled_step
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001 - torch.optim signature
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        todo = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        for p, _ in todo:
-            if p.grad.is_sparse or torch.is_complex(p):
-                raise RuntimeError("SOAP does not support sparse gradients or complex parameters")
-        if self._batched is False:
-            for p, group in todo:
-                self._step_param(p, group)
-            return loss
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                self._step_group_batched(params, group)
-        return loss
-
     def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
         plan, st = self._plans[p], self.state[p]
         st["step"] += 1
@@ -366,10 +333,10 @@ class SOAP(torch.optim.Optimizer):
                 for dim, (n, off) in enumerate(zip(u.shape, u.factors)):
                     if off is None:
                         continue
-                    f = gg[off : off + n * n].view(n, n)
-                    f.lerp_(_outer(gu, dim), 1 - sb)
+                    f = square_view(gg, off, n)
+                    factor_ema_([f], [outer(gu, dim)], sb, lerp=True)
                     _, q = torch.linalg.eigh(f + 1e-30 * torch.eye(n, device=f.device))
-                    qq[off : off + n * n].view(n, n).copy_(torch.flip(q, [1]))
+                    square_view(qq, off, n).copy_(torch.flip(q, [1]))
             return
         s = t - 1
         step_size = group["lr"]
@@ -378,7 +345,7 @@ class SOAP(torch.optim.Optimizer):
         direction = torch.empty_like(g)
         news = []
         for u in plan.units:
-            qs = [None if off is None else qq[off : off + n * n].view(n, n) for n, off in zip(u.shape, u.factors)]
+            qs = [None if off is None else square_view(qq, off, n) for n, off in zip(u.shape, u.factors)]
             gu = u.to_unit(g)
             m, v = self._moment(m_all, u), self._moment(v_all, u)
             gp = _rotate(gu, qs, back=False)
@@ -392,21 +359,20 @@ class SOAP(torch.optim.Optimizer):
         apply_update(p.view(-1), direction, step_size, group["lr"] * group["weight_decay"])
         for u, gu, m, v, qs in news:
             m = _rotate(m, qs, back=True)
-            for dim, (n, off) in enumerate(zip(u.shape, u.factors)):
-                if off is not None:
-                    gg[off : off + n * n].view(n, n).lerp_(_outer(gu, dim), 1 - sb)
+            fs = [(square_view(gg, off, n), d) for d, (n, off) in enumerate(zip(u.shape, u.factors)) if off is not None]
+            factor_ema_([f for f, _ in fs], [outer(gu, dim) for _, dim in fs], sb, lerp=True)
             if s % group["precondition_frequency"] == 0:
                 for dim, (n, off) in enumerate(zip(u.shape, u.factors)):
                     if off is None:
                         continue
-                    out = qq[off : off + n * n].view(n, n)
-                    f, o = aligned(gg[off : off + n * n].view(n, n)), aligned(out)
+                    out = square_view(qq, off, n)
+                    f, o = aligned(square_view(gg, off, n)), aligned(out)
                     est = torch.diag(o.T @ f @ o)
                     idx = torch.argsort(est, descending=True)
                     v = v.index_select(dim, idx)
                     q, _ = torch.linalg.qr(f @ o[:, idx])
                     out.copy_(q)
-            m = _rotate(m, [None if off is None else qq[off : off + n * n].view(n, n)
+            m = _rotate(m, [None if off is None else square_view(qq, off, n)
                             for n, off in zip(u.shape, u.factors)], back=False)  # fmt: skip
             self._put_moment(m_all, u, m)
             self._put_moment(v_all, u, v)
@@ -430,7 +396,7 @@ class SOAP(torch.optim.Optimizer):
 
         def views(key: str, items: list[tuple[int, _Unit]], dim: int) -> list[Tensor]:
             n = items[0][1].shape[dim]
-            return [ctx[ci][2][key][u.factors[dim] : u.factors[dim] + n * n].view(n, n) for ci, u in items]
+            return [square_view(ctx[ci][2][key], u.factors[dim], n) for ci, u in items]
 
         def stacked_q(items: list[tuple[int, _Unit]]) -> list[Tensor | None]:
             factors = items[0][1].factors
@@ -441,9 +407,8 @@ class SOAP(torch.optim.Optimizer):
             for d, off in enumerate(items[0][1].factors):
                 if off is not None:
                     fs.extend(views("GG", items, d))
-                    outs.extend(_outer_batched(gs, d).unbind(0))
-            if fs:
-                torch._foreach_lerp_(fs, outs, 1 - sb)
+                    outs.extend(outer_batched(gs, d).unbind(0))
+            factor_ema_(fs, outs, sb, lerp=True)
 
         post = []
         for (shape, _, phase), items in batches.items():
@@ -512,22 +477,6 @@ class SOAP(torch.optim.Optimizer):
             flat[u.elem[0] : u.elem[1]].copy_(x.reshape(-1))
         else:
             u.store(flat, x)
-
-
-def _outer(g: Tensor, dim: int) -> Tensor:
-    other = [d for d in range(g.ndim) if d != dim]
-    g = aligned(g)
-    return torch.tensordot(g, g, dims=(other, other))
-
-
-def _outer_batched(g: Tensor, dim: int) -> Tensor:
-    """``_outer`` of every ``g[i]`` of a ``[B, *shape]`` stack: ``[B, n, n]``; ``tensordot``'s operand
-    layouts, so each product is the same ``mm``."""
-    other = [d + 1 for d in range(g.ndim - 1) if d != dim]
-    b, n = g.shape[0], g.shape[dim + 1]
-    if not batched_ok(n, g[0].numel() // max(n, 1), n, g):
-        return torch.stack([_outer(x, dim) for x in g.unbind(0)])
-    return g.permute(0, dim + 1, *other).reshape(b, n, -1) @ g.permute(0, *other, dim + 1).reshape(b, -1, n)
 
 
 def _rotate_batched(x: Tensor, qs: list[Tensor | None], *, back: bool) -> Tensor:

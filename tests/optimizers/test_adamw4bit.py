@@ -22,7 +22,7 @@ from fsdp_optim.optimizers import AdamW4bit, AdamW8bit
 from fsdp_optim.optimizers._quantized_adamw import FORMAT_4BIT, dequantize_blockwise, quantize_blockwise
 from fsdp_optim.sharding import RaggedShard, elements
 from fsdp_optim.sharding._shard_info import ShardInfo, set_shard_info, shard_info
-from tests.optimizers.test_adamw8bit import dynamo_disabled  # (TORCHDYNAMO_DISABLE=1 for torchao's step)
+from tests.optimizers.test_adamw8bit import dynamo_disabled, torchao_amsgrad  # (TORCHDYNAMO_DISABLE=1 for torchao's step)
 
 warnings.filterwarnings("ignore", message=".*KernelPreference.*")
 torchao_optim = pytest.importorskip("torchao.optim")
@@ -102,14 +102,11 @@ def emulated_ranks(params, grads, layouts, **kw):
     return out_p, out_s, quantized
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("hp", [dict(lr=1e-2), dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)])
-def test_matches_torchao_bitwise(world_size, hp):
-    params, grads = make_data(TORCHAO_SHAPES, 3)
-    layouts = [random_block_layout(s, world_size, seed=10 * world_size + i) for i, s in enumerate(TORCHAO_SHAPES)]
-    ref_p, ref_s = torchao_reference(params, grads, **hp)
-    out_p, out_s, quantized = emulated_ranks(params, grads, layouts, **hp)
-    for i in range(len(TORCHAO_SHAPES)):
+def assert_matches_torchao(out, ref, shapes):
+    """Params, codes, scales and dequantized states bitwise equal to torchao's, and the same 4-bit
+    decisions; returns how many tensors are quantized."""
+    (out_p, out_s, quantized), (ref_p, ref_s) = out, ref
+    for i in range(len(shapes)):
         assert torch.equal(out_p[i], ref_p[i]), f"param {i}: max diff {(out_p[i] - ref_p[i]).abs().max()}"
         assert quantized[i] == ("exp_avg_codes" in ref_s[i])  # the same 4-bit decision as torchao
         for key, want in ref_s[i].items():
@@ -118,7 +115,16 @@ def test_matches_torchao_bitwise(world_size, hp):
             else:  # dequantized values (quantized), or the fp32 moments themselves (small tensors)
                 got = out_s[(i, key if quantized[i] else f"{key}_dequantized")]
                 assert torch.equal(got, want), (i, key)
-    assert sum(quantized) == 3
+    return sum(quantized[: len(shapes)])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("hp", [dict(lr=1e-2), dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)])
+def test_matches_torchao_bitwise(world_size, hp):
+    params, grads = make_data(TORCHAO_SHAPES, 3)
+    layouts = [random_block_layout(s, world_size, seed=10 * world_size + i) for i, s in enumerate(TORCHAO_SHAPES)]
+    ref = torchao_reference(params, grads, **hp)
+    assert assert_matches_torchao(emulated_ranks(params, grads, layouts, **hp), ref, TORCHAO_SHAPES) == 3
 
 
 def padded_reference(params, grads, **kw):
@@ -144,12 +150,17 @@ def padded_reference(params, grads, **kw):
 def test_odd_sizes_are_4bit_and_identical_across_world_sizes(world_size):
     params, grads = make_data(ODD_SHAPES, 3, seed=1)
     layouts = [random_block_layout(s, world_size, seed=world_size + i) for i, s in enumerate(ODD_SHAPES)]
-    out_p, out_s, quantized = emulated_ranks(params, grads, layouts, lr=1e-2)
-    assert all(quantized), "a tensor >= 4096 elements gets 4-bit state whatever its size mod 128"
-    for i, (want_p, want_s) in enumerate(padded_reference(params, grads, lr=1e-2)):
+    out = emulated_ranks(params, grads, layouts, lr=1e-2)
+    assert all(out[2]), "a tensor >= 4096 elements gets 4-bit state whatever its size mod 128"
+    assert_odd_sizes_match_padded_torchao(out, padded_reference(params, grads, lr=1e-2), params)
+
+
+def assert_odd_sizes_match_padded_torchao(out, ref, params, names=("exp_avg", "exp_avg_sq")):
+    out_p, out_s, _ = out
+    for i, (want_p, want_s) in enumerate(ref):
         n = params[i].numel()
         assert torch.equal(out_p[i], want_p), i
-        for name in ("exp_avg", "exp_avg_sq"):
+        for name in names:
             # Scales and the real elements' values equal torchao's on the padded tensor; the padding's
             # own codes are not stored (the final byte of an odd tail holds one real code).
             assert torch.equal(out_s[(i, f"{name}_scale")], want_s[f"{name}_scale"]), (i, name)
@@ -159,9 +170,26 @@ def test_odd_sizes_are_4bit_and_identical_across_world_sizes(world_size):
             assert torch.equal(codes[: n // 2], want_s[f"{name}_codes"][: n // 2]), (i, name)
 
 
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_amsgrad_matches_torchao_amsgrad(world_size):
+    """amsgrad against torchao's own (``torchao_amsgrad``), fed the gradients only, never our state:
+    params, codes, scales and dequantized values of every moment, the max included, bitwise; sizes
+    torchao quantizes and small ones, and odd sizes against torchao on the zero-padded tensor."""
+    shapes, k = TORCHAO_SHAPES + ODD_SHAPES, len(TORCHAO_SHAPES)  # torchao's sizes first, then odd ones
+    params, grads = make_data(shapes, 4, seed=5)
+    layouts = [random_block_layout(s, world_size, seed=7 * world_size + i) for i, s in enumerate(shapes)]
+    out_p, out_s, quantized = emulated_ranks(params, grads, layouts, lr=1e-2, amsgrad=True)
+    with torchao_amsgrad():
+        ref = torchao_reference(params[:k], [gs[:k] for gs in grads], lr=1e-2, amsgrad=True)
+        padded = padded_reference(params[k:], [gs[k:] for gs in grads], lr=1e-2, amsgrad=True)
+    assert sum("max_exp_avg_sq_codes" in st for st in ref[1]) == 3  # 4-bit maxima compared, not only fp32 ones
+    assert assert_matches_torchao((out_p, out_s, quantized), ref, TORCHAO_SHAPES) == 3
+    odd_out = (out_p[k:], {(i - k, key): v for (i, key), v in out_s.items() if i >= k}, quantized[k:])
+    assert_odd_sizes_match_padded_torchao(odd_out, padded, params[k:], names=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+
+
 def test_amsgrad_identical_across_world_sizes():
-    # torchao's step fails on a quantized amsgrad max, so the max is dequantized for the step and
-    # re-quantized after it (as in AdamW8bit); no torchao reference: bitwise equal for W = 1..4.
+    # Bitwise equal for W = 1..4 (torchao's own amsgrad: test_amsgrad_matches_torchao_amsgrad).
     shapes = TORCHAO_SHAPES + ODD_SHAPES
     params, grads = make_data(shapes, 3, seed=2)
     runs = []

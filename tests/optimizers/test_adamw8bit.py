@@ -73,6 +73,34 @@ def dynamo_disabled():
             os.environ["TORCHDYNAMO_DISABLE"] = old
 
 
+@contextlib.contextmanager
+def torchao_amsgrad():
+    """Let torchao's own amsgrad run. Its step (``torchao.optim.adam.single_param_adam``) takes
+    ``torch.maximum(max_exp_avg_sq.float(), v)``, but ``.float()`` of its quantized state is that
+    state and its subclasses do not implement ``aten.maximum`` (torchao 0.18; pytorch/ao#2497, open),
+    so ``amsgrad=True`` raises on every quantized tensor. This supplies that one op (dequantize, then
+    the plain maximum) while the context lasts; the rest is torchao's: the fp32 max in the
+    denominator, ``copy_`` quantizing it into the state."""
+    from torchao.optim.subclass_4bit import OptimState4bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    quantized = (OptimState8bit, OptimState4bit)
+
+    def maximum(func, types, args, kwargs):
+        return func(*(a.dequantize() if isinstance(a, quantized) else a for a in args), **kwargs)
+
+    op = torch.ops.aten.maximum.default
+    tables = [cls._ATEN_OP_TABLE[cls] for cls in quantized]
+    assert all(op not in t for t in tables), "torchao implements maximum now: drop torchao_amsgrad"
+    for t in tables:
+        t[op] = maximum
+    try:
+        yield
+    finally:
+        for t in tables:
+            t.pop(op)
+
+
 def torchao_reference(params, grads, *, eager: bool, scheduler=None, **kw):
     """Unsharded torchao AdamW8bit: final params and flat states (codes/scales where 8-bit)."""
     ps = [torch.nn.Parameter(p.clone()) for p in params]
@@ -219,9 +247,7 @@ def test_odd_sizes_are_8bit_and_identical_across_world_sizes(world_size, layout)
 
 
 def test_amsgrad_identical_across_world_sizes():
-    # torchao's step fails on an 8-bit amsgrad max (no torch.maximum for OptimState8bit), so there is
-    # no torchao reference here: the max is re-quantized after torchao's step (see _step_quantized).
-    # fp32 (small) tensors are compared with torchao; all tensors must be bitwise equal for W = 1..4.
+    # All tensors bitwise equal for W = 1..4 (torchao's own amsgrad: test_amsgrad_matches_torchao_amsgrad).
     shapes = TORCHAO_SHAPES + ODD_SHAPES
     params, grads = make_data(shapes, 3)
     runs = []
@@ -267,6 +293,22 @@ def emulated_ranks(params, grads, layouts, **kw):
     for i in range(len(layouts)):
         out_s[(i, "dequantized")] = torch.cat([opt.dequantized_state(ps[i])["exp_avg_sq"] for ps, opt in ranks])
     return out_p, out_s
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_amsgrad_matches_torchao_amsgrad(world_size):
+    """amsgrad against torchao's own (``torchao_amsgrad``), fed the gradients only, never our state:
+    params, codes, scales and dequantized values of every moment, the max included, bitwise, on the
+    sizes torchao quantizes, the small ones it keeps in fp32, and odd sizes (against torchao on the
+    zero-padded tensor); W = 1 and 3 with uneven and empty ranks."""
+    shapes = TORCHAO_SHAPES + ODD_SHAPES
+    params, grads = make_data(shapes, 4, seed=5)
+    layouts = [random_block_layout(s, world_size, seed=7 * world_size + i) for i, s in enumerate(shapes)]
+    out = sharded_run(params, grads, layouts, compile=False, lr=1e-2, amsgrad=True)
+    with torchao_amsgrad():
+        ref = padded_reference(params, grads, lr=1e-2, amsgrad=True)
+    assert sum("max_exp_avg_sq_codes" in st for st in ref[1]) == 7  # 8-bit maxima compared, not only fp32 ones
+    assert_matches_torchao(out, ref, layouts)
 
 
 @pytest.mark.timeout(900)
