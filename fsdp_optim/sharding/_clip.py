@@ -28,7 +28,8 @@ def clip_grad_norm_(
     ``inf``) of every rank are combined with ONE all-reduce over their shard group. Plain (unsharded,
     replicated) parameters are counted once, after the reduction. Every rank of the group must call
     it with the same parameter list (ranks whose pieces are empty still join the all-reduce).
-    Accumulated in fp32 (float64 for fp64 gradients).
+    Expert-parallel parameters (``expert_parallel``) add their partial sums over their replicas and
+    their EP group (two more all-reduces): each expert element is counted once. Accumulated in fp32 (float64 for fp64 gradients).
 
     Tolerance: the total norm equals torch's on the unsharded model to fp32 rounding, not bitwise:
     torch sums each tensor whole, here each rank sums its pieces and the ranks' sums are added, so
@@ -44,10 +45,12 @@ def clip_grad_norm_(
     params = [parameters] if torch.is_tensor(parameters) else list(parameters)
     _check_args(max_norm, norm_type)
     norm_type = float(norm_type)
-    sharded, plain, group = _by_sharding(params)
+    experts = [p for p in params if (i := shard_info(p)) is not None and i.expert is not None]
+    sharded, plain, group = _by_sharding([p for p in params if not any(p is q for q in experts)])
+    grads_ex = [p.grad for p in experts if p.grad is not None]
     grads_sh = [p.grad for p in sharded if p.grad is not None]
     grads_pl = [p.grad for p in plain if p.grad is not None]
-    all_grads = grads_sh + grads_pl
+    all_grads = grads_ex + grads_sh + grads_pl
     device = all_grads[0].device if all_grads else (params[0].device if params else torch.device("cpu"))
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in all_grads) else torch.float32
     inf = norm_type == math.inf
@@ -55,6 +58,14 @@ def clip_grad_norm_(
     total = _partial_norm(grads_sh, norm_type, dtype, device)
     if sharded and is_distributed(group):
         dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    if experts:
+        # Expert-parallel pieces: each element lives on one rank of (its replicas x its EP group).
+        part = _partial_norm(grads_ex, norm_type, dtype, device)
+        info = shard_info(experts[0])
+        for g in (info.group, info.expert.group):
+            if is_distributed(g):
+                dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=g)
+        total = torch.maximum(total, part) if inf else total + part
     rest = _partial_norm(grads_pl, norm_type, dtype, device)
     total = torch.maximum(total, rest) if inf else (total + rest) ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):

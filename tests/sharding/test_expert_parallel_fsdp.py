@@ -222,3 +222,24 @@ def test_ep_groups_refuse_an_ep_that_does_not_divide_the_world():
 
     for msg in run_distributed(fn, world_size=3):
         assert "ep_size=2 must divide the world size 3" in msg
+
+
+def test_clip_grad_norm_counts_each_expert_once():
+    # The total norm equals torch's on the single-process model (the gradients are those of the global
+    # batch, averaged), whatever the experts' and the dense part's groups.
+    ref = _Net(6)
+    x, y = _batch(0)
+    F.mse_loss(ref(x), y).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+
+    def fn():
+        model = _Net(6)
+        _shard(model, 2)
+        rank, n = dist.get_rank(), ROWS // 4
+        F.mse_loss(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
+        total = fsdp_optim.clip_grad_norm_(model.parameters(), 1e-3)
+        del model
+        return total
+
+    for total in run_distributed(fn, world_size=4):
+        torch.testing.assert_close(total, want, rtol=1e-5, atol=0)
