@@ -122,14 +122,17 @@ def attention_with_max_logits(
         )
     g = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    # The g query heads of a key head as one [g * q_len] batch of rows: no copy of k or v.
-    logits = (q.reshape(b, hkv, g * t, d) @ k.transpose(-2, -1)).view(b, hq, t, s) * scale
+    # Key/value heads broadcast over their g query heads: one [q_len, k_len] product per (batch, query
+    # head), the shapes SDPA's math path and a per-head loop use, so the logits are bitwise theirs
+    # (batching the g heads as [g * q_len] rows rounds differently). The expanded k / v copies are
+    # q-sized, small beside the [q_len, k_len] logits that explicit attention materializes anyway.
+    logits = (q.view(b, hkv, g, t, d) @ k.unsqueeze(2).transpose(-2, -1)).view(b, hq, t, s) * scale
     if causal:
         keep = torch.ones(t, s, dtype=torch.bool, device=q.device).tril()
         logits = logits.masked_fill(~keep, float("-inf"))
     record_max_logits(module, logits)
     probs = torch.softmax(logits.float(), dim=-1).to(v.dtype)
-    return (probs.view(b, hkv, g * t, s) @ v).view(b, hq, t, v.shape[-1])
+    return (probs.view(b, hkv, g, t, s) @ v.unsqueeze(2)).view(b, hq, t, v.shape[-1])
 
 
 # ---- clipping --------------------------------------------------------------------------------------
