@@ -9,7 +9,6 @@ query head alone with GQA). ``attention_with_max_logits`` is compared with
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -482,6 +481,12 @@ def test_bad_modules_raise(make, match):
         qk_clip_(make(), tau=1.0)
 
 
+def test_a_module_listed_twice_raises():
+    a = _attn()
+    with pytest.raises(ValueError, match=r"attention module \[2\] \(Attention\) is listed twice \(first as \[0\]\)"):
+        qk_clip_([a, _attn(), a], tau=1.0)
+
+
 @pytest.mark.parametrize("tau", [0.0, -1.0, float("nan"), True, "10"])
 def test_bad_tau_raises(tau):
     with pytest.raises(ValueError, match=r"tau must be a positive number"):
@@ -490,7 +495,8 @@ def test_bad_tau_raises(tau):
 
 def test_a_layer_that_recorded_nothing_raises():
     model = Tiny(4, 2)
-    with pytest.raises(ValueError, match=r"'layers\.0\.attn', 'layers\.1\.attn'\] recorded no logits.*attention_with_max_logits"):
+    no_logits = r"'layers\.0\.attn', 'layers\.1\.attn'\] recorded no logits.*attention_with_max_logits"
+    with pytest.raises(ValueError, match=no_logits):
         qk_clip_(model, tau=1.0)
     a = _attn()
     record_max_logits(a, torch.zeros(1, 3, 1, 1))
@@ -506,5 +512,6 @@ def test_error_is_raised_on_every_rank():
         _loss(model, _tokens(0, 1)).backward()
         qk_clip_(model, tau=1.0)
 
-    with pytest.raises(DistributedTestError, match=r"ranks with errors: \[0, 1\][\s\S]*layers\.1\.attn'?: wq has a bias"):
+    every_rank = r"ranks with errors: \[0, 1\][\s\S]*layers\.1\.attn'?: wq has a bias"
+    with pytest.raises(DistributedTestError, match=every_rank):
         run_distributed(fn, world_size=2)
