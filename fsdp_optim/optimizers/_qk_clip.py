@@ -113,11 +113,11 @@ def attention_with_max_logits(
         )
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
-    if hkv == 0 or hq % hkv or k.shape != v.shape[:3] + (d,) or v.shape[1] != hkv:
+    if hkv == 0 or hq % hkv or k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
         raise ValueError(
             f"attention_with_max_logits({type(module).__name__}): need n_heads ({hq}) a multiple of n_kv_heads "
-            f"({hkv}) and k, v of one shape [batch, n_kv_heads, k_len, head_dim={d}], got {tuple(k.shape)}, "
-            f"{tuple(v.shape)}"
+            f"({hkv}), k of shape [batch={b}, n_kv_heads, k_len, head_dim={d}] and v [batch, n_kv_heads, k_len, *], "
+            f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     g = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -256,7 +256,8 @@ def qk_clip_(
     only). ``group``: the data-parallel group the maxima are reduced over (default: the world; no
     collective when not distributed). Every layer's per-head maxima go into ONE ``all_reduce(MAX)``;
     a head with max S_h > tau gets gamma_h = tau / S_h (float64): W_q^h and W_k^h times
-    sqrt(gamma_h) without shared keys, only W_q^h times gamma_h with GQA. The maxima are then reset.
+    sqrt(gamma_h) without shared keys, only W_q^h times gamma_h with GQA; a NaN or infinite max (a
+    diverged step) is reported in the stats but clips nothing. The maxima are then reset.
     Returns ``ClipStats``; a layer no rank recorded since the last call raises ``ValueError``.
 
     Sharded parameters are clipped in place on each rank's piece: call it with the model resharded,
@@ -281,7 +282,8 @@ def qk_clip_(
     maxima = torch.cat(parts)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-    per_layer = maxima.split([L.n_heads for L in layers])
+    host = maxima.cpu()  # one device-to-host copy; everything below reads it
+    per_layer = host.split([L.n_heads for L in layers])
     for L in layers:
         rec = recorded_max_logits(L.module)
         if rec is not None:
@@ -294,11 +296,10 @@ def qk_clip_(
             "forward, with grad enabled"
         )
     num_clipped = 0
-    values = [s.tolist() for s in per_layer]
-    for L, heads in zip(layers, values):
+    for L, heads in zip(layers, per_layer):
         shared = L.n_kv_heads != L.n_heads
-        for h, s_h in enumerate(heads):
-            if not s_h > tau:
+        for h, s_h in enumerate(heads.tolist()):
+            if not tau < s_h < math.inf:  # NaN / inf (a diverged step): reported, not clipped
                 continue
             gamma = tau / s_h
             num_clipped += 1
@@ -308,5 +309,5 @@ def qk_clip_(
                 root = math.sqrt(gamma)
                 _scale_rows_(L.wq, h * L.head_dim, L.head_dim, root)
                 _scale_rows_(L.wk, h * L.head_dim, L.head_dim, root)
-    layer_max = tuple(max(h) for h in values)
-    return ClipStats(max(layer_max), num_clipped, layer_max)
+    layer_max = tuple(s.max().item() for s in per_layer)  # NaN propagates to the log
+    return ClipStats(host.max().item(), num_clipped, layer_max)

@@ -202,6 +202,17 @@ def test_explicit_scale_and_no_grad_forward_records_nothing():
     assert torch.equal(recorded_max_logits(mod), (q @ k.transpose(-2, -1) * 0.3).amax(dim=(0, 2, 3)))
 
 
+def test_value_head_dim_may_differ_and_bad_shapes_raise():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(2, 4, 5, 8, generator=gen), torch.randn(2, 2, 6, 8, generator=gen), torch.randn(2, 2, 6, 3)
+    out = attention_with_max_logits(nn.Module(), q, k, v)
+    assert (out - F.scaled_dot_product_attention(q, k, v, enable_gqa=True)).abs().max().item() < 1e-6
+    bads = [(q, torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 8)), (q, k, torch.randn(2, 2, 5, 8)), (q[..., :4], k, v)]
+    for bad in bads:
+        with pytest.raises(ValueError, match=r"attention_with_max_logits\(Module\): need n_heads"):
+            attention_with_max_logits(nn.Module(), *bad)
+
+
 def test_gradients_flow_like_sdpa():
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, h, 5, 8, generator=gen).requires_grad_() for h in (4, 2, 2))
@@ -255,6 +266,16 @@ def test_clipped_heads_now_peak_at_tau_and_the_others_are_unchanged(n_heads, n_k
     assert clipped.any() and not clipped.all()
     torch.testing.assert_close(after[clipped], torch.full_like(after[clipped], tau), rtol=1e-6, atol=0)
     assert torch.equal(after[~clipped], before[~clipped])
+
+
+def test_non_finite_maxima_are_reported_not_clipped():
+    a, ref = _attn(), _attn()
+    ref.load_state_dict(a.state_dict())
+    record_max_logits(a, torch.tensor([float("nan"), float("inf"), 0.5, 1.0]).view(1, 4, 1, 1))
+    stats = qk_clip_(a, tau=0.75)
+    assert stats.num_clipped == 1 and math.isnan(stats.max_logit) and math.isnan(stats.layer_max[0])
+    assert torch.equal(a.wq.weight[:8], ref.wq.weight[:8]) and torch.equal(a.wk.weight, ref.wk.weight)
+    assert torch.equal(a.wq.weight[12:], ref.wq.weight[12:] * 0.75)
 
 
 def test_nothing_above_tau_changes_nothing_and_inf_measures_only():
