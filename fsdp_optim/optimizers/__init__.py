@@ -4,6 +4,7 @@ from ._adamw import AdamW, adamw_update
 from ._adamw4bit import AdamW4bit
 from ._adamw8bit import AdamW8bit
 from ._muon import Muon
+from ._qk_clip import ClipStats, attention_with_max_logits, qk_clip_, record_max_logits, recorded_max_logits
 from ._rules import adamw8bit_rule, adamw_rule, is_embedding_or_head, muon_rule, shampoo_rule
 from ._shampoo import Shampoo
 from ._soap import SOAP
@@ -13,6 +14,7 @@ __all__ = [
     "AdamW",
     "AdamW4bit",
     "AdamW8bit",
+    "ClipStats",
     "Muon",
     "SOAP",
     "Shampoo",
@@ -20,8 +22,12 @@ __all__ = [
     "adamw8bit_rule",
     "adamw_rule",
     "adamw_update",
+    "attention_with_max_logits",
     "is_embedding_or_head",
     "muon_rule",
+    "qk_clip_",
+    "record_max_logits",
+    "recorded_max_logits",
     "shampoo_rule",
     "whole_tensor_rule",
 ]
