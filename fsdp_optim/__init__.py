@@ -2,15 +2,20 @@
 
 from . import _quiet_torchao, sharding  # noqa: F401  (_quiet_torchao: see its docstring)
 from ._param_groups import global_shape, param_groups
-from .sharding._checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
 from .sharding._clip import clip_grad_norm_
 from .sharding._float8 import Float8AllGather
 from .sharding._fully_shard import ShardedModule, fully_shard, sharded_plan
-from .sharding._hf import export_hf, load_hf
 from .sharding._init import init_weights
 from .sharding._mixed_precision import MixedPrecisionPolicy
 from .sharding._shard_info import ShardInfo, shard_info
-from .sharding._state_dict import full_state_dict
+from .sharding.checkpoint import (
+    export_hf,
+    full_state_dict,
+    load_checkpoint,
+    load_full_state_dict,
+    load_hf,
+    save_checkpoint,
+)
 
 __all__ = [
     "Float8AllGather",

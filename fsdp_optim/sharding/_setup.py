@@ -42,7 +42,7 @@ from torch import nn
 
 from .plan import BlockSpec, default_rule
 from ._bucket import _Bucket
-from ._checkpoint import register_state_dict_hooks
+from .checkpoint import register_state_dict_hooks
 from .plan import Plan, PlanConfig, TensorSpec
 from .plan import plan_model
 from ._dist import agree_on_error, device_of_backend, same_group

@@ -25,7 +25,7 @@ from torch import nn
 import fsdp_optim
 from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed
 from fsdp_optim.sharding import RaggedShard, elements
-from fsdp_optim.sharding._checkpoint import (
+from fsdp_optim.sharding.checkpoint import (
     MANIFEST,
     FlatShardTensor,
     flat_range_boxes,
@@ -389,8 +389,10 @@ def test_bad_input_errors(tmp_path):
         m = model(extra_param=dist.get_rank() == 1)
         return m, None, ck
 
-    msgs = _expect_error_on_every_rank(3, one_rank, r"ValueError: (rank 1: )?.*missing keys: .*layers\.1\.w2\.weight")
-    assert [m.startswith("ValueError: rank 1: ") for m in msgs] == [True, False, True]
+    msgs = _expect_error_on_every_rank(
+        3, one_rank, r"ValueError: (load_checkpoint failed on rank 1 of 3: ValueError: )?.*missing keys: .*layers\.1\.w2\.weight"
+    )
+    assert [m.startswith("ValueError: load_checkpoint failed on rank 1 of 3: ") for m in msgs] == [True, False, True]
 
     # unexpected keys (the checkpoint has parameters the model lacks)
     def unexpected():
@@ -701,7 +703,7 @@ def test_whole_tensor_save_with_a_failure_on_one_rank_raises_on_every_rank(tmp_p
                 raise RuntimeError("simulated failure on rank 1")
 
             opt.owned_state = boom
-        with pytest.raises(RuntimeError, match=r"^(rank 1: )?simulated failure on rank 1$"):
+        with pytest.raises(RuntimeError, match=r"^(save_checkpoint failed on rank 1 of 2: RuntimeError: )?simulated failure on rank 1$"):
             save_checkpoint(ck, model=m, optimizer=opt)
         dist.barrier()
         nothing = sorted(os.listdir(tmp_path)) == []

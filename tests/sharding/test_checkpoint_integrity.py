@@ -194,10 +194,10 @@ def _unchecked_to_bytes(obj, what: str) -> bytes:
 
 
 def test_payload_in_a_blob_does_not_run(tmp_path, monkeypatch):
-    import fsdp_optim.sharding._checkpoint as ckpt
+    import fsdp_optim.sharding.checkpoint._save as ckpt
 
     marker = str(tmp_path / "ran_blob")
-    monkeypatch.setattr(ckpt, "_to_bytes", _unchecked_to_bytes)  # (save_checkpoint itself refuses it)
+    monkeypatch.setattr(ckpt, "to_bytes", _unchecked_to_bytes)  # (save_checkpoint itself refuses it)
 
     def fn():
         model, opt = _trained(seed=0)
@@ -217,12 +217,12 @@ def test_payload_in_a_blob_does_not_run(tmp_path, monkeypatch):
 def test_payload_in_a_dcp_byte_record_does_not_run(tmp_path, monkeypatch):
     """A byte record whose pickle is the payload itself (not our bytes): DCP's own default planner
     would unpickle it with weights_only=False."""
-    import fsdp_optim.sharding._checkpoint as ckpt
+    import fsdp_optim.sharding.checkpoint._save as ckpt
 
     marker = str(tmp_path / "ran_record")
-    real = ckpt._to_bytes
+    real = ckpt.to_bytes
     payload = lambda obj, what: _Payload(marker) if obj == {"step": 1} else real(obj, what)  # noqa: E731
-    monkeypatch.setattr(ckpt, "_to_bytes", payload)
+    monkeypatch.setattr(ckpt, "to_bytes", payload)
 
     def fn():
         model, opt = _trained(seed=0)
@@ -278,7 +278,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_loading(saved):
 def test_temporary_directory_removed_mid_save(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    import fsdp_optim.sharding._checkpoint as ckpt
+    import fsdp_optim.sharding.checkpoint._save as ckpt
 
     real_save = dcp.save
 
