@@ -120,6 +120,73 @@ def test_truncated_and_missing_files(saved, tmp_path):
     assert _load_expecting(missing, r"__0_0\.distcp.*missing") == [True, True]
 
 
+def _load_error(path) -> list[tuple[str, bool]]:
+    """Every rank's load error message and whether its model and optimizer are unchanged."""
+
+    def fn():
+        model, opt = _trained(seed=1)
+        before = _snapshot(model, opt)
+        try:
+            fsdp_optim.load_checkpoint(path, model=model, optimizer=opt)
+            msg = "loaded"
+        except (ValueError, FileNotFoundError) as e:
+            msg = f"{type(e).__name__}: {e}"
+        after = _snapshot(model, opt)
+        return msg, all(torch.equal(before[k], after[k]) for k in before)
+
+    return run_distributed(fn, world_size=2, timeout=60)
+
+
+def _point_outside(saved, tmp_path, how: str):
+    """A copy of ``saved`` whose ``__0_0.distcp`` lives in ``../outside/``, reached as ``how`` says."""
+    import pickle
+
+    root = tmp_path / how
+    bad, outside = root / "ckpt", root / "outside"
+    shutil.copytree(saved, bad)
+    outside.mkdir()
+    shutil.move(bad / "__0_0.distcp", outside / "__0_0.distcp")
+    if how == "symlink":  # still listed, still the right bytes, but not the checkpoint's own file
+        os.symlink(outside / "__0_0.distcp", bad / "__0_0.distcp")
+        return bad, "'__0_0.distcp' points outside"
+    target = "../outside/__0_0.distcp" if how == "relative" else str(outside / "__0_0.distcp")
+    with open(bad / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    for info in md.storage_data.values():
+        if info.relative_path == "__0_0.distcp":
+            info.relative_path = target
+    with open(bad / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    manifest = json.loads((bad / "fsdp_optim.json").read_text())
+    del manifest["checksums"]["__0_0.distcp"]
+    (bad / "fsdp_optim.json").write_text(json.dumps(manifest))
+    _restamp(bad)
+    return bad, f"storage entry {re.escape(repr(target))} points outside the checkpoint folder"
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute", "symlink"])
+def test_a_checkpoint_cannot_make_a_load_read_files_outside_it(saved, tmp_path, how):
+    """[Note: a load reads only its own files]. Before: the outside file's tensors loaded without a word."""
+    bad, match = _point_outside(saved, tmp_path, how)
+    for msg, unchanged in _load_error(bad):
+        assert re.search(match, msg) and "refused before reading anything" in msg and unchanged, msg
+
+
+def test_a_manifest_listing_an_outside_file_discloses_nothing_of_it(saved, tmp_path):
+    """Before: ``checkpoint file /etc/passwd is corrupt: <its size> bytes with CRC32 <its crc>``."""
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not yours\n")
+    for name in (str(outside), "../secret.txt"):
+        bad = tmp_path / f"ckpt_{len(name)}"
+        shutil.copytree(saved, bad)
+        manifest = json.loads((bad / "fsdp_optim.json").read_text())
+        manifest["checksums"][name] = [1, "00000000"]
+        (bad / "fsdp_optim.json").write_text(json.dumps(manifest))
+        for msg, unchanged in _load_error(bad):
+            assert f"checksums entry {name!r} points outside the checkpoint folder" in msg and unchanged, msg
+            assert "bytes" not in msg and "CRC32" not in msg and str(outside.stat().st_size) not in msg.split(":")[-1]
+
+
 def test_intact_checkpoint_still_loads_bitwise(saved):
     def fn():
         model, opt = _trained(seed=0)

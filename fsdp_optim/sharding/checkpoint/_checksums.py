@@ -11,9 +11,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ._files import MANIFEST
+from ._files import MANIFEST, own_file
 
-__all__ = ["check_files", "checksums_of", "verify_checksums", "verify_file"]
+__all__ = ["check_files", "check_listed", "checksums_of", "verify_checksums", "verify_file"]
 
 
 _CHECKSUM_CHUNK = 8 << 20
@@ -73,8 +73,20 @@ def verify_checksums(path: str, manifest: dict[str, Any], rank: int, world_size:
         verify_file(path, name, sums[name])
 
 
+def check_listed(path: str, manifest: dict[str, Any]) -> None:
+    """Every file the manifest's checksums list is one of the checkpoint's own, with ``[size, crc32]``
+    (see [Note: a load reads only its own files]); opens nothing."""
+    sums = manifest.get("checksums") or {}
+    if not isinstance(sums, dict):
+        raise ValueError(f"checkpoint {path}: the manifest's checksums are a {type(sums).__name__}, not a mapping")
+    for name, want in sums.items():
+        own_file(path, name, entry="the manifest's checksums entry")
+        if not (isinstance(want, list) and len(want) == 2 and isinstance(want[0], int) and isinstance(want[1], str)):
+            raise ValueError(f"checkpoint {path}: the manifest's checksum of {name!r} is {want!r}, not [size, crc32]")
+
+
 def verify_file(path: str, name: str, want: list) -> None:
-    f = os.path.join(path, name)
+    f = own_file(path, name, entry="the manifest's checksums entry")
     if not os.path.isfile(f):
         raise FileNotFoundError(f"checkpoint file {f} is missing (the manifest lists it)")
     size, crc = _crc32_of(f)
@@ -85,8 +97,10 @@ def verify_file(path: str, name: str, want: list) -> None:
         )
 
 
-def check_files(path: str, md: Metadata) -> None:
-    """Every shard file the metadata points to exists and is long enough (names the file)."""
+def check_files(path: str, md: Metadata, manifest: dict[str, Any]) -> None:
+    """Every shard file the metadata points to is the checkpoint's own, listed in the manifest (when it has
+    checksums; see [Note: a load reads only its own files]), present and long enough (names the file)."""
+    listed = manifest.get("checksums") or {}
     need: dict[str, int] = {}
     for info in (md.storage_data or {}).values():
         rel = getattr(info, "relative_path", None)
@@ -94,7 +108,12 @@ def check_files(path: str, md: Metadata) -> None:
             continue
         need[rel] = max(need.get(rel, 0), info.offset + info.length)
     for rel, size in sorted(need.items()):
-        f = os.path.join(path, rel)
+        f = own_file(path, rel, entry="the DCP metadata's storage entry")
+        if listed and rel not in listed:
+            raise ValueError(
+                f"checkpoint {path}: the DCP metadata's storage entry {rel!r} is not listed in the manifest with a "
+                "checksum; refused before reading anything (a load reads only the checkpoint's own, checksummed files)"
+            )
         if not os.path.isfile(f):
             raise FileNotFoundError(f"checkpoint shard file {f} is missing")
         have = os.path.getsize(f)

@@ -18,6 +18,7 @@ __all__ = [
     "foreign_entries",
     "fsync",
     "normalize",
+    "own_file",
     "publish",
     "read_manifest",
     "resolve_path",
@@ -123,9 +124,36 @@ def resolve_path(path: str) -> str:
     raise FileNotFoundError(f"no checkpoint at {path}")
 
 
+# [Note: a load reads only its own files]
+# A checkpoint names the files a load opens in two places: the manifest's checksums and DCP's
+# ``.metadata`` (``storage_data[*].relative_path``). Either could point anywhere (``../other/__0_0.distcp``,
+# ``/etc/passwd``, a symbolic link out of the folder): a load would then read another checkpoint's
+# tensors without a word, or print the size and CRC32 of a file it has no business with. So every
+# name is checked before the file is opened: its real path (symbolic links followed) must lie inside
+# the checkpoint folder's real path, and every file the metadata names must be listed with a checksum
+# in the manifest (when it has checksums). Anything else is refused on every rank (agreed on with the
+# load's other checks, before any tensor is read), naming the entry and nothing of the file it points to.
+def own_file(folder: str, name: object, *, entry: str) -> str:
+    """``folder/name``, refused (``ValueError`` naming ``entry``) unless it resolves, symbolic links
+    followed, to a path inside ``folder`` (see [Note: a load reads only its own files])."""
+    fix = "a load reads only the checkpoint's own files: restore the checkpoint, or load another one"
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise ValueError(f"checkpoint {folder}: {entry} is {name!r}, not a file name; refused ({fix})")
+    root = os.path.realpath(folder)
+    real = os.path.realpath(os.path.join(folder, name))
+    if real == root or os.path.commonpath([root, real]) != root:
+        raise ValueError(
+            f"checkpoint {folder}: {entry} {name!r} points outside the checkpoint folder; refused before reading "
+            f"anything ({fix})"
+        )
+    return os.path.join(folder, name)
+
+
 def read_manifest(path: str) -> dict[str, Any]:
     """The manifest of the checkpoint folder ``path``, refused unless this fsdp_optim reads its format."""
     mpath = os.path.join(path, MANIFEST)
+    if os.path.lexists(mpath):
+        own_file(path, MANIFEST, entry="the manifest")
     if not os.path.isfile(mpath):
         raise FileNotFoundError(
             f"{mpath} is missing: {path} is not a complete fsdp_optim checkpoint (save_checkpoint writes it last)"

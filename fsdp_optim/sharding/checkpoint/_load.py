@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from .._dist import agree_on_error, rank_and_world_size
 from .._shard_info import shard_info
-from ._checksums import check_files, verify_checksums, verify_file
-from ._files import normalize, read_manifest, resolve_path
+from ._checksums import check_files, check_listed, verify_checksums, verify_file
+from ._files import normalize, own_file, read_manifest, resolve_path
 from ._flat_shard import FlatShardTensor
 from ._serialization import SafeLoadPlanner, SafeReader, from_bytes, root_cause, set_rng_state
 from ._state import (
@@ -60,6 +60,8 @@ class _LoadPlan:
 def read_checkpoint_meta(path: str) -> tuple[dict[str, Any], Metadata]:
     """The manifest and DCP's metadata of the checkpoint at ``path`` (``.metadata`` checksummed first)."""
     manifest = read_manifest(path)
+    check_listed(path, manifest)
+    own_file(path, ".metadata", entry="the DCP metadata file")
     if manifest.get("checksums") and ".metadata" in manifest["checksums"]:
         verify_file(path, ".metadata", manifest["checksums"][".metadata"])
     try:
@@ -339,7 +341,7 @@ def load_checkpoint(
     try:
         path = resolve_path(path)
         manifest, md = read_checkpoint_meta(path)
-        check_files(path, md)
+        check_files(path, md, manifest)
         verify_checksums(path, manifest, rank, world_size)
         plan = _plan_load(model, optimizer, scheduler, manifest, md, strict, rank, world_size)
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
