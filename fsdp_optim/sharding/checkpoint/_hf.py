@@ -95,22 +95,27 @@ def export_hf(
     job = _Export(path=normalize(path, caller="export_hf"), rank=rank_and_world_size()[0], convert=convert)
     job.on_rank0(lambda: job.prepare(config), f"creating {job.tmp}")
     job.agree()
-    names = {id(t): n for n, t in _named_tensors(model)}
-    buckets = buckets_of(model)
-    num_files = len(buckets) + 1
-    for i, b in enumerate(buckets):
+    named = _named_tensors(model)
+    names = {id(t): n for n, t in named}
+    buckets = []
+    for b in buckets_of(model):
         mine = [(names.get(id(sp)), sp) for sp in b.sharded]
-        if not any(n for n, _ in mine):
-            continue
+        if any(n for n, _ in mine):
+            buckets.append((b, mine))
+    # One file per bucket holding a named tensor, one for the rest if any: the count in every name.
+    num_files = len(buckets) + any(shard_info(t) is None for _, t in named)
+
+    def fname(k: int) -> str:
+        return f"model-{k:05d}-of-{num_files:05d}.safetensors"
+
+    for k, (b, mine) in enumerate(buckets, start=1):
         b.settle()
         flat = gather_to_group_rank0(b)
         if job.rank == 0 and flat is not None:
-            fname = f"model-{i + 1:05d}-of-{num_files:05d}.safetensors"
             views = [(n, sp, view) for (n, sp), view in zip(mine, b.full_views(flat)) if n is not None]
-            job.on_rank0(lambda: job.write_file(fname, views), f"writing {job.path} (into {job.tmp})")
+            job.on_rank0(lambda: job.write_file(fname(k), views), f"writing {job.path} (into {job.tmp})")
         del flat
-    rest = f"model-{num_files:05d}-of-{num_files:05d}.safetensors"
-    job.on_rank0(lambda: job.write_rest_and_index(model, rest), f"writing {job.path} (into {job.tmp})")
+    job.on_rank0(lambda: job.write_rest_and_index(model, fname(num_files)), f"writing {job.path} (into {job.tmp})")
     job.agree()  # also the barrier: the whole export is in tmp
     job.on_rank0(job.publish, f"replacing {job.path} by {job.tmp}")
     job.agree()
