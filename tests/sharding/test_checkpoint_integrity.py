@@ -441,3 +441,90 @@ def test_numpy_scalars_in_param_groups_are_saved_as_python_numbers(tmp_path):
         assert types == [float, float] and lrs == (1e-2 * factor(2), 1e-2 * factor(2))
         for k, v in want.items():
             assert torch.equal(got[k], v), f"{k}: max diff {(got[k] - v).abs().max()}"
+
+
+# ---- a save or load that cannot finish says why ----------------------------------------------------
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_a_call_not_entered_by_every_rank_fails_in_bounded_time(saved, tmp_path, monkeypatch, call):
+    """[Note: every rank calls it]: rank 0 alone calls it; it raises within the timeout (``timeout=`` for
+    the save, the environment variable for the load), naming the missing rank and the rule, and leaves
+    no ``<path>.tmp``. Before: it waited for the process group's timeout and left ``<path>.tmp``."""
+    import time
+
+    monkeypatch.setenv("FSDP_OPTIM_CHECKPOINT_TIMEOUT", "3")
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def fn():
+        model, opt = _trained(seed=0)
+        if dist.get_rank() != 0:
+            return None
+        what = f"{call}_checkpoint"
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=rf"rank\(s\) \[1\] of 2 did not call {what} within 3 s; every rank must "
+                                               "call it"):
+            if call == "save":
+                fsdp_optim.save_checkpoint(out / "ckpt", model=model, optimizer=opt, timeout=3)
+            else:
+                fsdp_optim.load_checkpoint(saved, model=model, optimizer=opt)
+        return time.monotonic() - start, sorted(os.listdir(out))
+
+    took, left = run_distributed(fn, world_size=2, timeout=60)[0]
+    assert 3 <= took < 20 and left == []
+
+
+def test_a_full_disk_is_named_as_such(tmp_path):
+    """A file-size limit (``ulimit -f``): the error says "file too large" on every rank, not DCP's tuple of
+    FrameSummary objects, and ``<path>.tmp`` is removed."""
+    import resource
+
+    def fn():
+        model, opt = _trained(seed=0)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+        try:
+            with pytest.raises(ValueError, match=r"(?i)ckpt\.tmp failed: OSError: .*file too large") as caught:
+                fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        dist.barrier()
+        return "FrameSummary" not in str(caught.value), sorted(os.listdir(tmp_path))
+
+    assert run_distributed(fn, world_size=2, timeout=60) == [(True, [])] * 2
+
+
+def test_a_second_save_to_the_same_path_meanwhile_is_refused(tmp_path, monkeypatch):
+    """Two saves to one path at once (one process, two threads standing for two jobs): the second is told
+    that another save is in progress, the first completes. Before: the second removed the first's
+    ``<path>.tmp`` and one of them failed with FileNotFoundError."""
+    import threading
+
+    from fsdp_optim.sharding.checkpoint import _save
+
+    real_save, writing, release = _save.dcp.save, threading.Event(), threading.Event()
+
+    def slow_save(*args, **kwargs):
+        writing.set()
+        release.wait(30)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(_save.dcp, "save", slow_save)
+    first_error: list[BaseException] = []
+
+    def first():
+        try:
+            fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=torch.nn.Linear(3, 2), extra={"job": 1})
+        except BaseException as e:  # noqa: BLE001
+            first_error.append(e)
+
+    job = threading.Thread(target=first)
+    job.start()
+    assert writing.wait(30)
+    try:
+        with pytest.raises(ValueError, match=rf"another save to {re.escape(str(tmp_path / 'ckpt'))} is in progress"):
+            fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=torch.nn.Linear(3, 2), extra={"job": 2})
+    finally:
+        release.set()
+        job.join()
+    assert not first_error and sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert fsdp_optim.load_checkpoint(tmp_path / "ckpt", model=torch.nn.Linear(3, 2)) == {"job": 1}

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import re
@@ -16,6 +18,7 @@ __all__ = [
     "MANIFEST",
     "PublishError",
     "foreign_entries",
+    "lock_save",
     "fsync",
     "normalize",
     "own_file",
@@ -23,6 +26,7 @@ __all__ = [
     "read_manifest",
     "resolve_path",
     "save_refusal",
+    "unlock_save",
     "write_manifest",
 ]
 
@@ -228,3 +232,31 @@ def publish(tmp: str, path: str, *, refusal: Callable[[str], str | None]) -> Non
             left=f"the new one is at {path}" + (f" and the previous one at {old}" if moved else ""),
         ) from e
     shutil.rmtree(old, ignore_errors=True)
+
+
+def lock_save(path: str) -> int:
+    """Hold ``<path>.lock`` (an exclusive ``flock``: the kernel releases it however the process ends) for
+    a save to ``path``; refused with a ``ValueError`` while another process holds it. Returns its fd."""
+    lock = path + ".lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        raise ValueError(
+            f"save_checkpoint: another save to {path} is in progress ({lock} is locked by another process); "
+            "wait for it to finish, or save to another path"
+        ) from None
+    return fd
+
+
+def unlock_save(path: str, fd: int) -> None:
+    """Release ``lock_save``'s lock and remove the lock file."""
+    try:
+        os.unlink(path + ".lock")
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)  # (closing releases the flock)

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from .._dist import agree_on_error, rank_and_world_size
 from .._shard_info import shard_info
 from ._checksums import check_files, check_listed, verify_checksums, verify_file
+from ._entry import every_rank_entered
 from ._files import normalize, own_file, read_manifest, resolve_path
 from ._flat_shard import FlatShardTensor
 from ._serialization import SafeLoadPlanner, SafeReader, from_bytes, root_cause, set_rng_state
@@ -328,14 +329,18 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any | None = None,
     strict: bool = True,
+    timeout: float | None = None,
 ) -> Any:
     """Load a ``save_checkpoint`` directory into ``model`` (and optimizer, scheduler) at any world
     size and plan; return the saved ``extra`` (``None`` if none). RNG states are restored when
     the world size matches. Errors (missing/unexpected keys under ``strict``, shapes, another
     optimizer, missing, truncated or corrupt files) are raised on every rank before anything is
-    loaded (see [Note: checking a load]).
+    loaded (see [Note: checking a load]). Every rank must call it: one that waits more than ``timeout``
+    seconds (default: ``FSDP_OPTIM_CHECKPOINT_TIMEOUT``, else 60) for the others raises a ``TimeoutError``
+    naming them (see [Note: every rank calls it]).
     """
     path = normalize(path, caller="load_checkpoint")
+    every_rank_entered("load_checkpoint", timeout=timeout)
     rank, world_size = rank_and_world_size()
     err, plan = None, None
     try:

@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .._dist import agree_on_error, rank_and_world_size
 from ._checksums import checksums_of
-from ._files import FORMAT_VERSION, normalize, publish, save_refusal, write_manifest
+from ._entry import every_rank_entered
+from ._files import FORMAT_VERSION, lock_save, normalize, publish, save_refusal, unlock_save, write_manifest
 from ._serialization import numbers_from_numpy, rng_state, root_cause, to_bytes
 from ._state import (
     OwnedState,
@@ -141,6 +142,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any | None = None,
     extra: Any | None = None,
+    timeout: float | None = None,
 ) -> None:
     """Save model, optimizer, scheduler, RNG states and ``extra`` to directory ``path`` (every rank).
 
@@ -153,9 +155,27 @@ def save_checkpoint(
     done, replacing a previous checkpoint (see [Note: atomic publish]). Only folders holding nothing
     but checkpoint files are replaced or removed (``path``, a leftover ``<path>.tmp`` / ``<path>.old``):
     anything else there is refused with a ``ValueError`` on every rank before anything is written
-    (see [Note: what a save replaces]).
+    (see [Note: what a save replaces]); so is a second save to ``path`` while one is in progress.
+    Every rank must call it: one that waits more than ``timeout`` seconds (default: the
+    ``FSDP_OPTIM_CHECKPOINT_TIMEOUT`` environment variable, else 60) for the others raises a
+    ``TimeoutError`` naming them (see [Note: every rank calls it]).
     """
     path = normalize(path, caller="save_checkpoint")
+    every_rank_entered("save_checkpoint", timeout=timeout)
+    lock: list[int] = []  # rank 0's lock on the path, released however the save ends
+    try:
+        _save(path, model, optimizer, scheduler, extra, lock)
+    finally:
+        if lock:
+            unlock_save(path, lock[0])
+
+
+def _save(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None, extra: Any | None,
+    lock: list[int],
+) -> None:
+    """``save_checkpoint``'s steps: collect and encode, agree, write with DCP, checksum, publish; each
+    fallible step agreed on by every rank."""
     rank, world_size = rank_and_world_size()
     tmp = path + ".tmp"
     err, collected, sd = None, None, None
@@ -163,6 +183,7 @@ def save_checkpoint(
         collected = _collect(model, optimizer, scheduler, extra, rank, world_size)
         sd = _encode(collected, rank)
         if rank == 0:
+            lock.append(lock_save(path))
             _prepare(path)
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         err = e
@@ -179,6 +200,8 @@ def save_checkpoint(
     try:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
     except CheckpointException as e:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise ValueError(
             f"save_checkpoint({path}): writing {tmp} failed: {root_cause(e)}; the previous checkpoint at {path} "
             "(if any) is untouched"

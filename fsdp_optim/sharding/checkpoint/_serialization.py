@@ -171,10 +171,18 @@ class SafeReader(dcp.FileSystemReader):
 
 
 def root_cause(e: CheckpointException) -> str:
-    """The first rank's own exception inside DCP's CheckpointException."""
+    """The first failing rank's own exception inside DCP's ``CheckpointException`` (whose failures are
+    ``(exception, traceback)`` pairs), as ``Type: message``; an ``OSError`` says its cause in words
+    (``no space left on device``, ``file too large``) even when raised with an errno alone."""
     for failure in e.failures.values():
-        inner = getattr(failure, "exception", failure)
-        return f"{type(inner).__name__}: {inner}"
+        inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
+        if isinstance(inner, CheckpointException):
+            return root_cause(inner)
+        text = str(inner)
+        if isinstance(inner, OSError) and inner.errno:
+            cause = os.strerror(inner.errno).lower()
+            text = text if cause in text.lower() else f"{cause} ({text})"
+        return f"{type(inner).__name__}: {text}"
     return str(e)
 
 
