@@ -67,7 +67,7 @@ def test_manifest_records_every_file(saved):
     assert all(size == os.path.getsize(saved / f) for f, (size, _) in manifest["checksums"].items())
 
 
-def _load_expecting(path, match: str):
+def _load_expecting(path, match: str, world_size: int = 2):
     def fn():
         model, opt = _trained(seed=1)
         before = _snapshot(model, opt)
@@ -76,7 +76,7 @@ def _load_expecting(path, match: str):
         after = _snapshot(model, opt)
         return before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
-    return run_distributed(fn, world_size=2)
+    return run_distributed(fn, world_size=world_size, timeout=60)
 
 
 def _flip(path, offset_fraction: float = 0.5, num_bytes: int = 16) -> None:
@@ -185,6 +185,44 @@ def test_a_manifest_listing_an_outside_file_discloses_nothing_of_it(saved, tmp_p
         for msg, unchanged in _load_error(bad):
             assert f"checksums entry {name!r} points outside the checkpoint folder" in msg and unchanged, msg
             assert "bytes" not in msg and "CRC32" not in msg and str(outside.stat().st_size) not in msg.split(":")[-1]
+
+
+# ---- W = 3: each rank verifies every third file ([Note: checkpoint checksums]) ----------------------
+@pytest.fixture(scope="module")
+def saved3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("integrity3")
+
+    def fn():
+        model, opt = _trained(seed=0)
+        fsdp_optim.save_checkpoint(root / "ckpt", model=model, optimizer=opt, extra={"step": 1})
+
+    run_distributed(fn, world_size=3, timeout=60)
+    return root / "ckpt"
+
+
+def test_w3_manifest_records_every_file(saved3):
+    """Saved at W=3 (each rank checksums every third file): every file is recorded, with its size."""
+    test_manifest_records_every_file(saved3)
+    assert len(os.listdir(saved3)) >= 5  # three shard files, .metadata and the manifest
+
+
+@pytest.mark.parametrize("source", ["saved3", "saved"])
+def test_w3_every_file_is_covered(source, request, tmp_path):
+    """Loaded at W=3 (a W=3 and a W=2 checkpoint): a flipped byte in any file, whichever rank verifies
+    it, raises on all three ranks and changes nothing; so does a missing file."""
+    saved = request.getfixturevalue(source)
+    for name in sorted(os.listdir(saved)):
+        if name == "fsdp_optim.json":
+            continue
+        bad = tmp_path / f"ckpt_{name.strip('.')}"
+        shutil.copytree(saved, bad)
+        _flip(bad / name, offset_fraction=0.9, num_bytes=1)
+        assert _load_expecting(bad, "corrupt", world_size=3) == [True] * 3, name
+    missing = tmp_path / "missing"
+    shutil.copytree(saved, missing)
+    last = sorted(f for f in os.listdir(saved) if f.endswith(".distcp"))[-1]
+    os.remove(missing / last)
+    assert _load_expecting(missing, rf"{re.escape(last)}.*missing", world_size=3) == [True] * 3
 
 
 def test_intact_checkpoint_still_loads_bitwise(saved):
