@@ -238,6 +238,7 @@ def lock_save(path: str) -> int:
     """Hold ``<path>.lock`` (an exclusive ``flock``: the kernel releases it however the process ends) for
     a save to ``path``; refused with a ``ValueError`` while another process holds it. Returns its fd."""
     lock = path + ".lock"
+    os.makedirs(os.path.dirname(path), exist_ok=True)  # (a save creates the parent folder)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
