@@ -127,8 +127,10 @@ class FlatShardTensor(torch.Tensor):
             x, *rest = args
             return FlatShardTensor(func(x._local, *rest, **kwargs), shape=x.shape, start=x._start)
         raise NotImplementedError(
-            f"{func} is not supported on FlatShardTensor (one rank's flat piece of a global tensor, "
-            "for checkpoints); use .to_local() or .full_tensor()"
+            f"{func} is not supported on FlatShardTensor: one rank's flat piece of a global tensor, what a "
+            "sharded model's state_dict() holds for DCP. For a plain state dict (torch.save, loading into a "
+            "model without fully_shard) call fsdp_optim.full_state_dict(model) instead; for a sharded "
+            "checkpoint fsdp_optim.save_checkpoint; on the piece itself, use .to_local() or .full_tensor()"
         )
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -199,6 +201,13 @@ class FlatShardTensor(torch.Tensor):
 
 def _rebuild_flat_shard(local: torch.Tensor, shape: tuple[int, ...], start: int) -> FlatShardTensor:
     return FlatShardTensor(local, shape=shape, start=start)
+
+
+# A ``torch.save(model.state_dict())`` of a sharded model holds FlatShardTensors. Allowed for
+# ``torch.load(weights_only=True)`` (it rebuilds a wrapper from a tensor, a shape and an int: no code),
+# so that such a file loads and every use of its pieces names ``fsdp_optim.full_state_dict`` (the
+# dispatch error above) instead of torch's refusal of an unknown global.
+torch.serialization.add_safe_globals([_rebuild_flat_shard])
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:

@@ -9,6 +9,7 @@ Integration: ``fully_shard``'s root call runs ``register_state_dict_hooks(root)`
 
 from __future__ import annotations
 
+import sys
 import types
 import warnings
 from typing import Any
@@ -18,7 +19,7 @@ from torch import nn
 
 from .._shard_info import shard_info
 from ._flat_shard import FlatShardTensor
-from ._state import ShardedState, StateKind, ensure_sharded, state_kinds, wrap_module_state
+from ._state import ShardedState, StateKind, ensure_sharded, state_kinds, wrap_module_state, wrap_param
 
 __all__ = ["register_optimizer_hooks", "register_state_dict_hooks"]
 
@@ -47,14 +48,15 @@ def register_state_dict_hooks(module: nn.Module) -> None:
         ensure_sharded(mod)
 
     def post_hook(mod: nn.Module, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        wrap_module_state(mod, sd, prefix)
+        if _full_state_requested():  # see [Note: full state dicts through DCP's state_dict API]
+            _gather_module_state(mod, sd, prefix)
+        else:
+            wrap_module_state(mod, sd, prefix)
 
     def load_pre_hook(mod, sd, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
         ensure_sharded(mod)
         assign = bool(local_metadata.get("assign_to_params_buffers", False))
-        # A submodule sharded on its own first (``fully_shard(layer)``) keeps its hooks: its keys are left
-        # to it (it runs next, on the same entries), so each entry is converted once, by the innermost.
-        inner = tuple(f"{n}." for n, m in mod.named_modules(remove_duplicate=False) if n and getattr(m, _HOOKED, False))
+        inner = _inner_prefixes(mod)
         for name, p in mod.named_parameters(remove_duplicate=False):
             key = prefix + name
             info = shard_info(p)
@@ -101,6 +103,52 @@ def register_state_dict_hooks(module: nn.Module) -> None:
     module.register_state_dict_pre_hook(pre_hook)
     module.register_state_dict_post_hook(post_hook)
     module.register_load_state_dict_pre_hook(load_pre_hook)
+
+
+def _inner_prefixes(mod: nn.Module) -> tuple[str, ...]:
+    """The name prefixes of ``mod``'s submodules with hooks of their own: a submodule sharded on its own
+    first (``fully_shard(layer)``) keeps its hooks, and its keys are left to it (its hooks run on the
+    same entries), so each entry is converted once, by the innermost."""
+    return tuple(f"{n}." for n, m in mod.named_modules(remove_duplicate=False) if n and getattr(m, _HOOKED, False))
+
+
+# [Note: full state dicts through DCP's state_dict API]
+# ``torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions(
+# full_state_dict=True))`` (and ``get_state_dict``) calls ``model.state_dict()`` and gathers the
+# DTensors and ShardedTensors in it into full tensors. A FlatShardTensor is neither, so each rank got
+# its own flat piece back as if it were the full tensor. torch tells the hook nothing of the options,
+# so the state-dict post hook looks for the ``_StateDictInfo`` of an enclosing ``_get_model_state_dict``
+# frame of that module: with ``full_state_dict`` set, sharded parameters are returned as full tensors
+# (gathered in the shard group, one parameter at a time, in the same order on every rank: every rank
+# calls ``get_model_state_dict``, as torch requires), which torch then offloads to the CPU and keeps on
+# rank 0 only under ``cpu_offload``, as for FSDP2. ``fsdp_optim.full_state_dict(model)`` does the same
+# with less memory (one bucket at a time). tests/sharding/test_full_state.py fails if a torch release
+# renames the frame.
+_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+
+
+def _full_state_requested() -> bool:
+    """Whether this ``state_dict()`` runs inside DCP's ``get_model_state_dict`` with ``full_state_dict=True``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_get_model_state_dict" and frame.f_globals.get("__name__") == _DCP_STATE_DICT:
+            return bool(getattr(frame.f_locals.get("info"), "full_state_dict", False))
+        frame = frame.f_back
+    return False
+
+
+def _gather_module_state(mod: nn.Module, sd: dict[str, Any], prefix: str) -> None:
+    """Replace ``mod``'s sharded parameters in ``sd`` by their full tensors (a collective per parameter;
+    those of submodules with their own hooks are theirs, gathered when their hook ran)."""
+    inner = _inner_prefixes(mod)
+    full: dict[int, torch.Tensor] = {}  # (tied parameters: gathered once)
+    for name, p in mod.named_parameters(remove_duplicate=False):
+        key, info = prefix + name, shard_info(p)
+        if info is None or key not in sd or name.startswith(inner):
+            continue
+        if id(p) not in full:
+            full[id(p)] = wrap_param(p, info).full_tensor(info.group)
+        sd[key] = full[id(p)]
 
 
 def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:

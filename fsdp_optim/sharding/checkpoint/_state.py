@@ -56,6 +56,7 @@ __all__ = [
     "param_names",
     "state_kinds",
     "wrap_module_state",
+    "wrap_param",
 ]
 
 
@@ -96,7 +97,8 @@ def ensure_sharded(model: nn.Module) -> None:
     reshard_all(model)
 
 
-def _wrap_param(p: torch.Tensor, info: ShardInfo) -> FlatShardTensor:
+def wrap_param(p: torch.Tensor, info: ShardInfo) -> FlatShardTensor:
+    """This rank's piece of the sharded parameter ``p`` as a ``FlatShardTensor`` (refused unless sharded now)."""
     if p.numel() != info.local_numel:
         raise ValueError(
             f"{info.fqn}: the local shard has {p.numel()} elements, but its layout gives rank {info.rank} "
@@ -118,7 +120,7 @@ def wrap_module_state(module: nn.Module, sd: dict[str, Any], prefix: str) -> Non
         key = prefix + name
         info = shard_info(p)
         if info is not None and key in sd and not isinstance(sd[key], FlatShardTensor):
-            sd[key] = _wrap_param(p, info)
+            sd[key] = wrap_param(p, info)
 
 
 def param_names(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> dict[int, str]:
