@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,6 @@ from torch import nn
 from .._runtime import reshard_all
 from .._shard_info import ShardInfo, shard_info
 from ._flat_shard import FlatShardTensor
-
-if TYPE_CHECKING:
-    from ...optimizers._base import StateShard
 
 __all__ = [
     "OwnedState",
@@ -65,7 +62,8 @@ class ShardedState(Protocol):
     """An optimizer that says where each sharded state tensor lies (every fsdp_optim optimizer; see
     [Note: checkpoint-shaped optimizer state]): checkpoints reshard the keys it lists."""
 
-    def state_shards(self, p: torch.Tensor) -> dict[str, StateShard]: ...
+    def state_shards(self, p: torch.Tensor) -> dict[str, Any]:
+        """``{key: StateShard(global_numel, start, end)}`` (``fsdp_optim.optimizers._base``) per sharded key."""
 
 
 @runtime_checkable
