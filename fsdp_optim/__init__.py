@@ -18,9 +18,14 @@ from .sharding import (
     shard_info,
     sharded_plan,
 )
-from .sharding._checkpoint import load_checkpoint, load_full_state_dict, save_checkpoint
-from .sharding._hf import export_hf, load_hf
-from .sharding._state_dict import full_state_dict
+from .sharding.checkpoint import (
+    export_hf,
+    full_state_dict,
+    load_checkpoint,
+    load_full_state_dict,
+    load_hf,
+    save_checkpoint,
+)
 
 __all__ = [
     "Float8AllGather",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -13,6 +13,7 @@ from ..sharding import BlockRule, BlockSpec
 from ..sharding import RaggedShard
 from ..sharding import materialize_all
 from ..sharding import ShardInfo, check_not_replaced, shard_info
+from ..sharding import ShardedState  # (re-exported: the checkpoint contract lives with the checkpoints)
 
 __all__ = ["param_info", "checked_param_info", "require_spec", "check_adam_hparams", "make_dcp_ready", "StateShard", "ShardedState", "apply_update", "discard_last_group"]
 
@@ -37,12 +38,6 @@ class StateShard(NamedTuple):
     global_numel: int
     start: int
     end: int
-
-
-class ShardedState(Protocol):
-    """Implemented by every fsdp_optim optimizer (used by checkpoints)."""
-
-    def state_shards(self, p: torch.Tensor) -> dict[str, StateShard]: ...
 
 
 def profiled_step(step: Callable) -> Callable:

@@ -10,7 +10,6 @@ Everything else in this package is private (``_``-prefixed modules).
 """
 
 from ._buffer import CollectiveHandle, DistributedBuffer
-from ._checkpoint import register_optimizer_hooks
 from ._clip import clip_grad_norm_
 from ._dtensor import from_dtensor, to_dtensor
 from ._expert_parallel import ExpertGroups, ExpertShard, expert_parallel, expert_parallel_groups, expert_shard
@@ -21,6 +20,7 @@ from ._init import init_weights
 from ._mixed_precision import MixedPrecisionPolicy
 from ._runtime import materialize_all
 from ._shard_info import ShardInfo, check_not_replaced, set_shard_info, shard_info
+from .checkpoint import OwnedState, ShardedState, register_optimizer_hooks
 from .plan import (
     BlockKind,
     BlockRule,
@@ -59,12 +59,14 @@ __all__ = [
     "Float8AllGather",
     "Layout",
     "MixedPrecisionPolicy",
+    "OwnedState",
     "Placement",
     "Plan",
     "PlanConfig",
     "PlanStats",
     "RaggedShard",
     "ShardInfo",
+    "ShardedState",
     "ShardedModule",
     "TensorSpec",
     "block_aligned_splits",

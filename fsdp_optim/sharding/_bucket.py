@@ -52,7 +52,7 @@ Matrices that a forced even layout splits are cut on tile rows too (the split un
 alike); a parameter whose shard would still cut a tile is sent in ``param_dtype`` (a pure check
 of its placement, the same on every rank).
 
-Internal API used outside the runtime (``_init``, ``_state_dict``, ``_checkpoint``, ``_hf``):
+Internal API used outside the runtime (``_init`` and the ``checkpoint`` package):
 ``sharded`` (this rank's parameters, bucket order), ``plan``, ``rank``, ``settle()`` (finish any
 pending reduction), ``gather_full()`` (the full flat buffer in the master dtype, on every rank),
 ``full_views(flat)`` and ``reshard()``.
@@ -271,7 +271,7 @@ class _Bucket:
         self.sharded, self.unsharded, self.entries = [], [], []
         self.where = BucketState.RELEASED
 
-    # ---- internal API for _init / _state_dict / _checkpoint / _hf -----------------------------
+    # ---- internal API for _init and checkpoint/ ---------------------------------------------------
     def settle(self) -> None:
         """Make the sharded values readable and writable: allocate a lazy (meta-built) segment and
         finish a pending gradient reduction (its ``.grad`` views are set). Local, idempotent."""

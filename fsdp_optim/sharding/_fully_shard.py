@@ -44,7 +44,7 @@ from .plan import BlockRule
 from ._float8 import Float8AllGather
 from ._mixed_precision import MixedPrecisionPolicy
 from .plan import Plan, PlanConfig
-from ._checkpoint import register_state_dict_hooks
+from .checkpoint import register_state_dict_hooks
 from ._expert_parallel import expert_shard
 from ._runtime import _STATE, _buckets_under, _ModuleState, _runtime_of
 from ._setup import _is_managed_inside, _resolve_mesh, build_runtime

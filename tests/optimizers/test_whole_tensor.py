@@ -365,7 +365,7 @@ def test_a_manifest_that_disagrees_with_the_saved_tensors_is_refused_on_every_ra
     nobody waits in a collective), and the message names the entry."""
     import json
 
-    from fsdp_optim.sharding._checkpoint import MANIFEST
+    from fsdp_optim.sharding.checkpoint import MANIFEST
 
     def build():
         model = _ckpt_model(False)

@@ -25,7 +25,7 @@ from torch import nn
 import fsdp_optim
 from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed
 from fsdp_optim.sharding import RaggedShard, elements
-from fsdp_optim.sharding._checkpoint import (
+from fsdp_optim.sharding.checkpoint import (
     MANIFEST,
     FlatShardTensor,
     flat_range_boxes,
@@ -389,8 +389,10 @@ def test_bad_input_errors(tmp_path):
         m = model(extra_param=dist.get_rank() == 1)
         return m, None, ck
 
-    msgs = _expect_error_on_every_rank(3, one_rank, r"ValueError: (rank 1: )?.*missing keys: .*layers\.1\.w2\.weight")
-    assert [m.startswith("ValueError: rank 1: ") for m in msgs] == [True, False, True]
+    msgs = _expect_error_on_every_rank(
+        3, one_rank, r"ValueError: (load_checkpoint failed on rank 1 of 3: ValueError: )?.*missing keys: .*layers\.1\.w2\.weight"
+    )
+    assert [m.startswith("ValueError: load_checkpoint failed on rank 1 of 3: ") for m in msgs] == [True, False, True]
 
     # unexpected keys (the checkpoint has parameters the model lacks)
     def unexpected():
@@ -701,7 +703,7 @@ def test_whole_tensor_save_with_a_failure_on_one_rank_raises_on_every_rank(tmp_p
                 raise RuntimeError("simulated failure on rank 1")
 
             opt.owned_state = boom
-        with pytest.raises(RuntimeError, match=r"^(rank 1: )?simulated failure on rank 1$"):
+        with pytest.raises(RuntimeError, match=r"^(save_checkpoint failed on rank 1 of 2: RuntimeError: )?simulated failure on rank 1$"):
             save_checkpoint(ck, model=m, optimizer=opt)
         dist.barrier()
         nothing = sorted(os.listdir(tmp_path)) == []
@@ -1137,3 +1139,43 @@ def test_sharded_checkpoint_into_plain_module(tmp_path):
         for k, v in opt.state.get(p, {}).items():
             assert torch.equal(v.reshape(-1) if v.ndim else v, state[f"{name}.{k}"]), (name, k)
     assert len(opt.state) == sum(p.requires_grad for p in plain.parameters())
+
+
+def test_a_failed_final_rename_puts_the_previous_checkpoint_back(tmp_path, monkeypatch):
+    """[Note: atomic publish], shared with export_hf: ``<path>.tmp`` -> ``path`` fails after the previous
+    checkpoint was moved to ``<path>.old``; it is moved back. Before: ``path`` was left missing."""
+    ck = tmp_path / "ck"
+    save_checkpoint(ck, model=nn.Linear(3, 2), extra=1)
+    before = sorted(os.listdir(ck))
+    rename = os.rename
+
+    def failing(src, dst):
+        if str(src) == f"{ck}.tmp":
+            raise OSError("disk went away")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError, match="disk went away"):
+        save_checkpoint(ck, model=nn.Linear(3, 2), extra=2)
+    monkeypatch.undo()
+    assert sorted(os.listdir(ck)) == before and not (tmp_path / "ck.old").exists()
+    assert load_checkpoint(ck, model=nn.Linear(3, 2)) == 1
+
+
+def test_a_failed_directory_fsync_after_the_rename_raises(tmp_path, monkeypatch):
+    """The renames are in place but their folder's fsync fails: the save raises saying so (export_hf
+    ignored it before)."""
+    from fsdp_optim.sharding.checkpoint import _files
+
+    real = _files.fsync
+
+    def failing(path):
+        if os.path.abspath(path) == str(tmp_path):
+            raise OSError("fsync not supported here")
+        real(path)
+
+    monkeypatch.setattr(_files, "fsync", failing)
+    with pytest.raises(OSError, match=r"is in place but fsync of its folder .* failed .*may not survive a crash"):
+        save_checkpoint(tmp_path / "ck", model=nn.Linear(3, 2), extra=1)
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path / "ck", model=nn.Linear(3, 2)) == 1

@@ -67,7 +67,7 @@ def test_manifest_records_every_file(saved):
     assert all(size == os.path.getsize(saved / f) for f, (size, _) in manifest["checksums"].items())
 
 
-def _load_expecting(path, match: str):
+def _load_expecting(path, match: str, world_size: int = 2):
     def fn():
         model, opt = _trained(seed=1)
         before = _snapshot(model, opt)
@@ -76,7 +76,7 @@ def _load_expecting(path, match: str):
         after = _snapshot(model, opt)
         return before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
-    return run_distributed(fn, world_size=2)
+    return run_distributed(fn, world_size=world_size, timeout=60)
 
 
 def _flip(path, offset_fraction: float = 0.5, num_bytes: int = 16) -> None:
@@ -118,6 +118,111 @@ def test_truncated_and_missing_files(saved, tmp_path):
     shutil.copytree(saved, missing)
     os.remove(missing / "__0_0.distcp")
     assert _load_expecting(missing, r"__0_0\.distcp.*missing") == [True, True]
+
+
+def _load_error(path) -> list[tuple[str, bool]]:
+    """Every rank's load error message and whether its model and optimizer are unchanged."""
+
+    def fn():
+        model, opt = _trained(seed=1)
+        before = _snapshot(model, opt)
+        try:
+            fsdp_optim.load_checkpoint(path, model=model, optimizer=opt)
+            msg = "loaded"
+        except (ValueError, FileNotFoundError) as e:
+            msg = f"{type(e).__name__}: {e}"
+        after = _snapshot(model, opt)
+        return msg, all(torch.equal(before[k], after[k]) for k in before)
+
+    return run_distributed(fn, world_size=2, timeout=60)
+
+
+def _point_outside(saved, tmp_path, how: str):
+    """A copy of ``saved`` whose ``__0_0.distcp`` lives in ``../outside/``, reached as ``how`` says."""
+    import pickle
+
+    root = tmp_path / how
+    bad, outside = root / "ckpt", root / "outside"
+    shutil.copytree(saved, bad)
+    outside.mkdir()
+    shutil.move(bad / "__0_0.distcp", outside / "__0_0.distcp")
+    if how == "symlink":  # still listed, still the right bytes, but not the checkpoint's own file
+        os.symlink(outside / "__0_0.distcp", bad / "__0_0.distcp")
+        return bad, "'__0_0.distcp' points outside"
+    target = "../outside/__0_0.distcp" if how == "relative" else str(outside / "__0_0.distcp")
+    with open(bad / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    for info in md.storage_data.values():
+        if info.relative_path == "__0_0.distcp":
+            info.relative_path = target
+    with open(bad / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    manifest = json.loads((bad / "fsdp_optim.json").read_text())
+    del manifest["checksums"]["__0_0.distcp"]
+    (bad / "fsdp_optim.json").write_text(json.dumps(manifest))
+    _restamp(bad)
+    return bad, f"storage entry {re.escape(repr(target))} points outside the checkpoint folder"
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute", "symlink"])
+def test_a_checkpoint_cannot_make_a_load_read_files_outside_it(saved, tmp_path, how):
+    """[Note: a load reads only its own files]. Before: the outside file's tensors loaded without a word."""
+    bad, match = _point_outside(saved, tmp_path, how)
+    for msg, unchanged in _load_error(bad):
+        assert re.search(match, msg) and "refused before reading anything" in msg and unchanged, msg
+
+
+def test_a_manifest_listing_an_outside_file_discloses_nothing_of_it(saved, tmp_path):
+    """Before: ``checkpoint file /etc/passwd is corrupt: <its size> bytes with CRC32 <its crc>``."""
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not yours\n")
+    for name in (str(outside), "../secret.txt"):
+        bad = tmp_path / f"ckpt_{len(name)}"
+        shutil.copytree(saved, bad)
+        manifest = json.loads((bad / "fsdp_optim.json").read_text())
+        manifest["checksums"][name] = [1, "00000000"]
+        (bad / "fsdp_optim.json").write_text(json.dumps(manifest))
+        for msg, unchanged in _load_error(bad):
+            assert f"checksums entry {name!r} points outside the checkpoint folder" in msg and unchanged, msg
+            assert "bytes" not in msg and "CRC32" not in msg and str(outside.stat().st_size) not in msg.split(":")[-1]
+
+
+# ---- W = 3: each rank verifies every third file ([Note: checkpoint checksums]) ----------------------
+@pytest.fixture(scope="module")
+def saved3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("integrity3")
+
+    def fn():
+        model, opt = _trained(seed=0)
+        fsdp_optim.save_checkpoint(root / "ckpt", model=model, optimizer=opt, extra={"step": 1})
+
+    run_distributed(fn, world_size=3, timeout=60)
+    return root / "ckpt"
+
+
+def test_w3_manifest_records_every_file(saved3):
+    """Saved at W=3 (each rank checksums every third file): every file is recorded, with its size."""
+    test_manifest_records_every_file(saved3)
+    assert len(os.listdir(saved3)) >= 5  # three shard files, .metadata and the manifest
+
+
+@pytest.mark.parametrize("source", ["saved3", "saved"])
+def test_w3_every_file_is_covered(source, request, tmp_path):
+    """Loaded at W=3 (a W=3 and a W=2 checkpoint): a flipped byte in any file, whichever rank verifies
+    it, raises on all three ranks and changes nothing; so does a missing file."""
+    saved = request.getfixturevalue(source)
+    for name in sorted(os.listdir(saved)):
+        if name == "fsdp_optim.json":
+            continue
+        bad = tmp_path / f"ckpt_{name.strip('.')}"
+        shutil.copytree(saved, bad)
+        _flip(bad / name, offset_fraction=0.9, num_bytes=1)
+        assert _load_expecting(bad, "corrupt", world_size=3) == [True] * 3, name
+    missing = tmp_path / "missing"
+    shutil.copytree(saved, missing)
+    last = sorted(f for f in os.listdir(saved) if f.endswith(".distcp"))[-1]
+    os.remove(missing / last)
+    assert _load_expecting(missing, rf"{re.escape(last)}.*missing", world_size=3) == [True] * 3
 
 
 def test_intact_checkpoint_still_loads_bitwise(saved):
@@ -194,10 +299,10 @@ def _unchecked_to_bytes(obj, what: str) -> bytes:
 
 
 def test_payload_in_a_blob_does_not_run(tmp_path, monkeypatch):
-    import fsdp_optim.sharding._checkpoint as ckpt
+    import fsdp_optim.sharding.checkpoint._save as ckpt
 
     marker = str(tmp_path / "ran_blob")
-    monkeypatch.setattr(ckpt, "_to_bytes", _unchecked_to_bytes)  # (save_checkpoint itself refuses it)
+    monkeypatch.setattr(ckpt, "to_bytes", _unchecked_to_bytes)  # (save_checkpoint itself refuses it)
 
     def fn():
         model, opt = _trained(seed=0)
@@ -217,12 +322,12 @@ def test_payload_in_a_blob_does_not_run(tmp_path, monkeypatch):
 def test_payload_in_a_dcp_byte_record_does_not_run(tmp_path, monkeypatch):
     """A byte record whose pickle is the payload itself (not our bytes): DCP's own default planner
     would unpickle it with weights_only=False."""
-    import fsdp_optim.sharding._checkpoint as ckpt
+    import fsdp_optim.sharding.checkpoint._save as ckpt
 
     marker = str(tmp_path / "ran_record")
-    real = ckpt._to_bytes
+    real = ckpt.to_bytes
     payload = lambda obj, what: _Payload(marker) if obj == {"step": 1} else real(obj, what)  # noqa: E731
-    monkeypatch.setattr(ckpt, "_to_bytes", payload)
+    monkeypatch.setattr(ckpt, "to_bytes", payload)
 
     def fn():
         model, opt = _trained(seed=0)
@@ -278,7 +383,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_loading(saved):
 def test_temporary_directory_removed_mid_save(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    import fsdp_optim.sharding._checkpoint as ckpt
+    import fsdp_optim.sharding.checkpoint._save as ckpt
 
     real_save = dcp.save
 
@@ -374,3 +479,90 @@ def test_numpy_scalars_in_param_groups_are_saved_as_python_numbers(tmp_path):
         assert types == [float, float] and lrs == (1e-2 * factor(2), 1e-2 * factor(2))
         for k, v in want.items():
             assert torch.equal(got[k], v), f"{k}: max diff {(got[k] - v).abs().max()}"
+
+
+# ---- a save or load that cannot finish says why ----------------------------------------------------
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_a_call_not_entered_by_every_rank_fails_in_bounded_time(saved, tmp_path, monkeypatch, call):
+    """[Note: every rank calls it]: rank 0 alone calls it; it raises within the timeout (``timeout=`` for
+    the save, the environment variable for the load), naming the missing rank and the rule, and leaves
+    no ``<path>.tmp``. Before: it waited for the process group's timeout and left ``<path>.tmp``."""
+    import time
+
+    monkeypatch.setenv("FSDP_OPTIM_CHECKPOINT_TIMEOUT", "3")
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def fn():
+        model, opt = _trained(seed=0)
+        if dist.get_rank() != 0:
+            return None
+        what = f"{call}_checkpoint"
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=rf"rank\(s\) \[1\] of 2 did not call {what} within 3 s; every rank must "
+                                               "call it"):
+            if call == "save":
+                fsdp_optim.save_checkpoint(out / "ckpt", model=model, optimizer=opt, timeout=3)
+            else:
+                fsdp_optim.load_checkpoint(saved, model=model, optimizer=opt)
+        return time.monotonic() - start, sorted(os.listdir(out))
+
+    took, left = run_distributed(fn, world_size=2, timeout=60)[0]
+    assert 3 <= took < 20 and left == []
+
+
+def test_a_full_disk_is_named_as_such(tmp_path):
+    """A file-size limit (``ulimit -f``): the error says "file too large" on every rank, not DCP's tuple of
+    FrameSummary objects, and ``<path>.tmp`` is removed."""
+    import resource
+
+    def fn():
+        model, opt = _trained(seed=0)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+        try:
+            with pytest.raises(ValueError, match=r"(?i)ckpt\.tmp failed: OSError: .*file too large") as caught:
+                fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        dist.barrier()
+        return "FrameSummary" not in str(caught.value), sorted(os.listdir(tmp_path))
+
+    assert run_distributed(fn, world_size=2, timeout=60) == [(True, [])] * 2
+
+
+def test_a_second_save_to_the_same_path_meanwhile_is_refused(tmp_path, monkeypatch):
+    """Two saves to one path at once (one process, two threads standing for two jobs): the second is told
+    that another save is in progress, the first completes. Before: the second removed the first's
+    ``<path>.tmp`` and one of them failed with FileNotFoundError."""
+    import threading
+
+    from fsdp_optim.sharding.checkpoint import _save
+
+    real_save, writing, release = _save.dcp.save, threading.Event(), threading.Event()
+
+    def slow_save(*args, **kwargs):
+        writing.set()
+        release.wait(30)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(_save.dcp, "save", slow_save)
+    first_error: list[BaseException] = []
+
+    def first():
+        try:
+            fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=torch.nn.Linear(3, 2), extra={"job": 1})
+        except BaseException as e:  # noqa: BLE001
+            first_error.append(e)
+
+    job = threading.Thread(target=first)
+    job.start()
+    assert writing.wait(30)
+    try:
+        with pytest.raises(ValueError, match=rf"another save to {re.escape(str(tmp_path / 'ckpt'))} is in progress"):
+            fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=torch.nn.Linear(3, 2), extra={"job": 2})
+    finally:
+        release.set()
+        job.join()
+    assert not first_error and sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert fsdp_optim.load_checkpoint(tmp_path / "ckpt", model=torch.nn.Linear(3, 2)) == {"job": 1}

@@ -142,3 +142,49 @@ def test_broadcast_from_rank0_read_failure_raises_on_every_rank():
         return True
 
     assert run_distributed(fn, world_size=2, timeout=30) == [True, True]
+
+
+def test_dcp_get_model_state_dict_with_full_state_dict_gives_full_tensors():
+    """``get_model_state_dict(..., StateDictOptions(full_state_dict=True[, cpu_offload=True]))`` gives the
+    full tensors (rank 0 only under cpu_offload), as for FSDP2, equal to ``fsdp_optim.full_state_dict``;
+    ``set_model_state_dict`` with such a dict loads it. Before: every rank got its own flat pieces."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    def fn():
+        model = _sharded(0)
+        x, y = make_batch(batch_size=3, seq_len=8, vocab_size=CFG.vocab_size, seed=1)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        want = fsdp_optim.full_state_dict(model)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        lean = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        same = lambda sd: sd.keys() == want.keys() and all(  # noqa: E731
+            type(v) is torch.Tensor and torch.equal(v, want[k]) for k, v in sd.items()
+        )
+        other = _sharded(1)
+        set_model_state_dict(other, full, options=StateDictOptions(full_state_dict=True))
+        loaded = fsdp_optim.full_state_dict(other)
+        pieces = get_model_state_dict(model)  # (the sharded form is unchanged: FlatShardTensor, for DCP)
+        return (
+            same(full),
+            same(lean) if dist.get_rank() == 0 else lean == {},
+            all(torch.equal(loaded[k], want[k]) for k in want),
+            all(type(v).__name__ == "FlatShardTensor" for k, v in pieces.items() if k.endswith("weight") and "norm" not in k),
+        )
+
+    assert run_distributed(fn, world_size=2, timeout=60) == [(True, True, True, True)] * 2
+
+
+def test_a_torch_saved_sharded_state_dict_names_full_state_dict(tmp_path):
+    """``torch.save(model.state_dict())`` of a sharded model, loaded into a plain model: the error says to
+    call ``fsdp_optim.full_state_dict(model)``. Before: torch.load refused the ``_rebuild_flat_shard``
+    global (weights_only) or ``load_state_dict`` failed on ``aten.copy_``, neither saying what to do."""
+
+    def fn():
+        model = _sharded(0)
+        torch.save(model.state_dict(), tmp_path / f"rank{dist.get_rank()}.pt")
+
+    run_distributed(fn, world_size=2, timeout=60)
+    torch.manual_seed(0)
+    plain = TinyTransformer(CFG)
+    with pytest.raises(Exception, match=r"call fsdp_optim\.full_state_dict\(model\) instead"):
+        plain.load_state_dict(torch.load(tmp_path / "rank1.pt"))

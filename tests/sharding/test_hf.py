@@ -349,3 +349,22 @@ def test_load_hf_from_hf_that_needs_real_data_is_checked_when_read(tmp_path, wor
         return loads
 
     assert run_distributed(fn, world_size=world_size, timeout=60) == [True] * world_size
+
+
+@pytest.mark.parametrize("shard_root", [True, False])
+def test_export_file_names_count_the_files_written(tmp_path, shard_root):
+    """``model-0000k-of-0000N.safetensors``: N is the number of files written and k runs 1..N, with or
+    without a file for unsharded tensors (the root left unsharded). Before: N counted every bucket plus
+    one (``-of-00004`` on three files)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(False), attn_implementation="eager")
+    for layer in model.model.layers:
+        fsdp_optim.fully_shard(layer)
+    if shard_root:
+        fsdp_optim.fully_shard(model)
+    fsdp_optim.export_hf(model, tmp_path / "hf")
+    files = sorted(f.name for f in (tmp_path / "hf").glob("model-*.safetensors"))
+    n = len(files)
+    assert files == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)], files
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == files

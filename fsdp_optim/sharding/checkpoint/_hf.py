@@ -15,6 +15,7 @@ Face export]); ``load_hf`` opens every file (headers only) before the first broa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,18 +27,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._checkpoint import _foreign_entries, _fsync, load_full_state_dict
-from ._runtime import buckets_of
-from ._shard_info import shard_info
-from ._state_dict import _gather_to_group_rank0
+from .._dist import agree_on_error, is_distributed, rank_and_world_size
+from .._runtime import buckets_of
+from .._shard_info import shard_info
+from ._files import PublishError, foreign_entries, fsync, normalize, publish
+from ._full_state import gather_to_group_rank0, load_full_state_dict
 
 __all__ = ["export_hf", "load_hf"]
 
 _INDEX = "model.safetensors.index.json"
 
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+Convert = Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -61,7 +61,7 @@ def export_hf(
     path: str | os.PathLike,
     *,
     config: object | None = None,
-    convert: Callable[[str, torch.Tensor], tuple[str, torch.Tensor]] | None = None,
+    convert: Convert | None = None,
 ) -> None:
     """Write a ``transformers.AutoModelForCausalLM.from_pretrained``-loadable directory (collective).
 
@@ -87,166 +87,156 @@ def export_hf(
     The files get the mode a plain ``open()`` gives (0644 under the usual umask 022), as
     ``config.json``: safetensors' ``save_file`` alone leaves 0600, which other users cannot read.
     """
-    from safetensors.torch import save_file
-
     config = config if config is not None else getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         raise ValueError(
             f"export_hf: {type(model).__name__} has no .config; pass config= (a transformers PretrainedConfig)"
         )
-    path = _normalize(path)
-    tmp, old = path + ".tmp", path + ".old"
-    rank = _rank()
-    made_tmp = False
-    left: str | None = None  # rank 0: what the failure left on disk, when it is not "path unchanged"
-    err: str | None = None  # rank 0's write error: it keeps joining the gathers, then every rank raises
-
-    def on_rank0(fn: Callable[[], None], what: str) -> None:
-        nonlocal err
-        if rank == 0 and err is None:
-            try:
-                fn()
-            except _Refused as e:
-                err = str(e)
-            except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
-                err = f"export_hf: {what} failed on rank 0: {type(e).__name__}: {e}"
-
-    def outcome() -> str:
-        """Rank 0, after a failure: remove the temporary folder; say what is on disk now."""
-        if left is not None:
-            note = left
-        else:
-            note = f"{path} was not changed"
-        if made_tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-            note += f"; {tmp} could not be removed, delete it" if os.path.lexists(tmp) else f" and {tmp} was removed"
-        return note
-
-    def prepare() -> None:
-        nonlocal made_tmp
-        for folder in (path, tmp, old):
-            why = _refusal(folder, path)
-            if why is not None:
-                raise _Refused(why)
-        for leftover in (tmp, old):  # of an interrupted export (checked above: export files only)
-            if os.path.lexists(leftover):
-                shutil.rmtree(leftover)
-        os.makedirs(tmp)
-        made_tmp = True
-        config.save_pretrained(tmp)
-
-    on_rank0(prepare, f"creating {tmp}")
-    _agree_export(err, outcome)
-
-    names = {id(t): n for n, t in _named_tensors(model)}
-    weight_map: dict[str, str] = {}
-    written: set[int] = set()
-    buckets = buckets_of(model)
-    num_files = len(buckets) + 1
-    for i, b in enumerate(buckets):
+    job = _Export(path=normalize(path, caller="export_hf"), rank=rank_and_world_size()[0], convert=convert)
+    job.on_rank0(lambda: job.prepare(config), f"creating {job.tmp}")
+    job.agree()
+    named = _named_tensors(model)
+    names = {id(t): n for n, t in named}
+    buckets = []
+    for b in buckets_of(model):
         mine = [(names.get(id(sp)), sp) for sp in b.sharded]
-        if not any(n for n, _ in mine):
-            continue
+        if any(n for n, _ in mine):
+            buckets.append((b, mine))
+    # One file per bucket holding a named tensor, one for the rest if any: the count in every name.
+    num_files = len(buckets) + any(shard_info(t) is None for _, t in named)
+
+    def fname(k: int) -> str:
+        return f"model-{k:05d}-of-{num_files:05d}.safetensors"
+
+    for k, (b, mine) in enumerate(buckets, start=1):
         b.settle()
-        flat = _gather_to_group_rank0(b)
-        if rank != 0 or flat is None:
-            continue
-
-        def write_bucket(i=i, mine=mine, b=b, flat=flat) -> None:
-            tensors = {}
-            for (name, sp), view in zip(mine, b.full_views(flat)):
-                if name is not None:
-                    hf_name, t = convert(name, view.detach()) if convert else (name, view.detach())
-                    tensors[hf_name] = t.to("cpu", copy=True).contiguous()
-                    written.add(id(sp))
-            fname = f"model-{i + 1:05d}-of-{num_files:05d}.safetensors"
-            save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
-            _fsync(os.path.join(tmp, fname))
-            weight_map.update({n: fname for n in tensors})
-
-        on_rank0(write_bucket, f"writing {path} (into {tmp})")
+        flat = gather_to_group_rank0(b)
+        if job.rank == 0 and flat is not None:
+            views = [(n, sp, view) for (n, sp), view in zip(mine, b.full_views(flat)) if n is not None]
+            job.on_rank0(lambda: job.write_file(fname(k), views), f"writing {job.path} (into {job.tmp})")
         del flat
-
-    def write_rest_and_index() -> None:
-        rest = dict(
-            (convert(n, t.detach()) if convert else (n, t.detach()))
-            for n, t in _named_tensors(model)
-            if shard_info(t) is None and id(t) not in written
-        )
-        rest = {n: t.to("cpu", copy=True).contiguous() for n, t in rest.items()}
-        if rest:
-            fname = f"model-{num_files:05d}-of-{num_files:05d}.safetensors"
-            save_file(rest, os.path.join(tmp, fname), metadata={"format": "pt"})
-            _fsync(os.path.join(tmp, fname))
-            weight_map.update({n: fname for n in rest})
-        files = sorted(set(weight_map.values()))
-        total = sum(os.path.getsize(os.path.join(tmp, f)) for f in files)
-        index = os.path.join(tmp, _INDEX)
-        with open(index, "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        mode = stat.S_IMODE(os.stat(index).st_mode)  # what open() gives under this process's umask
-        for fname in files:
-            os.chmod(os.path.join(tmp, fname), mode)
-
-    on_rank0(write_rest_and_index, f"writing {path} (into {tmp})")
-    _agree_export(err, outcome)  # also the barrier: the whole export is in tmp
-
-    def publish() -> None:
-        nonlocal made_tmp, left
-        why = _refusal(path, path)  # again: files may have appeared at path since prepare()
-        if why is not None:
-            raise _Refused(why)
-        moved = False
-        if os.path.lexists(path):
-            os.rename(path, old)
-            moved = True
-        try:
-            os.rename(tmp, path)
-        except BaseException:
-            if moved:
-                try:
-                    os.rename(old, path)  # put the previous export back
-                except OSError as e:
-                    left = f"the previous export is at {old} (moving it back to {path} failed: {e})"
-            raise
-        made_tmp = False  # tmp is path now: a failure below must not remove it
-        try:
-            _fsync(os.path.dirname(path))
-        except OSError:
-            pass  # (a filesystem without directory fsync; the rename itself is done)
-        shutil.rmtree(old, ignore_errors=True)
-
-    on_rank0(publish, f"replacing {path} by {tmp}")
-    _agree_export(err, outcome)
-
-
-# [Note: atomic Hugging Face export]
-# ``export_hf`` follows ``save_checkpoint``: rank 0 checks the target and writes the config and every
-# bucket into ``<path>.tmp``; the ranks agree (one collective) after the setup, after the writes, and
-# after rank 0 renamed the previous export to ``<path>.old`` and ``<path>.tmp`` to ``path`` (if that
-# fails, ``<path>.old`` is moved back). So a failed export leaves ``path`` as it was, a successful one
-# leaves exactly its own files (no stale ``model.safetensors`` that ``from_pretrained`` would load
-# instead of the index), and every rank raises the same ``ValueError`` saying what is on disk. Only
-# folders holding nothing but a model export's files are ever replaced or removed, so a user's other
-# files (or a folder that is not an export at all) are refused, never deleted.
-_EXPORT_FILE = re.compile(
-    r"config\.json|generation_config\.json|model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors"
-    r"|pytorch_model\.bin(\.index\.json)?|pytorch_model-\d+-of-\d+\.bin"
-)
+    job.on_rank0(lambda: job.write_rest_and_index(model, fname(num_files)), f"writing {job.path} (into {job.tmp})")
+    job.agree()  # also the barrier: the whole export is in tmp
+    job.on_rank0(job.publish, f"replacing {job.path} by {job.tmp}")
+    job.agree()
 
 
 class _Refused(Exception):
     """A target ``export_hf`` must not replace; its message is the whole error."""
 
 
-def _normalize(path: str | os.PathLike) -> str:
-    """The absolute ``path`` without a trailing separator, so ``<path>.tmp`` is its sibling."""
-    path = os.fspath(path)
-    if not path:
-        raise ValueError("export_hf: path is empty; pass the folder to write the export to")
-    return os.path.abspath(path)
+@dataclasses.dataclass
+class _Export:
+    """One ``export_hf``: rank 0 does every step through ``on_rank0``, keeping its first failure while
+    the other ranks go on joining the gathers; ``agree`` then raises it on every rank."""
+
+    path: str
+    rank: int
+    convert: Convert | None
+    err: BaseException | None = None
+    made_tmp: bool = False  # rank 0 created tmp (and so may remove it)
+    left: str | None = None  # what a failure left on disk, when it is not "path unchanged"
+    weight_map: dict[str, str] = dataclasses.field(default_factory=dict)
+    written: set[int] = dataclasses.field(default_factory=set)
+
+    @property
+    def tmp(self) -> str:
+        return self.path + ".tmp"
+
+    def on_rank0(self, fn: Callable[[], None], what: str) -> None:
+        if self.rank != 0 or self.err is not None:
+            return
+        try:
+            fn()
+        except _Refused as e:
+            self.err = ValueError(str(e))
+        except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
+            self.left = getattr(e, "left", None) if isinstance(e, PublishError) else None
+            self.err = ValueError(f"export_hf: {what} failed on rank 0: {type(e).__name__}: {e}")
+
+    def agree(self) -> None:
+        """Raise on every rank if a step failed: rank 0 cleans up and tells every rank what is on disk."""
+        try:
+            agree_on_error(self.err, what="export_hf")
+        except Exception as e:  # noqa: BLE001 - raised below on every rank, with rank 0's outcome
+            box = [f"{e}; {self._cleanup()}" if self.rank == 0 else None]
+            if is_distributed():
+                dist.broadcast_object_list(box, src=0)
+            raise ValueError(box[0]) from None
+
+    def _cleanup(self) -> str:
+        """Rank 0, after a failure: remove the temporary folder; say what is on disk now."""
+        note = self.left if self.left is not None else f"{self.path} was not changed"
+        if self.made_tmp and os.path.lexists(self.tmp):
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            gone = not os.path.lexists(self.tmp)
+            note += f" and {self.tmp} was removed" if gone else f"; {self.tmp} could not be removed, delete it"
+        return note
+
+    def prepare(self, config: object) -> None:
+        old = self.path + ".old"
+        for folder in (self.path, self.tmp, old):
+            why = _refusal(folder, self.path)
+            if why is not None:
+                raise _Refused(why)
+        for leftover in (self.tmp, old):  # of an interrupted export (checked above: export files only)
+            if os.path.lexists(leftover):
+                shutil.rmtree(leftover)
+        os.makedirs(self.tmp)
+        self.made_tmp = True
+        config.save_pretrained(self.tmp)
+
+    def write_file(self, fname: str, tensors: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """Write ``(name, original, value)`` triples (converted) as one safetensors file in tmp."""
+        from safetensors.torch import save_file
+
+        out = {}
+        for name, orig, value in tensors:
+            hf_name, t = self.convert(name, value.detach()) if self.convert else (name, value.detach())
+            out[hf_name] = t.to("cpu", copy=True).contiguous()
+            self.written.add(id(orig))
+        save_file(out, os.path.join(self.tmp, fname), metadata={"format": "pt"})
+        fsync(os.path.join(self.tmp, fname))
+        self.weight_map.update({n: fname for n in out})
+
+    def write_rest_and_index(self, model: nn.Module, fname: str) -> None:
+        """The tensors no bucket holds (unsharded parameters, buffers), then the index; files get ``open()``'s mode."""
+        rest = [(n, t, t) for n, t in _named_tensors(model) if shard_info(t) is None and id(t) not in self.written]
+        if rest:
+            self.write_file(fname, rest)
+        files = sorted(set(self.weight_map.values()))
+        total = sum(os.path.getsize(os.path.join(self.tmp, f)) for f in files)
+        index = os.path.join(self.tmp, _INDEX)
+        with open(index, "w") as f:
+            body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self.weight_map.items()))}
+            json.dump(body, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        mode = stat.S_IMODE(os.stat(index).st_mode)  # what open() gives under this process's umask
+        for f in files:
+            os.chmod(os.path.join(self.tmp, f), mode)
+
+    def publish(self) -> None:
+        try:
+            publish(self.tmp, self.path, refusal=lambda folder: _refusal(folder, self.path))
+        except ValueError as e:  # publish's refusal: files appeared at path since prepare()
+            raise _Refused(str(e)) from None
+        self.made_tmp = False  # tmp is path now: a failure below must not remove it
+
+
+# [Note: atomic Hugging Face export]
+# ``export_hf`` follows ``save_checkpoint``: rank 0 checks the target and writes the config and every
+# bucket into ``<path>.tmp``; the ranks agree (one collective) after the setup, after the writes, and
+# after rank 0 published ``<path>.tmp`` as ``path`` (``publish``, see [Note: atomic publish]: if the
+# rename fails the previous export is moved back). So a failed export leaves ``path`` as it was, a
+# successful one leaves exactly its own files (no stale ``model.safetensors`` that ``from_pretrained``
+# would load instead of the index), and every rank raises the same ``ValueError`` saying what is on
+# disk. Only folders holding nothing but a model export's files are ever replaced or removed, so a
+# user's other files (or a folder that is not an export at all) are refused, never deleted.
+_EXPORT_FILE = re.compile(
+    r"config\.json|generation_config\.json|model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors"
+    r"|pytorch_model\.bin(\.index\.json)?|pytorch_model-\d+-of-\d+\.bin"
+)
 
 
 def _refusal(folder: str, path: str) -> str | None:
@@ -262,7 +252,7 @@ def _refusal(folder: str, path: str) -> str | None:
         return None
     if not os.path.isdir(folder):
         return f"export_hf: {folder} ({what}) exists and is not a folder; remove it or export to another path"
-    shown = _foreign_entries(folder, _EXPORT_FILE)
+    shown = foreign_entries(folder, _EXPORT_FILE)
     if shown is None:
         return None
     return (
@@ -270,25 +260,6 @@ def _refusal(folder: str, path: str) -> str | None:
         "export replaces the whole folder, so export to a new folder or move those files out (a tokenizer: "
         "save it into the folder after the export)"
     )
-
-
-def _agree_export(err: str | None, outcome: Callable[[], str]) -> None:
-    """Agree on success across ranks (one collective); on failure rank 0 cleans up (``outcome``: what is
-    on disk now, told to every rank) and every rank raises the same ``ValueError``."""
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    errs = [err]
-    if distributed:
-        errs = [None] * dist.get_world_size()
-        dist.all_gather_object(errs, err)
-    first = next((e for e in errs if e is not None), None)
-    if first is None:
-        return
-    note = [outcome() if _rank() == 0 else None]
-    if distributed:
-        dist.broadcast_object_list(note, src=0)
-    raise ValueError(f"{first}; {note[0]}")
-
-
 
 
 def load_hf(
@@ -307,11 +278,11 @@ def load_hf(
     buffers such as rotary ``inv_freq``, which no file holds). ``from_hf`` is first applied to a meta
     tensor of the file's shape and dtype, so a wrong shape is refused before anything is loaded (one
     that needs real data, e.g. numpy, is checked when read; see [Note: broadcasting from rank 0] in
-    ``_checkpoint.py``). An error in ``convert``, ``from_hf`` or a file raises a ``ValueError`` on
+    ``_full_state.py``). An error in ``convert``, ``from_hf`` or a file raises a ``ValueError`` on
     every rank, naming the tensor."""
     path = os.fspath(path)
     lazy, err = None, None
-    if _rank() == 0:
+    if rank_and_world_size()[0] == 0:
         try:
             keys, getter, metas = _lazy_reader(path)
         except Exception as e:  # noqa: BLE001 - told to every rank below, so none waits for rank 0
@@ -322,16 +293,10 @@ def load_hf(
             except Exception as e:  # noqa: BLE001 - told to every rank below
                 why = str(e) if isinstance(e, _ConvertError) else f"{type(e).__name__}: {e}"
                 err = f"load_hf({path}): {why}"
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        box = [err]
-        dist.broadcast_object_list(box, src=0)
-        err = box[0]
-    if err is not None:
-        raise ValueError(err)
-    if _rank() == 0:
+    agree_on_error(None if err is None else ValueError(err), what="load_hf")
+    if rank_and_world_size()[0] == 0:
         lazy = _LazyDict(keys, getter, metas, tied_names=_tied_aliases(model))
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    load_full_state_dict(model, lazy, strict=strict, broadcast_from_rank0=distributed)
+    load_full_state_dict(model, lazy, strict=strict, broadcast_from_rank0=is_distributed())
 
 
 def _state_names(model: nn.Module) -> list[str]:

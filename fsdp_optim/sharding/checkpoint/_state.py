@@ -1,0 +1,257 @@
+"""What a checkpoint holds of a model and an optimizer: the optimizer contracts (``ShardedState``,
+``OwnedState``), the kinds of optimizer state, and collecting both as DCP-ready state dicts.
+
+[Note: checkpoint layout]
+- ``model.<name>``: every entry of ``model.state_dict()`` under the model's own names, sharded
+  parameters as their global N-D tensors (no padding), buffers and unsharded parameters as plain
+  (replicated) tensors.
+- ``optim.state.<param name>.<key>``: sharded optimizer state (``state_shards``, see
+  [Note: checkpoint-shaped optimizer state]; for optimizers without it, as torch's AdamW on
+  flat shards, tensors with one element per local parameter element) as its global flat vector,
+  shaped like the parameter when it has one element per parameter element; other replicated
+  tensors as they are. ``optim.scalars``: step counters and other 0-dim / non-tensor state, one
+  blob. ``optim.param_groups``: hyperparameters, with parameter names instead of ids.
+- ``scheduler``, ``extra`` (rank 0's, returned to every rank) and ``rng.rank<r>`` (per rank;
+  restored only at the same world size) as opaque ``torch.save`` bytes.
+- ``fsdp_optim.json``: the manifest (world size, optimizer class, state schema, group names,
+  checksums), written last by rank 0, so it is read first to check a load before any tensor is touched.
+
+A rank with an empty piece writes nothing for it. HSDP (a 2-D mesh, see [Note: HSDP] in
+``_fully_shard``): every replica holds the same ranges, so the replicas offer DCP identical write
+items (same key, same chunk offsets) and DCP's ``dedup_save_plans`` keeps one of each, spreading
+the writes over the replicas: one copy on disk (tested in tests/sharding/test_hsdp.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._runtime import reshard_all
+from .._shard_info import ShardInfo, shard_info
+from ._flat_shard import FlatShardTensor
+
+__all__ = [
+    "OwnedState",
+    "ShardedState",
+    "StateKind",
+    "check_keys",
+    "class_name",
+    "ensure_sharded",
+    "fmt_keys",
+    "gather_owned_schema",
+    "model_state_dict",
+    "optim_state",
+    "owned_optim_state",
+    "param_groups_by_name",
+    "param_names",
+    "state_kinds",
+    "wrap_module_state",
+    "wrap_param",
+]
+
+
+@runtime_checkable
+class ShardedState(Protocol):
+    """An optimizer that says where each sharded state tensor lies (every fsdp_optim optimizer; see
+    [Note: checkpoint-shaped optimizer state]): checkpoints reshard the keys it lists."""
+
+    def state_shards(self, p: torch.Tensor) -> dict[str, Any]:
+        """``{key: StateShard(global_numel, start, end)}`` (``fsdp_optim.optimizers._base``) per sharded key."""
+
+
+@runtime_checkable
+class OwnedState(Protocol):
+    """An optimizer whose state lives whole on each parameter's owner rank (``WholeTensorOptimizer``,
+    see [Note: whole-tensor checkpoints]): checkpoints save each owner's tensors whole."""
+
+    optim: torch.optim.Optimizer
+
+    def owns(self, p: torch.Tensor) -> bool: ...
+
+    def owned_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+    def install_state(self, p: torch.Tensor, state: dict[str, torch.Tensor]) -> None: ...
+
+
+class StateKind(enum.StrEnum):
+    """How a checkpoint holds one optimizer-state key (the manifest's schema stores the value)."""
+
+    SHARDED = "sharded"  # a global flat vector (or the parameter's shape), resharded on load
+    REPLICATED = "replicated"  # a tensor equal on every rank
+    SCALAR = "scalar"  # a step counter or other 0-dim / non-tensor value, in the ``optim.scalars`` blob
+    OWNED = "owned"  # a whole tensor of its owner rank (OwnedState)
+
+
+def ensure_sharded(model: nn.Module) -> None:
+    """Swap the sharded parameters back in where ``fully_shard`` left a bucket gathered (e.g. the
+    root's after a forward without backward), as FSDP2 does before a state dict."""
+    reshard_all(model)
+
+
+def wrap_param(p: torch.Tensor, info: ShardInfo) -> FlatShardTensor:
+    """This rank's piece of the sharded parameter ``p`` as a ``FlatShardTensor`` (refused unless sharded now)."""
+    if p.numel() != info.local_numel:
+        raise ValueError(
+            f"{info.fqn}: the local shard has {p.numel()} elements, but its layout gives rank {info.rank} "
+            f"{info.local_numel}; is the model unsharded (inside forward)?"
+        )
+    return FlatShardTensor(p.detach(), shape=info.shape, start=info.start)
+
+
+def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with sharded parameters as ``FlatShardTensor`` (DCP-ready, no gather)."""
+    ensure_sharded(model)
+    sd = model.state_dict()
+    wrap_module_state(model, sd, "")
+    return sd
+
+
+def wrap_module_state(module: nn.Module, sd: dict[str, Any], prefix: str) -> None:
+    for name, p in module.named_parameters(remove_duplicate=False):
+        key = prefix + name
+        info = shard_info(p)
+        if info is not None and key in sd and not isinstance(sd[key], FlatShardTensor):
+            sd[key] = wrap_param(p, info)
+
+
+def param_names(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """``id(param) -> name``: the model's first name for each parameter (``ShardInfo.fqn`` without a model)."""
+    names: dict[int, str] = {}
+    if model is not None:
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+    for gi, g in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(g["params"]):
+            if id(p) in names:
+                continue
+            info = shard_info(p)
+            if model is not None or info is None or not info.fqn:
+                raise ValueError(
+                    f"optimizer parameter {pi} of param group {gi} (shape {tuple(p.shape)}) is not a parameter "
+                    f"of the model passed; pass the model the optimizer was built on"
+                )
+            names[id(p)] = info.fqn
+    return names
+
+
+def state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) -> dict[str, tuple[str, Any]]:
+    """``key -> (kind, info)`` for the state of ``p``: sharded keys carry ``(global_shape, start)``."""
+    info = shard_info(p)
+    state = optimizer.state.get(p, {})
+    shards = optimizer.state_shards(p) if isinstance(optimizer, ShardedState) else None
+    out: dict[str, tuple[str, Any]] = {}
+    for key, v in state.items():
+        if shards is not None and key in shards:
+            ss = shards[key]
+            if not torch.is_tensor(v) or v.numel() != ss.end - ss.start:
+                raise ValueError(
+                    f"{type(optimizer).__name__}.state_shards: state {key!r} of {name} has "
+                    f"{v.numel() if torch.is_tensor(v) else 'no'} elements but its StateShard says {ss.end - ss.start}"
+                )
+            param_shape = info.shape if info is not None else tuple(p.shape)
+            shape = param_shape if ss.global_numel == math.prod(param_shape) else (ss.global_numel,)
+            out[key] = (StateKind.SHARDED, (shape, ss.start))
+        elif shards is None and info is not None and torch.is_tensor(v) and v.ndim > 0:
+            if v.numel() != info.local_numel:
+                raise ValueError(
+                    f"state {key!r} of {name} (shape {tuple(v.shape)}) is neither per-element ({info.local_numel} "
+                    f"local elements) nor a scalar, and {type(optimizer).__name__} has no state_shards() saying "
+                    "where it lies; checkpoints cannot reshard it"
+                )
+            out[key] = (StateKind.SHARDED, (info.shape, info.start))
+        elif torch.is_tensor(v) and v.ndim > 0:
+            out[key] = (StateKind.REPLICATED, None)
+        else:  # step counters and other scalars: one small blob for all of them
+            out[key] = (StateKind.SCALAR, None)
+    return out
+
+
+def optim_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], dict[str, dict[str, str]]]:
+    """The DCP-ready ``{name: {key: tensor}}`` state, the scalars ``{name: {key: value}}`` (0-dim
+    tensors and numbers, replicated) and the schema ``{name: {key: kind}}``."""
+    state, scalars, schema = {}, {}, {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            name = names[id(p)]
+            kinds = state_kinds(optimizer, p, name)
+            if not kinds:
+                continue
+            st = optimizer.state[p]
+            entry, small = {}, {}
+            for key, (kind, where) in kinds.items():
+                v = st[key]
+                if kind == StateKind.SHARDED:
+                    shape, start = where
+                    entry[key] = FlatShardTensor(v.detach(), shape=shape, start=start)
+                elif kind == StateKind.REPLICATED:
+                    entry[key] = v.detach()
+                else:
+                    small[key] = v.detach().cpu() if torch.is_tensor(v) else v
+            if entry:
+                state[name] = entry
+            if small:
+                scalars[name] = small
+            schema[name] = {k: kind for k, (kind, _) in kinds.items()}
+    return state, scalars, schema
+
+
+def owned_optim_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> tuple[dict[str, dict[str, Any]], dict, dict[str, dict[str, str]]]:
+    """A whole-tensor optimizer's state: each owner's tensors whole, plain (no blob of scalars), and
+    this rank's schema; no collective (``gather_owned_schema`` merges the ranks' schemas)."""
+    state = {names[id(p)]: {k: v.detach() for k, v in st.items()} for p, st in optimizer.owned_state().items()}
+    mine = {name: {k: StateKind.OWNED for k in entry} for name, entry in state.items()}
+    return state, {}, mine
+
+
+def gather_owned_schema(mine: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """Every rank's owned-state schema, merged (one ``all_gather_object``, a collective). Called after
+    the ranks agreed that each built its state, so it pairs with the same gather on every rank."""
+    every = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    schema: dict[str, dict[str, str]] = {}
+    for part in every:
+        for name, keys in part.items():
+            schema.setdefault(name, {}).update(keys)
+    return schema
+
+
+def param_groups_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
+    """Hyperparameters of each group, with parameter names instead of the parameters."""
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+
+
+def class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def fmt_keys(keys: Iterable[str], n: int = 8) -> str:
+    keys = sorted(keys)
+    more = f" (and {len(keys) - n} more)" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more
+
+
+def check_keys(missing: Iterable[str], unexpected: Iterable[str], *, strict: bool, what: str) -> None:
+    """Under ``strict``, raise ``ValueError("<what>: missing keys: ...; unexpected keys: ...")``: the one
+    strict-keys check of model, optimizer-state and full-state-dict loads."""
+    missing, unexpected = sorted(missing), sorted(unexpected)
+    if strict and (missing or unexpected):
+        parts = ([f"missing keys: {fmt_keys(missing)}"] if missing else []) + (
+            [f"unexpected keys: {fmt_keys(unexpected)}"] if unexpected else []
+        )
+        raise ValueError(f"{what}: " + "; ".join(parts))
