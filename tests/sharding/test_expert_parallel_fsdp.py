@@ -243,3 +243,74 @@ def test_clip_grad_norm_counts_each_expert_once():
 
     for total in run_distributed(fn, world_size=4):
         torch.testing.assert_close(total, want, rtol=1e-5, atol=0)
+
+
+def _train_ep(model: _Net, opt, steps: range) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = ROWS // world
+    for step in steps:
+        x, y = _batch(step)
+        F.mse_loss(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _muon_run(path: str, *, ep: int, load: bool, save: bool, steps: range) -> tuple[dict, dict]:
+    model = _Net(6)
+    _shard(model, ep, blocks=Muon.blocks)
+    opt = Muon(model.parameters(), lr=0.02, momentum=0.9, adamw_lr=LR)
+    if load:
+        fsdp_optim.load_checkpoint(path, model=model, optimizer=opt)
+    loaded = fsdp_optim.full_state_dict(model)
+    _train_ep(model, opt, steps)
+    if save:
+        fsdp_optim.save_checkpoint(path, model=model, optimizer=opt)
+    out = loaded, fsdp_optim.full_state_dict(model)
+    del model, opt
+    return out
+
+
+@pytest.mark.parametrize(("ep_to", "world_to"), [(4, 4), (1, 2)])
+def test_checkpoints_reshard_across_ep(tmp_path, ep_to, world_to):
+    # Saved at (ep = 2, W = 4) after 2 Muon steps, loaded at another (ep, W): the loaded model is the
+    # saved one bitwise, and one more step equals the uninterrupted run's third (to reduction rounding:
+    # the world size changes the gradient sums; Muon's state is the saved momentum, resharded).
+    path = str(tmp_path / "ckpt")
+    straight = run_distributed(lambda: _muon_run(path + "x", ep=2, load=False, save=False, steps=range(3)), world_size=4)
+    saved = run_distributed(lambda: _muon_run(path, ep=2, load=False, save=True, steps=range(2)), world_size=4)
+    resumed = run_distributed(lambda: _muon_run(path, ep=ep_to, load=True, save=False, steps=range(2, 3)), world_size=world_to)
+    for loaded, after in resumed:
+        assert set(loaded) == set(saved[0][1])
+        for k, v in saved[0][1].items():
+            assert torch.equal(loaded[k], v), k
+        for k, v in straight[0][1].items():
+            torch.testing.assert_close(after[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_full_state_dict_round_trip_gives_and_takes_whole_experts():
+    # full_state_dict gives the whole [E, ...] experts (equal to the unsharded model's), and
+    # load_full_state_dict (from every rank, and broadcast from rank 0) takes them back.
+    reference = _Net(6).state_dict()
+
+    def fn():
+        model = _Net(6)
+        _shard(model, 2)
+        sd = fsdp_optim.full_state_dict(model)
+        target = _Net(6)
+        with torch.no_grad():
+            for p in target.parameters():
+                p.zero_()
+        _shard(target, 2)
+        fsdp_optim.load_full_state_dict(target, sd if dist.get_rank() == 0 else None, broadcast_from_rank0=True)
+        back = fsdp_optim.full_state_dict(target)
+        target2 = _Net(5 + 1)
+        _shard(target2, 2)
+        fsdp_optim.load_full_state_dict(target2, {k: torch.zeros_like(v) for k, v in sd.items()})
+        zeros = fsdp_optim.full_state_dict(target2)
+        del model, target, target2
+        return sd, back, zeros
+
+    for sd, back, zeros in run_distributed(fn, world_size=4):
+        for k, v in reference.items():
+            assert torch.equal(sd[k], v) and torch.equal(back[k], v), k
+            assert not zeros[k].any(), k

@@ -14,11 +14,13 @@ from torch import nn
 from .._bucket import _Bucket
 from .._dist import agree_on_error, is_distributed, rank_and_world_size
 from .._runtime import _runtimes_under, buckets_of
+from .._expert_parallel import ExpertShard
 from .._shard_info import ShardInfo, shard_info
+from ..plan import expert_ranges
 from ._serialization import type_name
 from ._state import check_keys, ensure_sharded
 
-__all__ = ["full_state_dict", "gather_to_group_rank0", "load_full_state_dict"]
+__all__ = ["full_state_dict", "gather_to_group_rank0", "load_full_state_dict", "whole_tensors"]
 
 
 def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
@@ -53,17 +55,42 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload:
         ids = [(sp, up) for sp, up in zip(b.sharded, ups) if id(sp) in wanted or id(up) in wanted]
         if not ids:
             continue
-        flat = gather_to_group_rank0(b) if rank0_only else b.gather_full()
+        views = whole_tensors(b, rank0_only=rank0_only)
         if keep:
-            for (sp, up), view in zip(zip(b.sharded, ups), b.full_views(flat)):
+            for (sp, up), view in zip(zip(b.sharded, ups), views):
                 if id(sp) in wanted or id(up) in wanted:
                     full[id(sp)] = out_of(view)
                     if up is not None:
                         full[id(up)] = full[id(sp)]
-        del flat
+        del views
     if not keep:
         return {}
     return {key: full[id(t)] if id(t) in full else out_of(t) for key, t in names}
+
+
+def whole_tensors(b: _Bucket, *, rank0_only: bool) -> list[torch.Tensor] | None:
+    """The bucket's tensors, whole, in placement order: one gather in its shard group (to the group's
+    rank 0 only with ``rank0_only``: ``None`` on the other ranks); expert-parallel slices are then
+    joined over their EP group into the whole ``[E, ...]`` tensor (on every rank)."""
+    experts = [shard_info(sp).expert for sp in b.sharded]
+    if not any(es is not None for es in experts):
+        flat = gather_to_group_rank0(b) if rank0_only else b.gather_full()
+        return None if flat is None else b.full_views(flat)
+    views = b.full_views(b.gather_full())
+    return [v if es is None else _join_experts(v, es) for v, es in zip(views, experts)]
+
+
+def _join_experts(local: torch.Tensor, es: ExpertShard) -> torch.Tensor:
+    """The whole ``[E, ...]`` tensor from every EP rank's ``[E_local, ...]`` slice (one all-gather of
+    slices padded to the largest; ranks own contiguous expert ranges in rank order)."""
+    if es.ep_size == 1:
+        return local
+    counts = [len(r) for r in expert_ranges(es.num_experts, es.ep_size)]
+    pad = local.new_zeros((max(counts), *local.shape[1:]))
+    pad[: local.shape[0]].copy_(local)
+    pieces = [torch.empty_like(pad) for _ in counts]
+    dist.all_gather(pieces, pad, group=es.group)
+    return torch.cat([piece[:n] for piece, n in zip(pieces, counts)])
 
 
 def gather_to_group_rank0(b: _Bucket) -> torch.Tensor | None:
@@ -122,7 +149,7 @@ def load_full_state_dict(
                 continue
             p = params.get(key)
             info = shard_info(p) if p is not None else None
-            shape = info.shape if info is not None else tuple(own[key].shape)
+            shape = info.global_shape if info is not None else tuple(own[key].shape)
             if holds_dict:
                 _check_source(key, full, shape, own[key].dtype)
             pairs.append((key, info))
@@ -135,14 +162,14 @@ def load_full_state_dict(
             for n, (key, info) in enumerate(pairs):
                 dst = targets[key]
                 try:
-                    src = _read_source(full, key, info.shape if info is not None else tuple(dst.shape))
+                    src = _read_source(full, key, info.global_shape if info is not None else tuple(dst.shape))
                 except Exception as e:  # noqa: BLE001 - a lazy source (load_hf) failing when read
                     state = f"the {n} tensors before it are loaded, the rest are not" if n else "nothing was loaded"
                     raise ValueError(
                         f"load_full_state_dict: cannot read {key}: {type(e).__name__}: {e}; {state}"
                     ) from e
                 if info is not None:
-                    dst.copy_(src.detach().reshape(-1)[info.start : info.end])
+                    dst.copy_(src.detach().reshape(-1)[info.global_start : info.global_start + info.local_numel])
                 else:
                     dst.copy_(src)
         return
@@ -258,6 +285,17 @@ def _broadcast_full_state(
     def one_bucket(b) -> None:  # (a function, so the broadcast buffer dies before the next one)
         names = [next((k for k in key_of_param.get(id(sp), []) if k in present), None) for sp in b.sharded]
         if not any(names):
+            return
+        if any(shard_info(sp).expert is not None for sp in b.sharded):
+            for sp, name in zip(b.sharded, names):  # expert parallel: each whole [E, ...] tensor in turn
+                if name is not None:
+                    info = shard_info(sp)
+                    whole = torch.zeros(info.global_shape, dtype=b.buffer.dtype, device=b.buffer.device)
+                    rank0_fills([(whole, name)])
+                    dist.broadcast(whole, src=0)
+                    sp.detach().copy_(whole.reshape(-1)[info.global_start : info.global_start + info.local_numel])
+                    done.update(key_of_param[id(sp)])
+                    loaded.append(name)
             return
         flat = torch.zeros(b.buffer.total_numel, dtype=b.buffer.dtype, device=b.buffer.device)
         views = b.full_views(flat)

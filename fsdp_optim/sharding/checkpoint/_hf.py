@@ -31,7 +31,7 @@ from .._dist import agree_on_error, is_distributed, rank_and_world_size
 from .._runtime import buckets_of
 from .._shard_info import shard_info
 from ._files import PublishError, foreign_entries, fsync, normalize, publish
-from ._full_state import gather_to_group_rank0, load_full_state_dict
+from ._full_state import load_full_state_dict, whole_tensors
 
 __all__ = ["export_hf", "load_hf"]
 
@@ -110,11 +110,11 @@ def export_hf(
 
     for k, (b, mine) in enumerate(buckets, start=1):
         b.settle()
-        flat = gather_to_group_rank0(b)
-        if job.rank == 0 and flat is not None:
-            views = [(n, sp, view) for (n, sp), view in zip(mine, b.full_views(flat)) if n is not None]
+        whole = whole_tensors(b, rank0_only=True)
+        if job.rank == 0 and whole is not None:
+            views = [(n, sp, view) for (n, sp), view in zip(mine, whole) if n is not None]
             job.on_rank0(lambda: job.write_file(fname(k), views), f"writing {job.path} (into {job.tmp})")
-        del flat
+        del whole
     job.on_rank0(lambda: job.write_rest_and_index(model, fname(num_files)), f"writing {job.path} (into {job.tmp})")
     job.agree()  # also the barrier: the whole export is in tmp
     job.on_rank0(job.publish, f"replacing {job.path} by {job.tmp}")

@@ -64,26 +64,28 @@ def register_state_dict_hooks(module: nn.Module) -> None:
                 continue
             v = sd[key]
             shape = tuple(v.shape) if torch.is_tensor(v) else None
-            if shape is not None and shape != info.shape and not (info.shape == () and shape == (1,)):  # (nn.Module's)
+            whole = info.global_shape
+            span = (info.global_start, info.global_start + info.local_numel)
+            if shape is not None and shape != whole and not (whole == () and shape == (1,)):  # (nn.Module's)
                 # Compared with the global shape here: nn.Module compares with the local piece's, and a
                 # plain tensor of another model that happens to have this rank's flat length would load
                 # silently as every rank's piece. (A local piece is only accepted as FlatShardTensor.)
                 error_msgs.append(
                     f"size mismatch for {key}: copying a param with shape {torch.Size(v.shape)} from checkpoint, "
-                    f"the shape in current model is {torch.Size(info.shape)}."
+                    f"the shape in current model is {torch.Size(whole)}."
                 )
                 sd[key] = p  # nn.Module copies the parameter onto itself: nothing changes, nothing is missing
                 continue
             if isinstance(v, FlatShardTensor):
-                if v.local_range != (info.start, info.end):
+                if v.local_range != span:
                     error_msgs.append(
                         f"{key}: the FlatShardTensor holds [{v.local_range[0]}, {v.local_range[1]}) but this rank's "
-                        f"shard is [{info.start}, {info.end}); dcp.load into model.state_dict() to reshard"
+                        f"shard is [{span[0]}, {span[1]}); dcp.load into model.state_dict() to reshard"
                     )
                     continue
                 local = v.to_local()
             elif torch.is_tensor(v):
-                local = v.detach().reshape(-1)[info.start : info.end]  # a full tensor: take this rank's range
+                local = v.detach().reshape(-1)[span[0] : span[1]]  # a full tensor: take this rank's range
             else:
                 continue
             if assign:  # see [Note: load_state_dict(assign=True) on sharded parameters]
@@ -147,7 +149,8 @@ def _gather_module_state(mod: nn.Module, sd: dict[str, Any], prefix: str) -> Non
         if info is None or key not in sd or name.startswith(inner):
             continue
         if id(p) not in full:
-            full[id(p)] = wrap_param(p, info).full_tensor(info.group)
+            # (expert parallel: the pieces of the whole [E, ...] tensor lie on every rank of the world)
+            full[id(p)] = wrap_param(p, info).full_tensor(info.group if info.expert is None else None)
         sd[key] = full[id(p)]
 
 

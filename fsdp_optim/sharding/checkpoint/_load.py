@@ -158,7 +158,7 @@ def _plan_param_state(
         plan.fresh[id(p)] = (p, name, target)
         info = shard_info(p)
         kinds = {
-            k: (kind, (info.shape, info.start) if kind == StateKind.SHARDED and info is not None else None)
+            k: (kind, (info.global_shape, info.global_start) if kind == StateKind.SHARDED and info is not None else None)
             for k, kind in saved_keys.items()
         }
     else:

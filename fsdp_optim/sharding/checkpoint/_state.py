@@ -102,7 +102,7 @@ def wrap_param(p: torch.Tensor, info: ShardInfo) -> FlatShardTensor:
             f"{info.fqn}: the local shard has {p.numel()} elements, but its layout gives rank {info.rank} "
             f"{info.local_numel}; is the model unsharded (inside forward)?"
         )
-    return FlatShardTensor(p.detach(), shape=info.shape, start=info.start)
+    return FlatShardTensor(p.detach(), shape=info.global_shape, start=info.global_start)
 
 
 def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -141,6 +141,25 @@ def param_names(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> di
     return names
 
 
+def global_state_range(info: ShardInfo | None, ss: Any, name: str) -> tuple[int, int]:
+    """``(global_numel, start)`` of a state shard in the whole tensor's state vector. Expert parallel:
+    the optimizer sees the local slice ``[E_local, ...]``, whose state vector is this rank's experts'
+    part of the whole tensor's when the state is the same size for every expert (per element, per
+    matrix, per row); otherwise a checkpoint could not place it at another ``ep``, and says so."""
+    if info is None or info.expert is None:
+        return ss.global_numel, ss.start
+    es = info.expert
+    if ss.global_numel % es.num_local_experts:
+        raise ValueError(
+            f"optimizer state of {name} (expert parallel, {es.num_local_experts} local experts) has "
+            f"{ss.global_numel} elements, not the same number per expert: it cannot be checkpointed so that "
+            "another expert-parallel size can load it; use an optimizer whose blocks stay within one expert "
+            "(the expert() block rule)"
+        )
+    per_expert = ss.global_numel // es.num_local_experts
+    return per_expert * es.num_experts, es.first_expert * per_expert + ss.start
+
+
 def state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) -> dict[str, tuple[str, Any]]:
     """``key -> (kind, info)`` for the state of ``p``: sharded keys carry ``(global_shape, start)``."""
     info = shard_info(p)
@@ -155,9 +174,10 @@ def state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) ->
                     f"{type(optimizer).__name__}.state_shards: state {key!r} of {name} has "
                     f"{v.numel() if torch.is_tensor(v) else 'no'} elements but its StateShard says {ss.end - ss.start}"
                 )
-            param_shape = info.shape if info is not None else tuple(p.shape)
-            shape = param_shape if ss.global_numel == math.prod(param_shape) else (ss.global_numel,)
-            out[key] = (StateKind.SHARDED, (shape, ss.start))
+            global_numel, start = global_state_range(info, ss, name)
+            param_shape = info.global_shape if info is not None else tuple(p.shape)
+            shape = param_shape if global_numel == math.prod(param_shape) else (global_numel,)
+            out[key] = (StateKind.SHARDED, (shape, start))
         elif shards is None and info is not None and torch.is_tensor(v) and v.ndim > 0:
             if v.numel() != info.local_numel:
                 raise ValueError(
@@ -165,7 +185,7 @@ def state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) ->
                     f"local elements) nor a scalar, and {type(optimizer).__name__} has no state_shards() saying "
                     "where it lies; checkpoints cannot reshard it"
                 )
-            out[key] = (StateKind.SHARDED, (info.shape, info.start))
+            out[key] = (StateKind.SHARDED, (info.global_shape, info.global_start))
         elif torch.is_tensor(v) and v.ndim > 0:
             out[key] = (StateKind.REPLICATED, None)
         else:  # step counters and other scalars: one small blob for all of them
