@@ -250,7 +250,8 @@ def test_adamw_lr_zero_is_kept(recwarn):
     cfg = load_config(CONFIGS / "tiny.toml", ["optim.adamw_lr=0", "model.dim=16", "model.n_heads=2", "model.n_kv_heads=1",
                                               "model.ffn_dim=16", "model.n_layers=1", "model.vocab_size=20"])
     opt = pretrain.build_optimizer(build_model(cfg.model), cfg, "fsdp_optim")
-    assert opt.defaults["adamw_lr"] == 0.0 and [g["lr"] for g in opt.param_groups if not g["use_muon"]] == [0.0]
+    lrs = [opt.adamw_lr(g) for g in opt.param_groups if not g["use_muon"]]
+    assert opt.defaults["adamw_lr"] == 0.0 and lrs == [0.0]
 
 
 def test_leftover_tmp_folder_does_not_prune_the_new_checkpoint(tmp_path):
