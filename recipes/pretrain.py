@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import hashlib
 import json
 import math
 import os
@@ -27,7 +28,9 @@ import re
 import resource
 import shlex
 import shutil
+import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # config, data, model live next to this file
 from config import DEFAULT_LR, Config, check_ranges, load_config, to_dict  # noqa: E402
-from data import Sampler, TokenWindows, build_tokenizer, load_tokens, val_batches  # noqa: E402
+from data import Sampler, TokenWindows, build_tokenizer, fingerprint, load_tokens, val_batches  # noqa: E402
 from model import build_model, max_seq_len, max_seq_len_key, model_vocab, num_params  # noqa: E402
 
 # Peak dense bf16 TFLOP/s per device, for MFU (vendor datasheets: NVIDIA H100/H200 SXM 989, A100 312,
@@ -351,8 +354,13 @@ def check_writable_dir(what: str, path: Path) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ValueError(f"{what} {path}: {parent} is a file, so no directory can be made under it; give another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {path}: {parent} is not writable; give a path you can write to")
+    try:  # (os.access says yes to root even on a read-only file system: try it)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"{what} {path}: {parent} is not writable ({e.strerror}); give a path you can write to"
+        ) from None
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
@@ -488,6 +496,34 @@ def check_resume_config(out: Path, cfg: Config) -> None:
         )
 
 
+def data_identity(tokens) -> dict:
+    """What identifies the token stream a run trains on: its length and a hash of its content."""
+    return {"tokens": int(tokens.size), "fingerprint": fingerprint(tokens)}
+
+
+def check_resume_data(out: Path, tokens) -> None:
+    """Refuse to resume the run in ``out`` on other data than it started with (``OUT/data.json``): a
+    file appended to, or rewritten at the same size, would give the saved data position other windows."""
+    path = out / "data.json"
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:  # (a run from before data.json)
+        return
+    except (OSError, ValueError) as e:
+        if _rank() == 0:
+            print(f"warning: {path} is unreadable ({e}); the data of the run is not compared", file=sys.stderr)
+        return
+    now = data_identity(tokens)
+    if saved != now:
+        what = "its length" if saved.get("tokens") != now["tokens"] else "its content (same length)"
+        raise ValueError(
+            f"--out {out} holds a run on other data: the token stream of data.path changed in {what} "
+            f"({saved.get('tokens')} tokens, fingerprint {saved.get('fingerprint')} -> {now['tokens']} tokens, "
+            f"{now['fingerprint']}); a resume would continue at a position in other windows: restore the data, "
+            "or use another --out for a new run"
+        )
+
+
 def finished_run(out: Path, cfg: Config) -> str | None:
     """A report line when ``out`` holds a complete checkpoint at or past ``train.steps`` (nothing to train)."""
     complete = complete_checkpoints(out)
@@ -524,9 +560,51 @@ def summary(rec: dict, step: int) -> str:
     return text
 
 
+def without_check(argv: list[str]) -> list[str]:
+    """``argv`` without ``--check`` / ``--check W`` / ``--check=W`` (the command that trains)."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--check":
+            skip = i + 1 < len(argv) and argv[i + 1].isdigit()
+        elif not a.startswith("--check="):
+            out.append(a)
+    return out
+
+
 def torchrun_command(argv: list[str], nproc: int = 2) -> str:
     """The command that runs this script with ``argv`` on ``nproc`` local ranks."""
     return shlex.join(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "recipes/pretrain.py", *argv])
+
+
+# [Note: Ctrl-C]
+# Ctrl-C sends SIGINT to the launcher and every rank (one process group). torchrun turns it into a
+# SignalException traceback and exit 1, and a rank unwinding through KeyboardInterrupt may sit in a
+# collective its peers have left. So under torchrun each rank exits at once from a SIGINT handler
+# (``on_interrupt``), rank 0 first printing one line (the step reached, the checkpoint a rerun resumes
+# from; checkpoints are written atomically, so a save cut short is ignored), with exit code 130;
+# scripts/pretrain.sh launches through recipes/launch.py, which exits 130 without the traceback.
+PROGRESS: dict = {"out": None, "step": None}  # what on_interrupt reports
+
+
+def interrupted_line() -> str:
+    out, step = PROGRESS["out"], PROGRESS["step"]
+    where = "before the first step" if step is None else f"at step {step}"
+    ckpt = latest_checkpoint(out) if out is not None else None
+    then = f"rerun resumes from {ckpt}" if ckpt is not None else "no checkpoint yet: a rerun starts afresh"
+    return f"[pretrain] interrupted {where}; {then}"
+
+
+def on_interrupt(signum: int, frame) -> None:
+    """SIGINT under torchrun: one line on rank 0, exit 130 now (see [Note: Ctrl-C])."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards a second SIGINT
+    try:
+        if _rank() == 0:
+            print(interrupted_line(), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    finally:
+        os._exit(128 + signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -534,7 +612,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = resolve_config(args)
     out = Path(args.out)
+    PROGRESS.update(out=out, step=None)
     report = finished_run(out, cfg)
+    if report is not None:  # the --set overrides must hold even when nothing is trained
+        load_data(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        check_model(cfg)
     if report is not None and _rank() == 0:
         print(report, flush=True)
     if report is not None and args.export_hf is None:  # rerunning a finished job: train nothing (every rank alike)
@@ -563,6 +645,7 @@ def main(argv: list[str] | None = None) -> dict:
         check_unfinished(out, cfg, args.resume)
     if latest_checkpoint(out) is not None:
         check_resume_config(out, cfg)
+        check_resume_data(out, tokens)
     sampler = Sampler(windows, cfg.train.batch_size, rank, world, cfg.train.seed)
 
     # ---- model: built whole (same seed on every rank) or on meta, then sharded per layer ----
@@ -606,12 +689,14 @@ def main(argv: list[str] | None = None) -> dict:
         step = int(extra["step"])
         sampler.load_state_dict(extra["data"])  # a position in windows: right at any batch size and world size
         tokens_seen = int(extra.get("tokens", step * tokens_per_step))  # (older checkpoints: same batch assumed)
+    PROGRESS["step"] = step
     metrics_path = out / "metrics.jsonl"
     if master and not finished:
         # Drop records past the checkpoint (a killed run's tail); a fresh run starts a fresh file.
         old = read_metrics(metrics_path) if ckpt is not None else []
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in old if r["step"] <= step))
         write_atomic(out / "config.json", json.dumps(to_dict(cfg), indent=2))
+        write_atomic(out / "data.json", json.dumps(data_identity(tokens)))
         print(
             f"[pretrain] {cfg.model.kind} model, {n_params / 1e6:.2f}M params; backend {backend}; "
             f"optimizer {cfg.optim.name}; world {world} on {device.type}, {dtype}; "
@@ -660,7 +745,11 @@ def main(argv: list[str] | None = None) -> dict:
             prune_checkpoints(out, cfg.log.keep_ckpts, saved=path)
 
     # ---- the training loop ----
-    bar = tqdm(total=t.steps, initial=step, disable=not master or finished, dynamic_ncols=True, desc="pretrain")
+    # A progress bar on a terminal; in a redirected log (no terminal), a plain line at each tenth of
+    # the run and at each eval instead of carriage-return updates.
+    on_terminal = sys.stderr.isatty()
+    bar = tqdm(total=t.steps, initial=step, disable=not master or finished or not on_terminal, dynamic_ncols=True,
+               desc="pretrain")
     t_last, step_last = time.perf_counter(), step
     while step < t.steps:
         loss_sum = torch.zeros((), device=device)
@@ -677,6 +766,7 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         step += 1
         tokens_seen += tokens_per_step
+        PROGRESS["step"] = step
 
         last = step == t.steps
         eval_now = bool(cfg.log.eval_every) and step % cfg.log.eval_every == 0
@@ -700,6 +790,10 @@ def main(argv: list[str] | None = None) -> dict:
                     loss=f"{rec['loss']:.3f}", tok_s=f"{tps:,.0f}",
                     mfu=f"{100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "n/a", mem=f"{rec['mem_gb']:.2f}GB",
                 )
+                if not on_terminal and (step % max(1, t.steps // 10) == 0 or "eval_loss" in rec):
+                    held_out = f", held-out {rec['eval_loss']:.3f}" if rec.get("eval_loss") is not None else ""
+                    print(f"[pretrain] step {step}/{t.steps}: loss {rec['loss']:.3f}{held_out}, {tps:,.0f} tokens/s",
+                          flush=True)
             t_last = time.perf_counter()  # eval and logging are not training time
         bar.update(1)
         if (cfg.log.ckpt_every and step % cfg.log.ckpt_every == 0) or last:
@@ -760,18 +854,20 @@ def cli(argv: list[str] | None = None) -> int:
             cfg = resolve_config(args)
             out = Path(args.out)
             report = finished_run(out, cfg)
+            if report is None:
+                check_unfinished(out, cfg, args.resume)
+            tokens = load_data(cfg, world)[1]  # (a finished run too: the --set overrides must hold)
+            check_model(cfg)
             if report is not None and args.export_hf is None:
                 print(report, flush=True)
                 return 3 if args.check is not None else 0
-            if report is None:
-                check_unfinished(out, cfg, args.resume)
-            load_data(cfg, world)
             if latest_checkpoint(out) is not None:
                 check_resume_config(out, cfg)
-            check_model(cfg)
+                check_resume_data(out, tokens)
             if args.check is not None:
                 what = f" (the run in {out} is finished: torchrun exports it)" if report is not None else ""
-                print(f"[pretrain] check passed for {world} ranks{what}: {torchrun_command(argv, world)}", flush=True)
+                run = torchrun_command(without_check(argv), world)
+                print(f"[pretrain] check passed for {world} ranks{what}; run: {run}", flush=True)
                 return 0
             print("error: recipes/pretrain.py runs under torchrun (RANK is not set); the config, data and model "
                   f"checks passed. Run:\n  {torchrun_command(argv)}", file=sys.stderr, flush=True)
@@ -792,4 +888,16 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    under_torchrun = "RANK" in os.environ
+    if under_torchrun:
+        signal.signal(signal.SIGINT, on_interrupt)
+    code = cli()
+    if under_torchrun:
+        # [Note: exit after teardown]: torch 2.13's gloo aborts about 1 process in 6 at interpreter
+        # exit, after the work is done and reported (the model, optimizer and process group are
+        # already freed and destroyed by cli). Skip the interpreter's teardown once the outputs are
+        # flushed, so a finished rank exits with its own code, not SIGABRT.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

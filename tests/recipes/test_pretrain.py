@@ -284,3 +284,18 @@ def test_resume_at_another_world_size_then_a_missing_file(tmp_path):
     (ckpt / "recipe_done.json").unlink()  # as the error says
     res = train(tmp_path, *args, "--resume", steps=4)
     assert res["resumed_from"].endswith("step_000002") and [r["step"] for r in res["records"]] == [1, 2, 3, 4]
+
+
+def test_resume_refuses_data_rewritten_at_the_same_size(tmp_path):
+    # Under torchrun (no pre-flight): every rank refuses before loading anything.
+    data = tmp_path / "data.txt"
+    text = "the quick brown fox jumps over the lazy dog. " * 400
+    data.write_text(text)
+    args = ["--set", f'data.path="{data}"', "--set", "data.val_fraction=0.1"]
+    train(tmp_path / "run", *args, steps=1)
+    data.write_text(text.replace("fox", "cat"))
+    with pytest.raises(DistributedTestError, match=r"holds a run on other data: the token stream of data.path changed "
+                                                   r"in its content \(same length\)"):
+        train(tmp_path / "run", *args, "--resume", steps=2)
+    data.write_text(text)
+    assert [r["step"] for r in train(tmp_path / "run", *args, "--resume", steps=2)["records"]] == [1, 2]
