@@ -21,6 +21,7 @@ import argparse
 import copy
 import gc
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -55,7 +56,14 @@ CPU_PEAK_TFLOPS = 0.1
 # The runtime switch: our fully_shard / optimizers / checkpoints, or PyTorch FSDP2 + torch optimizers
 # + DCP. Everything backend-specific is in these few functions.
 # ---------------------------------------------------------------------------------------------
-OPTIMIZERS = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "muon": "Muon", "shampoo": "Shampoo"}
+# optim.name -> the class in fsdp_optim.optimizers. "torch.<Name>": torch.optim.<Name> (a per-tensor
+# optimizer) stepped whole on the rank that owns each tensor, by WholeTensorOptimizer.
+TORCH_PER_TENSOR = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop",
+                    "Rprop", "SGD")
+OPTIMIZERS = {
+    "adamw": "AdamW", "adamw4bit": "AdamW4bit", "adamw8bit": "AdamW8bit", "muon": "Muon", "shampoo": "Shampoo",
+    "soap": "SOAP", **{f"torch.{name}": "WholeTensorOptimizer" for name in TORCH_PER_TENSOR},
+}  # fmt: skip
 FP8_TILES = ("128x128", "1x128")  # train.fp8_all_gather / --fp8-allgather tiles (fsdp_optim.Float8AllGather)
 
 
@@ -118,7 +126,7 @@ def init_sharded(model: torch.nn.Module, backend: str, device: torch.device) -> 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, backend: str) -> torch.optim.Optimizer:
     o = cfg.optim
-    lr = o.lr if o.lr is not None else DEFAULT_LR[o.name]
+    lr = o.lr if o.lr is not None else DEFAULT_LR.get(o.name, DEFAULT_LR["adamw"])
     adamw_lr = o.adamw_lr if o.adamw_lr is not None else DEFAULT_LR["adamw"]  # (0 is a setting: frozen)
     # Weight decay on matrices only (not norms, biases): nanoGPT's grouping, by the *global* shape
     # (a sharded parameter is a flat 1-D piece, so p.ndim would say 1 for all of them).
@@ -130,8 +138,20 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, backend: str) -> torch.
 
         if o.name == "adamw":
             return optimizers.AdamW(groups, lr=lr, betas=o.betas, eps=o.eps)
-        if o.name == "adamw8bit":  # torch.compile'd step on GPUs; eager on CPU (compiling takes minutes there)
-            return optimizers.AdamW8bit(groups, lr=lr, betas=o.betas, eps=o.eps, compile=torch.cuda.is_available())
+        if o.name in ("adamw8bit", "adamw4bit"):  # compiled on GPUs, eager on CPU (compiling takes minutes there)
+            cls = getattr(optimizers, OPTIMIZERS[o.name])
+            return cls(groups, lr=lr, betas=o.betas, eps=o.eps, compile=torch.cuda.is_available())
+        if o.name == "soap":
+            return optimizers.SOAP(
+                groups, lr=lr, betas=o.betas, eps=o.eps, precondition_frequency=o.precondition_frequency,
+                max_precond_dim=o.max_preconditioner_dim,
+            )
+        if o.name.startswith("torch."):  # lr, and betas / eps where the class takes them in that form
+            cls = getattr(torch.optim, o.name.removeprefix("torch."))
+            takes = inspect.signature(cls).parameters  # (Adafactor's eps is a pair: left at its default)
+            kw = {k: v for k, v in (("betas", o.betas), ("eps", o.eps))
+                  if k in takes and isinstance(v, type(takes[k].default))}
+            return optimizers.WholeTensorOptimizer(groups, cls, lr=lr, **kw)
         if o.name == "muon":  # matrices: Muon; embeddings, head, norms: its AdamW fallback (own lr)
             for g in groups:
                 g["adamw_weight_decay"] = g["weight_decay"]

@@ -46,12 +46,16 @@ def check_outputs(out: Path, steps: int) -> list[dict]:
     return records
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "muon", "shampoo"])
+@pytest.mark.parametrize(
+    "optimizer", ["adamw", "adamw8bit", "muon", "shampoo", "soap", "adamw4bit", "torch.NAdam", "torch.Adafactor"]
+)
 def test_each_optimizer_trains(tmp_path, optimizer):
     assert backend_for(optimizer) == "fsdp_optim"  # the package is complete: never a silent FSDP2 fallback
     res = train(tmp_path, "--optimizer", optimizer, steps=6)
     records = check_outputs(tmp_path, 6)
-    assert records[-1]["loss"] < records[0]["loss"] - 0.3, [r["loss"] for r in records]
+    # SOAP skips its first step (it builds the eigenbases); Adafactor at the recipe's lr 3e-3 moves slowly.
+    margin = {"soap": 0.1, "torch.Adafactor": 0.01}.get(optimizer, 0.3)
+    assert records[-1]["loss"] < records[0]["loss"] - margin, [r["loss"] for r in records]
     assert res["backend"] == backend_for(optimizer)
 
 
