@@ -911,7 +911,11 @@ if __name__ == "__main__":
     under_torchrun = "RANK" in os.environ
     if under_torchrun:
         signal.signal(signal.SIGINT, on_interrupt)
-    code = cli()
+    try:
+        code = cli()
+    except KeyboardInterrupt:  # Ctrl-C in the check before torchrun (scripts/pretrain.sh): no traceback
+        print("[pretrain] interrupted before training", file=sys.stderr, flush=True)
+        code = 128 + signal.SIGINT
     if under_torchrun:
         # [Note: exit after teardown]: torch 2.13's gloo aborts about 1 process in 6 at interpreter
         # exit, after the work is done and reported (the model, optimizer and process group are
