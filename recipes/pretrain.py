@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import hashlib
 import inspect
 import json
 import math
