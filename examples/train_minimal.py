@@ -11,6 +11,7 @@ step it trains nothing and leaves the checkpoint as it is.
 import argparse
 import gc
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -136,3 +137,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # torch 2.13's gloo still aborts about 1 process in 6 at interpreter exit, after everything above
+    # is done: with the outputs flushed, skip the interpreter's teardown and exit 0.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

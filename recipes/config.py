@@ -68,7 +68,8 @@ class DataConfig:
 @dataclass(kw_only=True)
 class OptimConfig:
     name: str = "adamw"
-    """adamw, adamw8bit, muon or shampoo."""
+    """adamw, adamw4bit, adamw8bit, muon, shampoo, soap, or torch.<Name> (torch.optim.<Name>, a per-tensor
+    optimizer such as NAdam or Adafactor, through WholeTensorOptimizer; see pretrain.TORCH_PER_TENSOR)."""
     lr: float | None = None
     """None: the optimizer's default (see DEFAULT_LR)."""
     adamw_lr: float | None = None
@@ -79,12 +80,13 @@ class OptimConfig:
     momentum: float = 0.95
     """Muon momentum."""
     max_preconditioner_dim: int = 1024
-    """Shampoo block rows."""
+    """Shampoo block rows; SOAP's max_precond_dim."""
     precondition_frequency: int = 10
-    """Shampoo: steps between inverse-root recomputations."""
+    """Shampoo: steps between inverse-root recomputations; SOAP: between eigenbasis updates."""
 
 
-DEFAULT_LR = {"adamw": 3e-3, "adamw8bit": 3e-3, "muon": 0.02, "shampoo": 3e-3}
+DEFAULT_LR = {"adamw": 3e-3, "adamw4bit": 3e-3, "adamw8bit": 3e-3, "muon": 0.02, "shampoo": 3e-3, "soap": 3e-3}
+"""Default lr per optim.name; any other (torch.<Name>) gets 3e-3."""
 
 
 @dataclass(kw_only=True)

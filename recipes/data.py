@@ -16,6 +16,7 @@ restore (at any batch size and world size).
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 from importlib import resources
 from pathlib import Path
@@ -112,6 +113,16 @@ def _read_utf8(f: Path) -> str:
 def _max_token(arr: np.ndarray, chunk: int = 1 << 26) -> int:
     """The largest id of a (memory-mapped) token array, read in chunks."""
     return max(int(arr[i : i + chunk].max()) for i in range(0, len(arr), chunk))
+
+
+def fingerprint(tokens: np.ndarray) -> str:
+    """A hash of the token stream's content (blake2b, 128 bits, hex), read in 64 MiB pieces."""
+    h = hashlib.blake2b(digest_size=16)
+    flat = tokens.reshape(-1)
+    step = max(1, (64 << 20) // flat.itemsize)
+    for i in range(0, flat.size, step):
+        h.update(np.ascontiguousarray(flat[i : i + step]).tobytes())
+    return h.hexdigest()
 
 
 def load_tokens(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import inspect
 import json
 import math
 import os
@@ -27,7 +28,9 @@ import re
 import resource
 import shlex
 import shutil
+import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # config, data, model live next to this file
 from config import DEFAULT_LR, Config, check_ranges, load_config, to_dict  # noqa: E402
-from data import Sampler, TokenWindows, build_tokenizer, load_tokens, val_batches  # noqa: E402
+from data import Sampler, TokenWindows, build_tokenizer, fingerprint, load_tokens, val_batches  # noqa: E402
 from model import build_model, max_seq_len, max_seq_len_key, model_vocab, num_params  # noqa: E402
 
 # Peak dense bf16 TFLOP/s per device, for MFU (vendor datasheets: NVIDIA H100/H200 SXM 989, A100 312,
@@ -52,7 +55,14 @@ CPU_PEAK_TFLOPS = 0.1
 # The runtime switch: our fully_shard / optimizers / checkpoints, or PyTorch FSDP2 + torch optimizers
 # + DCP. Everything backend-specific is in these few functions.
 # ---------------------------------------------------------------------------------------------
-OPTIMIZERS = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "muon": "Muon", "shampoo": "Shampoo"}
+# optim.name -> the class in fsdp_optim.optimizers. "torch.<Name>": torch.optim.<Name> (a per-tensor
+# optimizer) stepped whole on the rank that owns each tensor, by WholeTensorOptimizer.
+TORCH_PER_TENSOR = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop",
+                    "Rprop", "SGD")
+OPTIMIZERS = {
+    "adamw": "AdamW", "adamw4bit": "AdamW4bit", "adamw8bit": "AdamW8bit", "muon": "Muon", "shampoo": "Shampoo",
+    "soap": "SOAP", **{f"torch.{name}": "WholeTensorOptimizer" for name in TORCH_PER_TENSOR},
+}  # fmt: skip
 FP8_TILES = ("128x128", "1x128")  # train.fp8_all_gather / --fp8-allgather tiles (fsdp_optim.Float8AllGather)
 
 
@@ -115,7 +125,7 @@ def init_sharded(model: torch.nn.Module, backend: str, device: torch.device) -> 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, backend: str) -> torch.optim.Optimizer:
     o = cfg.optim
-    lr = o.lr if o.lr is not None else DEFAULT_LR[o.name]
+    lr = o.lr if o.lr is not None else DEFAULT_LR.get(o.name, DEFAULT_LR["adamw"])
     adamw_lr = o.adamw_lr if o.adamw_lr is not None else DEFAULT_LR["adamw"]  # (0 is a setting: frozen)
     # Weight decay on matrices only (not norms, biases): nanoGPT's grouping, by the *global* shape
     # (a sharded parameter is a flat 1-D piece, so p.ndim would say 1 for all of them).
@@ -127,8 +137,20 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, backend: str) -> torch.
 
         if o.name == "adamw":
             return optimizers.AdamW(groups, lr=lr, betas=o.betas, eps=o.eps)
-        if o.name == "adamw8bit":  # torch.compile'd step on GPUs; eager on CPU (compiling takes minutes there)
-            return optimizers.AdamW8bit(groups, lr=lr, betas=o.betas, eps=o.eps, compile=torch.cuda.is_available())
+        if o.name in ("adamw8bit", "adamw4bit"):  # compiled on GPUs, eager on CPU (compiling takes minutes there)
+            cls = getattr(optimizers, OPTIMIZERS[o.name])
+            return cls(groups, lr=lr, betas=o.betas, eps=o.eps, compile=torch.cuda.is_available())
+        if o.name == "soap":
+            return optimizers.SOAP(
+                groups, lr=lr, betas=o.betas, eps=o.eps, precondition_frequency=o.precondition_frequency,
+                max_precond_dim=o.max_preconditioner_dim,
+            )
+        if o.name.startswith("torch."):  # lr, and betas / eps where the class takes them in that form
+            cls = getattr(torch.optim, o.name.removeprefix("torch."))
+            takes = inspect.signature(cls).parameters  # (Adafactor's eps is a pair: left at its default)
+            kw = {k: v for k, v in (("betas", o.betas), ("eps", o.eps))
+                  if k in takes and isinstance(v, type(takes[k].default))}
+            return optimizers.WholeTensorOptimizer(groups, cls, lr=lr, **kw)
         if o.name == "muon":  # matrices: Muon; embeddings, head, norms: its AdamW fallback (own lr)
             for g in groups:
                 g["adamw_weight_decay"] = g["weight_decay"]
@@ -203,13 +225,31 @@ def resume_from(path: Path, model, optimizer, scheduler, backend: str) -> dict:
     """``load_checkpoint``, its failures (a missing or corrupt file, other keys) as one ``ValueError``
     line that names the checkpoint and the way out (the loads raise on every rank alike)."""
     try:
-        return load_checkpoint(path, model, optimizer, scheduler, backend)
+        extra = load_checkpoint(path, model, optimizer, scheduler, backend)
     except (OSError, RuntimeError, KeyError, ValueError) as e:
         why = (str(e).strip().splitlines() or [""])[0]
         raise ValueError(
             f"cannot resume from checkpoint {path}: {type(e).__name__}: {why}; delete {path / DONE} to resume from "
             "the previous complete checkpoint instead, or use another --out to start afresh"
         ) from None
+    check_muon_lr_units(optimizer, path)
+    return extra
+
+
+def check_muon_lr_units(optimizer, path: Path) -> None:
+    """Refuse a Muon checkpoint whose AdamW parts hold their lr in AdamW's units (saved before an LR
+    schedule kept Muon's adamw_lr / lr ratio, docs/muon.md): ``load_checkpoint`` keeps the ratio keys of
+    the new groups, so it would step AdamW at adamw_lr / lr times its lr. The recipe's schedule scales
+    every group alike, so a checkpoint in Muon's units has each AdamW part's lr equal to a Muon part's."""
+    groups = getattr(optimizer, "param_groups", [])
+    muon_lrs = {g["lr"] for g in groups if g.get("use_muon") is True}
+    stale = [g for g in groups if g.get("use_muon") is False and "base_lr" in g and g["lr"] not in muon_lrs]
+    if muon_lrs and stale:
+        raise ValueError(
+            f"cannot resume from checkpoint {path}: it was saved before Muon's AdamW part followed Muon's LR "
+            f"schedule (its lr {stale[0]['lr']:.3g} is in AdamW's units); resume it with the fsdp_optim that saved "
+            "it, or use another --out to start afresh"
+        )
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -351,8 +391,13 @@ def check_writable_dir(what: str, path: Path) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ValueError(f"{what} {path}: {parent} is a file, so no directory can be made under it; give another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {path}: {parent} is not writable; give a path you can write to")
+    try:  # (os.access says yes to root even on a read-only file system: try it)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"{what} {path}: {parent} is not writable ({e.strerror}); give a path you can write to"
+        ) from None
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
@@ -488,6 +533,34 @@ def check_resume_config(out: Path, cfg: Config) -> None:
         )
 
 
+def data_identity(tokens) -> dict:
+    """What identifies the token stream a run trains on: its length and a hash of its content."""
+    return {"tokens": int(tokens.size), "fingerprint": fingerprint(tokens)}
+
+
+def check_resume_data(out: Path, tokens) -> None:
+    """Refuse to resume the run in ``out`` on other data than it started with (``OUT/data.json``): a
+    file appended to, or rewritten at the same size, would give the saved data position other windows."""
+    path = out / "data.json"
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:  # (a run from before data.json)
+        return
+    except (OSError, ValueError) as e:
+        if _rank() == 0:
+            print(f"warning: {path} is unreadable ({e}); the data of the run is not compared", file=sys.stderr)
+        return
+    now = data_identity(tokens)
+    if saved != now:
+        what = "its length" if saved.get("tokens") != now["tokens"] else "its content (same length)"
+        raise ValueError(
+            f"--out {out} holds a run on other data: the token stream of data.path changed in {what} "
+            f"({saved.get('tokens')} tokens, fingerprint {saved.get('fingerprint')} -> {now['tokens']} tokens, "
+            f"{now['fingerprint']}); a resume would continue at a position in other windows: restore the data, "
+            "or use another --out for a new run"
+        )
+
+
 def finished_run(out: Path, cfg: Config) -> str | None:
     """A report line when ``out`` holds a complete checkpoint at or past ``train.steps`` (nothing to train)."""
     complete = complete_checkpoints(out)
@@ -524,9 +597,51 @@ def summary(rec: dict, step: int) -> str:
     return text
 
 
+def without_check(argv: list[str]) -> list[str]:
+    """``argv`` without ``--check`` / ``--check W`` / ``--check=W`` (the command that trains)."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--check":
+            skip = i + 1 < len(argv) and argv[i + 1].isdigit()
+        elif not a.startswith("--check="):
+            out.append(a)
+    return out
+
+
 def torchrun_command(argv: list[str], nproc: int = 2) -> str:
     """The command that runs this script with ``argv`` on ``nproc`` local ranks."""
     return shlex.join(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "recipes/pretrain.py", *argv])
+
+
+# [Note: Ctrl-C]
+# Ctrl-C sends SIGINT to the launcher and every rank (one process group). torchrun turns it into a
+# SignalException traceback and exit 1, and a rank unwinding through KeyboardInterrupt may sit in a
+# collective its peers have left. So under torchrun each rank exits at once from a SIGINT handler
+# (``on_interrupt``), rank 0 first printing one line (the step reached, the checkpoint a rerun resumes
+# from; checkpoints are written atomically, so a save cut short is ignored), with exit code 130;
+# scripts/pretrain.sh launches through recipes/launch.py, which exits 130 without the traceback.
+PROGRESS: dict = {"out": None, "step": None}  # what on_interrupt reports
+
+
+def interrupted_line() -> str:
+    out, step = PROGRESS["out"], PROGRESS["step"]
+    where = "before the first step" if step is None else f"at step {step}"
+    ckpt = latest_checkpoint(out) if out is not None else None
+    then = f"rerun resumes from {ckpt}" if ckpt is not None else "no checkpoint yet: a rerun starts afresh"
+    return f"[pretrain] interrupted {where}; {then}"
+
+
+def on_interrupt(signum: int, frame) -> None:
+    """SIGINT under torchrun: one line on rank 0, exit 130 now (see [Note: Ctrl-C])."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards a second SIGINT
+    try:
+        if _rank() == 0:
+            print(interrupted_line(), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    finally:
+        os._exit(128 + signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -534,7 +649,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = resolve_config(args)
     out = Path(args.out)
+    PROGRESS.update(out=out, step=None)
     report = finished_run(out, cfg)
+    if report is not None:  # the --set overrides must hold even when nothing is trained
+        load_data(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        check_model(cfg)
     if report is not None and _rank() == 0:
         print(report, flush=True)
     if report is not None and args.export_hf is None:  # rerunning a finished job: train nothing (every rank alike)
@@ -563,6 +682,7 @@ def main(argv: list[str] | None = None) -> dict:
         check_unfinished(out, cfg, args.resume)
     if latest_checkpoint(out) is not None:
         check_resume_config(out, cfg)
+        check_resume_data(out, tokens)
     sampler = Sampler(windows, cfg.train.batch_size, rank, world, cfg.train.seed)
 
     # ---- model: built whole (same seed on every rank) or on meta, then sharded per layer ----
@@ -606,12 +726,14 @@ def main(argv: list[str] | None = None) -> dict:
         step = int(extra["step"])
         sampler.load_state_dict(extra["data"])  # a position in windows: right at any batch size and world size
         tokens_seen = int(extra.get("tokens", step * tokens_per_step))  # (older checkpoints: same batch assumed)
+    PROGRESS["step"] = step
     metrics_path = out / "metrics.jsonl"
     if master and not finished:
         # Drop records past the checkpoint (a killed run's tail); a fresh run starts a fresh file.
         old = read_metrics(metrics_path) if ckpt is not None else []
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in old if r["step"] <= step))
         write_atomic(out / "config.json", json.dumps(to_dict(cfg), indent=2))
+        write_atomic(out / "data.json", json.dumps(data_identity(tokens)))
         print(
             f"[pretrain] {cfg.model.kind} model, {n_params / 1e6:.2f}M params; backend {backend}; "
             f"optimizer {cfg.optim.name}; world {world} on {device.type}, {dtype}; "
@@ -660,7 +782,11 @@ def main(argv: list[str] | None = None) -> dict:
             prune_checkpoints(out, cfg.log.keep_ckpts, saved=path)
 
     # ---- the training loop ----
-    bar = tqdm(total=t.steps, initial=step, disable=not master or finished, dynamic_ncols=True, desc="pretrain")
+    # A progress bar on a terminal; in a redirected log (no terminal), a plain line at each tenth of
+    # the run and at each eval instead of carriage-return updates.
+    on_terminal = sys.stderr.isatty()
+    bar = tqdm(total=t.steps, initial=step, disable=not master or finished or not on_terminal, dynamic_ncols=True,
+               desc="pretrain")
     t_last, step_last = time.perf_counter(), step
     while step < t.steps:
         loss_sum = torch.zeros((), device=device)
@@ -677,6 +803,7 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         step += 1
         tokens_seen += tokens_per_step
+        PROGRESS["step"] = step
 
         last = step == t.steps
         eval_now = bool(cfg.log.eval_every) and step % cfg.log.eval_every == 0
@@ -700,6 +827,10 @@ def main(argv: list[str] | None = None) -> dict:
                     loss=f"{rec['loss']:.3f}", tok_s=f"{tps:,.0f}",
                     mfu=f"{100 * rec['mfu']:.1f}%" if rec["mfu"] is not None else "n/a", mem=f"{rec['mem_gb']:.2f}GB",
                 )
+                if not on_terminal and (step % max(1, t.steps // 10) == 0 or "eval_loss" in rec):
+                    held_out = f", held-out {rec['eval_loss']:.3f}" if rec.get("eval_loss") is not None else ""
+                    print(f"[pretrain] step {step}/{t.steps}: loss {rec['loss']:.3f}{held_out}, {tps:,.0f} tokens/s",
+                          flush=True)
             t_last = time.perf_counter()  # eval and logging are not training time
         bar.update(1)
         if (cfg.log.ckpt_every and step % cfg.log.ckpt_every == 0) or last:
@@ -760,18 +891,20 @@ def cli(argv: list[str] | None = None) -> int:
             cfg = resolve_config(args)
             out = Path(args.out)
             report = finished_run(out, cfg)
+            if report is None:
+                check_unfinished(out, cfg, args.resume)
+            tokens = load_data(cfg, world)[1]  # (a finished run too: the --set overrides must hold)
+            check_model(cfg)
             if report is not None and args.export_hf is None:
                 print(report, flush=True)
                 return 3 if args.check is not None else 0
-            if report is None:
-                check_unfinished(out, cfg, args.resume)
-            load_data(cfg, world)
             if latest_checkpoint(out) is not None:
                 check_resume_config(out, cfg)
-            check_model(cfg)
+                check_resume_data(out, tokens)
             if args.check is not None:
                 what = f" (the run in {out} is finished: torchrun exports it)" if report is not None else ""
-                print(f"[pretrain] check passed for {world} ranks{what}: {torchrun_command(argv, world)}", flush=True)
+                run = torchrun_command(without_check(argv), world)
+                print(f"[pretrain] check passed for {world} ranks{what}; run: {run}", flush=True)
                 return 0
             print("error: recipes/pretrain.py runs under torchrun (RANK is not set); the config, data and model "
                   f"checks passed. Run:\n  {torchrun_command(argv)}", file=sys.stderr, flush=True)
@@ -792,4 +925,20 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    under_torchrun = "RANK" in os.environ
+    if under_torchrun:
+        signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        code = cli()
+    except KeyboardInterrupt:  # Ctrl-C in the check before torchrun (scripts/pretrain.sh): no traceback
+        print("[pretrain] interrupted before training", file=sys.stderr, flush=True)
+        code = 128 + signal.SIGINT
+    if under_torchrun:
+        # [Note: exit after teardown]: torch 2.13's gloo aborts about 1 process in 6 at interpreter
+        # exit, after the work is done and reported (the model, optimizer and process group are
+        # already freed and destroyed by cli). Skip the interpreter's teardown once the outputs are
+        # flushed, so a finished rank exits with its own code, not SIGABRT.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

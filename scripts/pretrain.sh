@@ -28,4 +28,4 @@ if [ "$rc" -eq 3 ]; then
 elif [ "$rc" -ne 0 ]; then
   exit "$rc"
 fi
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" recipes/pretrain.py "${ARGS[@]}"
+exec "$PY" recipes/launch.py --standalone --nproc_per_node="$NPROC" recipes/pretrain.py "${ARGS[@]}"

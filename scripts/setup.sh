@@ -10,7 +10,14 @@ PY=${PYTHON:-python3}
 if "$PY" - 2>/dev/null <<'PYEOF'
 # Exit 0 (skip installing) only if fsdp_optim resolves to this checkout and every core and dev
 # dependency of pyproject.toml is importable (distribution name -> module name: "-" -> "_").
-import importlib.util, os, re, sys, tomllib
+import importlib.util, os, re, sys
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the tomli backport, if installed; otherwise install (it is a dependency there)
+    try:
+        import tomli as tomllib
+    except ImportError:
+        sys.exit(1)
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 reqs = project["dependencies"] + project["optional-dependencies"]["dev"]
 names = [re.split(r"[<>=!~ \[]", r, maxsplit=1)[0] for r in reqs if ";" not in r]

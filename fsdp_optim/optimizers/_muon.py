@@ -358,6 +358,23 @@ def _plan_param(info: ShardInfo, *, use_muon: bool) -> _ParamPlan:
 
 
 # ---- the optimizer ----------------------------------------------------------------------
+def adamw_lr(group: dict[str, Any]) -> float:
+    """The lr an AdamW group of ``Muon`` steps with; see [Note: the AdamW fallback's lr follows Muon's].
+
+    [Note: the AdamW fallback's lr follows Muon's]
+    ``Muon(params, lr=0.02, adamw_lr=3e-3)`` splits each group into a Muon part and an AdamW part. A
+    scheduler that sets absolute values (``OneCycleLR(max_lr=0.02)``, ``CyclicLR``) would set both to
+    the same lr, driving AdamW to Muon's. So the AdamW part's ``"lr"`` is in Muon's units (it starts at
+    the Muon part's lr, and every scheduler moves the two alike), and it steps with
+    ``adamw_lr * lr / base_lr``: exactly ``adamw_lr`` while unscheduled (``lr / base_lr`` is 1.0), and
+    the schedule's factor times ``adamw_lr`` otherwise (to the rounding of that factor). Groups
+    without ``"base_lr"`` (``use_muon=False`` groups, a Muon lr of 0, older state dicts) use ``"lr"``.
+    """
+    if "base_lr" not in group:
+        return group["lr"]
+    return group["adamw_lr"] * (group["lr"] / group["base_lr"])
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for hidden matrices, AdamW for the rest, on sharded or plain parameters.
 
@@ -387,6 +404,11 @@ class Muon(torch.optim.Optimizer):
     shape-based LR adjustment uses each sub-matrix's shape (a head ``[head_dim, cols]``, a fused-QKV
     part, an expert ``[r, c]``), which is torch.optim.Muon applied to that sub-matrix.
     ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``: the AdamW fallback.
+    An LR scheduler keeps the ratio ``adamw_lr / lr``: the AdamW part of a split group is scheduled
+    in Muon's units (its ``"lr"`` starts at ``lr``; ``"adamw_lr"`` and ``"base_lr"`` record the
+    ratio) and steps with ``adamw_lr * group["lr"] / base_lr``, so ``OneCycleLR(opt, max_lr=0.02)``
+    on ``Muon(lr=0.02, adamw_lr=3e-3)`` peaks AdamW at 3e-3; read it with ``Muon.adamw_lr(group)``.
+    A ``use_muon=False`` group's ``lr`` is AdamW's own, as is every AdamW part when ``lr`` is 0.
     ``blocks``: the rule giving plain parameters their spec (default ``Muon.blocks``).
     ``batched``: Newton–Schulz over stacks of same-shape matrices (default); ``False`` is the
     per-matrix reference mode (see [Note: batched Newton–Schulz]).
@@ -398,6 +420,7 @@ class Muon(torch.optim.Optimizer):
     """
 
     blocks = staticmethod(muon_rule())
+    adamw_lr = staticmethod(adamw_lr)
 
     @classmethod
     def rule(
@@ -526,8 +549,13 @@ class Muon(torch.optim.Optimizer):
         if muon or not adamw:
             self._add_split_group({"params": muon, "use_muon": True, **{k: get(k) for k in _MUON_KEYS}})
         if adamw:
+            # [Note: the AdamW fallback's lr follows Muon's]: the AdamW part is scheduled in Muon's
+            # units (its "lr" starts at the Muon part's), and steps with adamw_lr * lr / base_lr.
+            lr = {"lr": get("adamw_lr")}
+            if get("lr") > 0:
+                lr = {"lr": get("lr"), "adamw_lr": get("adamw_lr"), "base_lr": get("lr")}
             self._add_split_group({
-                "params": adamw, "use_muon": False, "lr": get("adamw_lr"), "betas": tuple(get("adamw_betas")),
+                "params": adamw, "use_muon": False, **lr, "betas": tuple(get("adamw_betas")),
                 "eps": get("adamw_eps"), "weight_decay": adamw_wd,
             })  # fmt: skip
 
@@ -541,6 +569,8 @@ class Muon(torch.optim.Optimizer):
             ignored = [k for k in group if k in _ADAMW_KEYS or k == "betas"]
             for k in _MUON_KEYS:
                 group.setdefault(k, self.defaults[k])
+        elif "base_lr" in group:  # a copy of one of our split AdamW parts: lr in Muon's units
+            ignored = []
         else:
             ignored = [k for k in group if k in _MUON_KEYS and k not in _ADAMW_GROUP_KEYS]
             for k, dk in _ADAMW_GROUP_KEYS.items():
@@ -559,7 +589,7 @@ class Muon(torch.optim.Optimizer):
     def _add_split_group(self, group: dict[str, Any]) -> None:
         super().add_param_group(group)
         group = self.param_groups[-1]
-        keep = set(_MUON_KEYS) if group["use_muon"] else {"lr", "betas", "eps", "weight_decay"}
+        keep = set(_MUON_KEYS) if group["use_muon"] else {"lr", "betas", "eps", "weight_decay", "adamw_lr", "base_lr"}
         keep |= {"params", "param_names", "use_muon", "initial_lr"}
         for k in [k for k in group if k not in keep and (k in self.defaults)]:
             del group[k]
@@ -946,5 +976,5 @@ class Muon(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         adamw_update(
             params, grads, exp_avgs, exp_avg_sqs, steps,
-            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+            lr=adamw_lr(group), beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
         )  # fmt: skip

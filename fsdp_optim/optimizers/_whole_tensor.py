@@ -14,7 +14,13 @@ no broadcast after the step: FSDP's next all-gather moves the parameters anyway.
 ``param_groups`` are this optimizer's (every parameter, owned or not), so LR schedulers and
 ``add_param_group`` work; before each step and each ``state_dict()`` their hyperparameters are
 copied into the inner optimizer's groups, and ``load_state_dict()`` copies the loaded ones back
-(so a round trip restores ``lr`` and the rest, as with ``optimizer_class`` itself). Plain
+(so a round trip restores ``lr`` and the rest, as with ``optimizer_class`` itself). After each step
+they are copied back too: some optimizers keep state in their groups (pytorch_optimizer's SOAP
+counts ``group["step"]``), and a stale outer copy pushed before the next step or ``state_dict()``
+would rewind it. The round trip of state is torch's own (``Optimizer.state_dict`` /
+``load_state_dict`` on the inner optimizer), so any structure it keeps (nested lists, tuples,
+dicts, empty lists, ``None``, ints, tensors of any shape) comes back as the unsharded optimizer's
+would. Plain
 (unsharded) parameters are owned by every rank. A parameter whose layout cuts it across ranks
 (a plan that had to split it, or other block rules) is rejected with the parameter's name. State
 lives in the inner optimizer (lazily, as torch's optimizers create it); ``self.state[p]`` mirrors it
@@ -151,6 +157,7 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
             for p, view in self._views.items():
                 if view is not p:
                     view.grad = None  # no extra reference to the gradient segment
+        self._pull_hyperparameters()  # group-level state the inner step advanced (see the Note)
         self._mirror_state()
         return loss
 

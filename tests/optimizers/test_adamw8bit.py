@@ -729,3 +729,11 @@ def test_runs_under_fully_shard_equal_per_tensor_and_torchao(world_size):
     assert all(all(o[1]) and len(o[1]) == 6 for o in out), [o[1] for o in out]
     assert any(n >= 2 for o in out for n in o[2]), [o[2] for o in out]
     assert all(all(o[3]) and o[3] for o in out if o[2]), "fully_shard's gradients are adjacent views of one segment"
+
+
+def test_compile_defaults_to_eager_on_cpu():
+    # recipes/README.md: "AdamW8bit runs its step eagerly on CPU and torch.compile'd on GPUs".
+    p = torch.nn.Parameter(torch.zeros(8))
+    assert AdamW8bit([p]).compile is False
+    assert AdamW8bit([{"params": [p]}]).compile is False
+    assert AdamW8bit([p], compile=True).compile is True

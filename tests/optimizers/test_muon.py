@@ -412,9 +412,9 @@ def test_state_dict_round_trip_and_lr_scheduler():
         a = named()
         opt_a = Muon(a, lr=0.02, adamw_lr=1e-3)
         assert [g["use_muon"] for g in opt_a.param_groups] == [True, False]
-        assert [g["lr"] for g in opt_a.param_groups] == [0.02, 1e-3]
+        assert [Muon.adamw_lr(g) for g in opt_a.param_groups] == [0.02, 1e-3]
         sched = torch.optim.lr_scheduler.LambdaLR(opt_a, lambda s: 0.5)
-        assert [g["lr"] for g in opt_a.param_groups] == [0.01, 5e-4]  # both groups scheduled
+        assert [Muon.adamw_lr(g) for g in opt_a.param_groups] == [0.01, 5e-4]  # both groups scheduled
         run(a, opt_a, [0, 1])
         b = [(k, torch.nn.Parameter(p.detach().clone())) for k, p in a]
         opt_b = Muon(b, lr=0.02, adamw_lr=1e-3)
@@ -424,6 +424,45 @@ def test_state_dict_round_trip_and_lr_scheduler():
         del sched
     for (k, p), (_, q) in zip(a, b):
         assert torch.equal(p, q), k
+
+
+@pytest.mark.parametrize("schedule", ["LambdaLR", "OneCycleLR"])
+def test_a_scheduler_keeps_the_adamw_to_muon_lr_ratio(schedule):
+    """Issue #29: OneCycleLR(max_lr=0.02) on Muon(lr=0.02, adamw_lr=3e-3) drove the AdamW part to
+    Muon's lr. The reference: torch.optim.Muon and torch.optim.AdamW, each driven by the same
+    schedule (OneCycleLR with max_lr 0.02 and 3e-3)."""
+    steps = 6
+    init = _init(SHAPES)
+
+    def sched(opt, max_lr):
+        if schedule == "LambdaLR":
+            return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 4 if s < 3 else 0.5 ** (s - 2))
+        # cycle_momentum=False: on Muon it cycles the Muon part's momentum only (docs/muon.md).
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=steps, cycle_momentum=False)
+
+    with _one_thread():
+        params = [(k, torch.nn.Parameter(v.clone())) for k, v in init.items()]
+        opt = Muon(params, lr=0.02, adamw_lr=3e-3, weight_decay=0.1, adamw_weight_decay=0.05)
+        s = sched(opt, 0.02)
+        ref = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
+        ref_muon = torch.optim.Muon([ref[k] for k in MATRICES], lr=0.02, weight_decay=0.1)
+        ref_adamw = torch.optim.AdamW([p for k, p in ref.items() if k not in MATRICES], lr=3e-3, weight_decay=0.05)
+        ref_scheds = [sched(ref_muon, 0.02), sched(ref_adamw, 3e-3)]
+        for step in range(steps - 1):
+            g = _grads(SHAPES, step)
+            for k, p in params:
+                p.grad = g[k].clone()
+                ref[k].grad = g[k].clone()
+            opt.step()
+            ref_muon.step()
+            ref_adamw.step()
+            for x in [s, *ref_scheds]:
+                x.step()
+            want = [ref_muon.param_groups[0]["lr"], ref_adamw.param_groups[0]["lr"]]
+            got = [Muon.adamw_lr(g) for g in opt.param_groups]
+            assert got == pytest.approx(want, rel=1e-12), (step, got, want)
+    for k, p in params:  # the lr factor is the schedule's to its last bit, so not bitwise
+        torch.testing.assert_close(p.detach(), ref[k].detach(), rtol=1e-6, atol=1e-7, msg=k)
 
 
 def test_plain_named_parameters_equal_torch():
@@ -711,7 +750,7 @@ def test_head_named_out_passed_explicitly_equals_torch(how, recwarn):
         else:
             opt = Muon(model.named_parameters(), lr=0.02, blocks=Muon.rule(embedding_and_head=["tok", "out"]))
         assert [g["use_muon"] for g in opt.param_groups] == [True, False]
-        assert opt.param_groups[1]["lr"] == 1e-3 and opt.param_groups[1]["betas"] == (0.9, 0.999)
+        assert Muon.adamw_lr(opt.param_groups[1]) == 1e-3 and opt.param_groups[1]["betas"] == (0.9, 0.999)
         _train_out_head(model, opt)
     assert not [w for w in recwarn if "Muon" in str(w.message)], [str(w.message) for w in recwarn]
     assert_bitwise({n: p.detach() for n, p in model.named_parameters()}, _out_head_reference())

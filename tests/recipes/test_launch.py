@@ -4,9 +4,12 @@ scripts/pretrain.sh, and on two torchrun agents (a 2-node rendezvous on one mach
 import importlib.util
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,3 +254,95 @@ def test_pretrain_sh_refuses_nproc_0(tmp_path):
     r = _run(["bash", "scripts/pretrain.sh"], env=dict(ENV, OUT=str(tmp_path / "run"), NPROC="0", PYTHON=sys.executable))
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == "error: NPROC=0: the number of ranks must be a whole number >= 1, e.g. NPROC=2"
+
+
+def test_check_passed_prints_the_command_that_trains(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RANK", raising=False)
+    args = [*TINY, "--out", str(tmp_path / "run"), "--steps", "3"]
+    rc, stdout, _ = _check(capsys, *args)
+    assert rc == 0 and "--check" not in stdout, stdout
+    assert stdout.strip().endswith(f"run: torchrun --standalone --nproc_per_node=2 recipes/pretrain.py {' '.join(args)}")
+    import pretrain
+
+    assert pretrain.cli([*args, "--check=3"]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"--nproc_per_node=3 recipes/pretrain.py {' '.join(args)}")
+
+
+def test_check_validates_set_even_when_the_run_is_finished(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RANK", raising=False)
+    out = [*TINY, "--out", str(_fake_run(tmp_path, step=100))]
+    assert _check(capsys, *out)[0] == 3
+    _refused(capsys, [*out, "--set", "model.max_seq_len=64"], "data.seq_len 128 is longer than the model supports (64)")
+    _refused(capsys, [*out, "--set", f'data.path="{tmp_path / "nothing"}"'], f"data.path = '{tmp_path / 'nothing'}': no data")
+
+
+def test_check_refuses_an_unwritable_out(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RANK", raising=False)
+    if os.geteuid() == 0:  # root writes through permission bits: a place no file can be made
+        parent = Path("/proc")
+    else:
+        parent = tmp_path / "ro"
+        parent.mkdir()
+        parent.chmod(0o555)
+    _refused(capsys, [*TINY, "--out", str(parent / "run")], f"--out {parent / 'run'}: {parent} is not writable")
+
+
+def _data_run(tmp_path: Path, capsys) -> tuple[Path, list[str]]:
+    """A data file and a run on it (as the recipe leaves it, with data.json)."""
+    import pretrain
+
+    data = tmp_path / "data.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    args = ["--set", f'data.path="{data}"', "--set", "data.seq_len=32", "--set", "data.val_fraction=0.1", "--resume"]
+    out = _fake_run(tmp_path, *args[:-1], step=5)
+    cfg = pretrain.resolve_config(pretrain.parse_args([*TINY, "--out", str(out), *args]))
+    (out / "data.json").write_text(json.dumps(pretrain.data_identity(pretrain.load_data(cfg, 2)[1])))
+    assert _check(capsys, *TINY, "--out", str(out), *args)[0] == 0
+    return data, [*TINY, "--out", str(out), *args]
+
+
+def test_check_refuses_data_rewritten_at_the_same_size_or_appended(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RANK", raising=False)
+    data, args = _data_run(tmp_path, capsys)
+    out = args[args.index("--out") + 1]
+    text = data.read_text()
+    data.write_text(text.replace("fox", "cat"))  # same size, other content
+    _refused(capsys, args, f"--out {out} holds a run on other data: the token stream of data.path changed in its "
+                           "content (same length)")
+    data.write_text(text + "and more. " * 50)
+    _refused(capsys, args, f"--out {out} holds a run on other data: the token stream of data.path changed in its length")
+    data.write_text(text)
+    assert _check(capsys, *args)[0] == 0
+
+
+def _wait_for_steps(metrics: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists() and sum(1 for _ in metrics.open()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"{metrics}: fewer than {n} steps in {timeout} s")
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
+    # Ctrl-C reaches the whole foreground process group: the launcher (scripts/pretrain.sh execs it)
+    # and the ranks. One line names where the run stopped and what a rerun resumes; no traceback.
+    env = dict(ENV, OUT=str(tmp_path / "run"), PYTHON=sys.executable)
+    cmd = ["bash", "scripts/pretrain.sh", "--steps", "100000", *SMALL, "--set", "log.ckpt_every=2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    _wait_for_steps(tmp_path / "run" / "metrics.jsonl", 3, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stdout + stderr
+    assert "Traceback" not in stderr and "SignalException" not in stderr and "death signal" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and re.fullmatch(
+        rf"\[pretrain\] interrupted at step \d+; rerun resumes from {tmp_path / 'run'}/checkpoints/step_\d+", lines[0]
+    ), stderr
+    assert "\r" not in stdout + stderr  # no progress bar in a log (stderr is not a terminal)
