@@ -225,31 +225,13 @@ def resume_from(path: Path, model, optimizer, scheduler, backend: str) -> dict:
     """``load_checkpoint``, its failures (a missing or corrupt file, other keys) as one ``ValueError``
     line that names the checkpoint and the way out (the loads raise on every rank alike)."""
     try:
-        extra = load_checkpoint(path, model, optimizer, scheduler, backend)
+        return load_checkpoint(path, model, optimizer, scheduler, backend)
     except (OSError, RuntimeError, KeyError, ValueError) as e:
         why = (str(e).strip().splitlines() or [""])[0]
         raise ValueError(
             f"cannot resume from checkpoint {path}: {type(e).__name__}: {why}; delete {path / DONE} to resume from "
             "the previous complete checkpoint instead, or use another --out to start afresh"
         ) from None
-    check_muon_lr_units(optimizer, path)
-    return extra
-
-
-def check_muon_lr_units(optimizer, path: Path) -> None:
-    """Refuse a Muon checkpoint whose AdamW parts hold their lr in AdamW's units (saved before an LR
-    schedule kept Muon's adamw_lr / lr ratio, docs/muon.md): ``load_checkpoint`` keeps the ratio keys of
-    the new groups, so it would step AdamW at adamw_lr / lr times its lr. The recipe's schedule scales
-    every group alike, so a checkpoint in Muon's units has each AdamW part's lr equal to a Muon part's."""
-    groups = getattr(optimizer, "param_groups", [])
-    muon_lrs = {g["lr"] for g in groups if g.get("use_muon") is True}
-    stale = [g for g in groups if g.get("use_muon") is False and "base_lr" in g and g["lr"] not in muon_lrs]
-    if muon_lrs and stale:
-        raise ValueError(
-            f"cannot resume from checkpoint {path}: it was saved before Muon's AdamW part followed Muon's LR "
-            f"schedule (its lr {stale[0]['lr']:.3g} is in AdamW's units); resume it with the fsdp_optim that saved "
-            "it, or use another --out to start afresh"
-        )
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -303,21 +303,3 @@ def test_resume_refuses_data_rewritten_at_the_same_size(tmp_path):
         train(tmp_path / "run", *args, "--resume", steps=2)
     data.write_text(text)
     assert [r["step"] for r in train(tmp_path / "run", *args, "--resume", steps=2)["records"]] == [1, 2]
-
-
-def test_a_muon_checkpoint_with_adamw_lr_in_adamw_units_is_refused(tmp_path):
-    # Saved before the AdamW part's lr followed Muon's schedule: load_checkpoint keeps the new groups'
-    # ratio keys, so its AdamW lr (3e-3 x factor) would be read in Muon's units (0.15x). Refused.
-    from model import build_model
-
-    cfg = load_config(CONFIGS / "tiny.toml", ["model.dim=16", "model.n_heads=2", "model.n_kv_heads=1",
-                                              "model.ffn_dim=16", "model.n_layers=1", "model.vocab_size=20"])
-    opt = pretrain.build_optimizer(build_model(cfg.model), cfg, "fsdp_optim")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
-    pretrain.check_muon_lr_units(opt, tmp_path)  # as saved now: every group at 0.02 x 0.5
-    for g in opt.param_groups:
-        if not g["use_muon"]:
-            g["lr"] = 3e-3 * 0.5  # as an older checkpoint loads
-    with pytest.raises(ValueError, match=r"saved before Muon's AdamW part followed Muon's LR schedule"):
-        pretrain.check_muon_lr_units(opt, tmp_path)
-    del sched

@@ -1179,3 +1179,30 @@ def test_a_failed_directory_fsync_after_the_rename_raises(tmp_path, monkeypatch)
         save_checkpoint(tmp_path / "ck", model=nn.Linear(3, 2), extra=1)
     monkeypatch.undo()
     assert load_checkpoint(tmp_path / "ck", model=nn.Linear(3, 2)) == 1
+
+
+def test_saved_param_groups_replace_the_current_ones_as_torch_does(tmp_path):
+    # A group saved without a key the current optimizer sets (Muon's AdamW part before its lr followed
+    # Muon's schedule: lr in AdamW's units, no "base_lr") must step as saved. Keeping the new group's
+    # "base_lr" beside the old lr stepped AdamW at adamw_lr / lr = 0.15x its lr, silently.
+    path = str(tmp_path / "ckpt")
+
+    def fn():
+        torch.manual_seed(0)
+        model = TinyTransformer(TinyConfig())
+        fsdp_optim.fully_shard(model, blocks=Muon.blocks)
+        old = Muon(model.parameters(), lr=0.02, adamw_lr=3e-3)
+        for g in old.param_groups:
+            if not g["use_muon"]:  # the older format
+                g["lr"] = g.pop("adamw_lr")
+                del g["base_lr"]
+        fsdp_optim.save_checkpoint(path, model=model, optimizer=old)
+        new = Muon(model.parameters(), lr=0.02, adamw_lr=3e-3)
+        fsdp_optim.load_checkpoint(path, model=model, optimizer=new)
+        lrs = [Muon.adamw_lr(g) for g in new.param_groups if not g["use_muon"]]
+        same = [dict(g, params=None) for g in new.param_groups] == [dict(g, params=None) for g in old.param_groups]
+        del model, old, new
+        return lrs, same
+
+    for lrs, same in run_distributed(fn, world_size=2):
+        assert lrs and all(lr == 3e-3 for lr in lrs) and same

@@ -307,9 +307,14 @@ def _read_small_entries(path: str, plan: _LoadPlan, no_dist: bool) -> dict[str, 
 def _install_optimizer(optimizer: torch.optim.Optimizer, plan: _LoadPlan, decoded: dict[str, Any]) -> None:
     """Hyperparameters, scalars, a lazy optimizer's new state and owned state, after the tensors are read."""
     for g, saved_g in zip(optimizer.param_groups, decoded["optim.param_groups"]):
-        for k, v in saved_g.items():
-            if k != "params":
-                g[k] = v
+        # As torch's Optimizer.load_state_dict: the saved group replaces the current one's
+        # hyperparameters (keys it lacks are dropped, not kept from the new optimizer), so a group
+        # saved by an older version steps as it did then (Muon's AdamW parts without "base_lr" keep
+        # their lr in AdamW's units) instead of mixing old values with new keys.
+        kept = {k: g[k] for k in ("params", "param_names") if k in g}
+        g.clear()
+        g.update({k: v for k, v in saved_g.items() if k != "params"})
+        g.update(kept)
     scalars = decoded["optim.scalars"]
     for target, key, name, device in plan.scalars:
         v, old = scalars[name][key], target.get(key)
