@@ -124,7 +124,7 @@ def _inner_prefixes(mod: nn.Module) -> tuple[str, ...]:
 # (gathered in the shard group, one parameter at a time, in the same order on every rank: every rank
 # calls ``get_model_state_dict``, as torch requires), which torch then offloads to the CPU and keeps on
 # rank 0 only under ``cpu_offload``, as for FSDP2. ``fsdp_optim.full_state_dict(model)`` does the same
-# with less memory (one bucket at a time). tests/sharding/test_full_state.py fails if a torch release
+# with less memory (one bucket at a time). tests/sharding/checkpoint/test_full_state.py fails if a torch release
 # renames the frame.
 _DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
 
