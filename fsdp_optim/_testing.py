@@ -156,7 +156,7 @@ def make_sharded_param(
     p = torch.nn.Parameter(layout.shard(full.detach(), rank).clone())
     set_shard_info(
         p,
-        ShardInfo(fqn=fqn, shape=tuple(full.shape), spec=spec, layout=layout, rank=rank, bucket=bucket, split=split),
+        ShardInfo.of(fqn=fqn, shape=tuple(full.shape), spec=spec, layout=layout, rank=rank, bucket=bucket, split=split),
     )
     return p
 

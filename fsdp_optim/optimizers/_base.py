@@ -63,7 +63,7 @@ def param_info(p: torch.Tensor, rule: BlockRule, *, name: str = "") -> ShardInfo
     shape = tuple(p.shape)
     spec = rule(name, p, None)
     spec.check(shape, name or f"parameter of shape {shape}")
-    return ShardInfo(
+    return ShardInfo.of(
         fqn=name, shape=shape, spec=spec, layout=RaggedShard(shape, (0, p.numel())), rank=0, group=None
     )
 

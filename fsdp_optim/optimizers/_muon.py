@@ -608,7 +608,7 @@ class Muon(torch.optim.Optimizer):
         """A parameter put in a ``use_muon=True`` group whose spec is not a matrix block."""
         if plain and len(info.shape) in (2, 3):
             spec = whole() if len(info.shape) == 2 else expert()
-            return ShardInfo(fqn=info.fqn, shape=info.shape, spec=spec, layout=info.layout, rank=0, group=None)
+            return ShardInfo.of(fqn=info.fqn, shape=info.shape, spec=spec, layout=info.layout, rank=0, group=None)
         where = ("it is a plain tensor of that shape" if plain else
                  "fully_shard recorded an element-wise spec (the block rule took it for an embedding, a head, a "
                  "bias or a vector)")  # fmt: skip

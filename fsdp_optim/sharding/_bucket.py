@@ -228,10 +228,7 @@ class _Bucket:
                 sp = nn.Parameter(view, requires_grad=e.requires_grad)
                 set_shard_info(
                     sp,
-                    ShardInfo(
-                        fqn=e.fqn, shape=pl.shape, spec=pl.spec, layout=pl.shard, rank=self.rank,
-                        group=group, bucket=self.index, split=pl.split, expert=expert_shard(e.param),
-                    ),
+                    ShardInfo(placement=pl, rank=self.rank, group=group, bucket=self.index, expert=expert_shard(e.param)),
                 )  # fmt: skip
                 sharded.append(sp)
                 e.full = None

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ._expert_parallel import ExpertShard
-from .plan import BlockSpec, RaggedShard
+from .plan import BlockSpec, Placement, RaggedShard
 
 __all__ = ["ShardInfo", "shard_info", "set_shard_info", "mark_replaced", "was_replaced", "replacement_of", "check_not_replaced"]
 
@@ -29,26 +29,62 @@ _ORIGINALS = "_fsdp_optim_replaced_originals"  # weak references to the objects 
 
 @dataclass(frozen=True, kw_only=True)
 class ShardInfo:
-    """Metadata of one sharded parameter on one rank."""
+    """Metadata of one sharded parameter on one rank: its ``Placement`` in the plan (name, global
+    shape, block spec, ragged ranges, split; the same on every rank) and this rank's view of it."""
 
-    fqn: str
-    """Fully-qualified name from the root module (first name for tied parameters)."""
-    shape: tuple[int, ...]
-    """Global shape."""
-    spec: BlockSpec
-    layout: RaggedShard
+    placement: Placement
+    """Where the tensor sits in its bucket (``sharding.plan``): name, shape, spec, ranges, split."""
     rank: int
     """This rank's index in the shard group."""
     group: dist.ProcessGroup | None = None
     """The shard group (``None``: the default group)."""
     bucket: int = 0
     """Index of the bucket (communication unit) the parameter lives in."""
-    split: bool = False
-    """A matrix block of this parameter is cut across ranks (see ``Placement.split``)."""
     expert: ExpertShard | None = None
     """Expert parallelism: the experts this rank's slice holds. ``shape``, ``layout`` and ``group``
     then describe the local slice ``[E_local, ...]`` sharded over the ranks holding the same experts;
     ``global_shape`` / ``global_start`` place this rank's piece in the whole ``[E, ...]`` tensor."""
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        fqn: str,
+        shape: tuple[int, ...],
+        spec: BlockSpec,
+        layout: RaggedShard,
+        rank: int,
+        group: dist.ProcessGroup | None = None,
+        bucket: int = 0,
+        split: bool = False,
+        expert: ExpertShard | None = None,
+    ) -> ShardInfo:
+        """A ``ShardInfo`` from its fields (a tensor alone in its bucket, at offset 0)."""
+        placement = Placement(name=fqn, shape=tuple(shape), spec=spec, offset=0, shard=layout, split=split)
+        return cls(placement=placement, rank=rank, group=group, bucket=bucket, expert=expert)
+
+    @property
+    def fqn(self) -> str:
+        """Fully-qualified name from the root module (first name for tied parameters)."""
+        return self.placement.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Global shape (of the local slice of experts under expert parallelism)."""
+        return self.placement.shape
+
+    @property
+    def spec(self) -> BlockSpec:
+        return self.placement.spec
+
+    @property
+    def layout(self) -> RaggedShard:
+        return self.placement.shard
+
+    @property
+    def split(self) -> bool:
+        """A matrix block of this parameter is cut across ranks (see ``Placement.split``)."""
+        return self.placement.split
 
     @property
     def world_size(self) -> int:

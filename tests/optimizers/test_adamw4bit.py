@@ -82,7 +82,7 @@ def emulated_ranks(params, grads, layouts, **kw):
         ps = []
         for i, (f, lay) in enumerate(zip(params, layouts)):
             p = nn.Parameter(lay.shard(f, rank).clone())
-            set_shard_info(p, ShardInfo(fqn=f"p{i}", shape=lay.shape, spec=elements(BS), layout=lay, rank=rank))
+            set_shard_info(p, ShardInfo.of(fqn=f"p{i}", shape=lay.shape, spec=elements(BS), layout=lay, rank=rank))
             ps.append(p)
         ranks.append((ps, AdamW4bit(ps, compile=False, **kw)))
     for gs in grads:
@@ -329,7 +329,7 @@ def test_bad_input_names_the_parameter_and_the_fix():
     full = torch.randn(shape)
     for rank in range(3):
         p = nn.Parameter(lay.shard(full, rank).clone())
-        set_shard_info(p, ShardInfo(fqn="layers.0.w1.weight", shape=shape, spec=elements(1), layout=lay, rank=rank))
+        set_shard_info(p, ShardInfo.of(fqn="layers.0.w1.weight", shape=shape, spec=elements(1), layout=lay, rank=rank))
         with pytest.raises(ValueError, match=r"layers\.0\.w1\.weight.*world size 3.*blocks=AdamW4bit\.blocks"):
             AdamW4bit([p])
     with pytest.raises(ValueError, match="block_size"):

@@ -277,7 +277,7 @@ def emulated_ranks(params, grads, layouts, **kw):
         ps = []
         for i, (f, lay) in enumerate(zip(params, layouts)):
             p = torch.nn.Parameter(lay.shard(f, rank).clone())
-            set_shard_info(p, ShardInfo(fqn=f"p{i}", shape=lay.shape, spec=elements(BS), layout=lay, rank=rank))
+            set_shard_info(p, ShardInfo.of(fqn=f"p{i}", shape=lay.shape, spec=elements(BS), layout=lay, rank=rank))
             ps.append(p)
         ranks.append((ps, AdamW8bit(ps, **kw)))
     for gs in grads:
@@ -447,13 +447,13 @@ def test_layout_cutting_a_quantization_block_is_rejected_on_every_rank(world_siz
     full = torch.randn(shape)
     for rank in range(world_size):  # the check reads the global layout, so every rank raises
         p = torch.nn.Parameter(lay.shard(full, rank).clone())
-        set_shard_info(p, ShardInfo(fqn="layers.0.w1.weight", shape=shape, spec=elements(1), layout=lay, rank=rank))
+        set_shard_info(p, ShardInfo.of(fqn="layers.0.w1.weight", shape=shape, spec=elements(1), layout=lay, rank=rank))
         with pytest.raises(ValueError, match=r"layers\.0\.w1\.weight.*world size.*blocks=AdamW8bit\.blocks"):
             AdamW8bit([p])
     # A small tensor keeps fp32 state, so any layout is fine for it.
     small = RaggedShard.even_rows((7, 3), world_size)
     q = torch.nn.Parameter(small.shard(torch.randn(7, 3), 0).clone())
-    set_shard_info(q, ShardInfo(fqn="norm.weight", shape=(7, 3), spec=elements(1), layout=small, rank=0))
+    set_shard_info(q, ShardInfo.of(fqn="norm.weight", shape=(7, 3), spec=elements(1), layout=small, rank=0))
     assert not AdamW8bit([q], compile=False).is_quantized(q)
 
 
@@ -498,7 +498,7 @@ def shards_in_one_buffer(params, layouts, *, rank: int, bs: int = BS):
     ps = []
     for i, (f, lay) in enumerate(zip(params, layouts)):
         p = torch.nn.Parameter(flat[offs[i] : offs[i] + sizes[i]])
-        set_shard_info(p, ShardInfo(fqn=f"p{i}", shape=tuple(f.shape), spec=elements(bs), layout=lay, rank=rank))
+        set_shard_info(p, ShardInfo.of(fqn=f"p{i}", shape=tuple(f.shape), spec=elements(bs), layout=lay, rank=rank))
         ps.append(p)
     return ps, offs, sizes
 

@@ -500,7 +500,7 @@ def test_block_geometry_tiles_every_element_and_factor(shape, spec):
         ranges = []
         for r in range(3):
             p = torch.nn.Parameter(torch.zeros(layout.local_numel(r)))  # rank r's piece, no group needed
-            set_shard_info(p, ShardInfo(fqn="x", shape=shape, spec=spec, layout=layout, rank=r))
+            set_shard_info(p, ShardInfo.of(fqn="x", shape=shape, spec=spec, layout=layout, rank=r))
             opt = Shampoo([p], max_preconditioner_dim=K)
             plan = opt._plans[p]
             base = layout.bounds[r]

@@ -58,7 +58,7 @@ def owner_layouts(shapes, world_size: int, seed: int) -> list[RaggedShard]:
 
 def sharded(full: torch.Tensor, lay: RaggedShard, rank: int, fqn: str) -> nn.Parameter:
     p = nn.Parameter(lay.shard(full, rank).clone())
-    set_shard_info(p, ShardInfo(fqn=fqn, shape=lay.shape, spec=whole(), layout=lay, rank=rank))
+    set_shard_info(p, ShardInfo.of(fqn=fqn, shape=lay.shape, spec=whole(), layout=lay, rank=rank))
     return p
 
 
@@ -256,7 +256,7 @@ def test_errors_name_the_parameter_and_the_fix():
     full = torch.randn(7, 5)
     lay = RaggedShard((7, 5), (0, 15, 35))  # rows cut across two ranks
     p = nn.Parameter(lay.shard(full, 0).clone())
-    set_shard_info(p, ShardInfo(fqn="layers.0.w1.weight", shape=(7, 5), spec=elements(1), layout=lay, rank=0))
+    set_shard_info(p, ShardInfo.of(fqn="layers.0.w1.weight", shape=(7, 5), spec=elements(1), layout=lay, rank=0))
     with pytest.raises(ValueError, match=r"layers\.0\.w1\.weight.*\(7, 5\).*world size 2.*blocks=WholeTensorOptimizer\.blocks"):
         WholeTensorOptimizer([p], torch.optim.Adafactor)
     with pytest.raises(ValueError, match="optimizer_class"):
