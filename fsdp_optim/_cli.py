@@ -7,7 +7,7 @@ import json
 import math
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "optimizer_balance", "optimizer_rule"]
 
 DESCRIPTION = (
     "fsdp_optim command line tools. 'fsdp-optim plan' lays out a public model's weights (shapes only, no "
@@ -35,6 +35,15 @@ def optimizer_rule(name: str):
     if name not in rules:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     return rules[name]()
+
+
+def optimizer_balance(name: str) -> str:
+    """``PlanConfig.balance`` for ``--optimizer name``: ``"auto"`` where the optimizer accepts matrix
+    blocks split on rows (Muon; AdamW and 8-bit AdamW have none), ``"whole"`` where it refuses them
+    (Shampoo, like SOAP: a rank boundary inside a preconditioner block is a ValueError)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    return "whole" if name == "shampoo" else "auto"
 
 
 # ---- plan ---------------------------------------------------------------------------
