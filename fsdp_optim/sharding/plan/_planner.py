@@ -47,8 +47,28 @@ else RAGGED. Why: on NCCL the ring ``all_gather_into_tensor`` / ``reduce_scatter
 ``W`` grouped broadcasts (one launch and latency per owner), so even wins while its padding
 (extra bytes moved and stored, <= cap) is small. A split matrix costs one extra exchange of that
 matrix per optimizer step (about twice its bytes), more than the padding cap allows, so any
-bucket that would need a split goes ragged, where no block is ever cut. Gloo (measured, see
-docs/architecture.md) runs the uneven forms no slower, so the rule never loses there.
+bucket that would need a split goes ragged, where no block is cut for padding (only for balance,
+below). Gloo (measured, see docs/architecture.md) runs the uneven forms no slower, so the rule never
+loses there.
+
+[Note: balance cap]
+Whole blocks cannot balance once a block nears a rank's mean bytes (Llama 3 8B, Muon, W = 1024: one
+MLP matrix is 7.5 ranks' worth). ``PlanStats.bytes_lower_bound`` says how far whole blocks can get:
+``max_k ceil(k / W) * size_k`` over the blocks sorted by size, since the ``k`` largest share ``W``
+ranks. ``plan_model`` then works in three steps, each only when the previous misses:
+1. the whole-block plan above; if the busiest rank exceeds ``max(1.02 * bound, 1.05)`` x the mean and
+   some bucket is EVEN, the all-ragged whole-block plan too (elementwise embeddings can then fill
+   the ranks that big matrices leave light), the better one kept;
+2. if the busiest rank is still above ``balance_cap`` (or the bound already is: step 1 skipped),
+   ``balance="auto"`` gives ragged buckets row geometries for every matrix whose largest block
+   exceeds ``(cap - 1) / 2`` of the mean (divided by 4 while the cap is missed, 3 tries): the
+   ragged balance then cuts those on rows, at most ``W - 1`` cuts, so at most ``W - 1`` split
+   matrices, recorded as ``Placement.split`` (Muon: one all_to_all pair per step). Ragged, not
+   even: an even segment must be a multiple of every row length a tensor crossing two boundaries
+   has (Llama 3 8B at W = 16384: padding 100%), a ragged cut needs only one row;
+3. ``balance="whole"`` (optimizers that refuse split blocks) keeps step 1's plan and warns with the
+   largest HSDP shard size (a divisor of W, screened by the bound, a few planned) that balances.
+``Plan.balance_note`` says which happened, with the figures.
 """
 
 from __future__ import annotations
