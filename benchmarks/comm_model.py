@@ -61,7 +61,7 @@ import numpy as np
 from fsdp_optim._cli import optimizer_rule
 from fsdp_optim.sharding import BucketPlan, Layout, PlanConfig, plan_model
 from fsdp_optim.sharding.plan import preset_buckets, preset_names
-from fsdp_optim.sharding.plan import LinkModel, WireMode, choose_wire_mode
+from fsdp_optim.sharding.plan import LinkModel, WireMode, choose_wire_mode, split_exchange
 
 WORLD_SIZES = (8, 64, 256, 1024, 4096, 16384)
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -197,23 +197,9 @@ def _fsdp2_numel(shape: tuple[int, ...], spec, w: int) -> int:
 
 def _split_exchange(bucket: BucketPlan) -> tuple[np.ndarray, np.ndarray]:
     """Elements each rank sends / receives to gather its split matrices to their owners (the rank
-    holding the largest piece); the update goes back the same way."""
-    w = bucket.world_size
-    send, recv = np.zeros(w), np.zeros(w)
-    rb = np.asarray(bucket.rank_bounds, dtype=np.int64)
-    for p in bucket.placements:
-        for off, r, c in p.split_matrices():
-            a, b = p.offset + off, p.offset + off + r * c
-            lo = int(np.searchsorted(rb, a, side="right")) - 1
-            hi = int(np.searchsorted(rb, b, side="left"))
-            ranks = np.arange(lo, hi)
-            pieces = np.minimum(rb[ranks + 1], b) - np.maximum(rb[ranks], a)
-            owner = int(ranks[int(np.argmax(pieces))])
-            for rk, n in zip(ranks.tolist(), pieces.tolist()):
-                if rk != owner and n > 0:
-                    send[rk] += n
-                    recv[owner] += n
-    return send, recv
+    holding the largest piece); the update goes back the same way (``plan.split_exchange``)."""
+    send, recv = split_exchange(bucket)
+    return np.asarray(send, dtype=np.float64), np.asarray(recv, dtype=np.float64)
 
 
 def _root_loads(mats: list[int], w: int) -> np.ndarray:

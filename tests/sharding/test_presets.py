@@ -176,3 +176,51 @@ def test_shape_tables_cite_sources():
     assert {e["name"] for e in entries} >= set(JSON_NAMES.values())
     for e in entries:
         assert len(e.get("source", "")) > 20, e["name"]
+
+
+# ---- suggest_mesh (issue 27) ------------------------------------------------------------------
+def test_suggest_mesh_on_presets():
+    from fsdp_optim.optimizers._rules import muon_rule
+    from fsdp_optim.sharding.plan import suggest_mesh
+
+    s = suggest_mesh(model="llama3-70b", world_size=1024, rule=muon_rule(), memory_per_rank=80e9)
+    assert (s.num_replicas, s.shard_size) == (16, 64) and s.max_rank_bytes <= 80e9
+    assert s.plan.world_size == 64 and s.plan.stats().num_split_blocks == 0
+    fitting = [c for c in s.candidates if c.fits]
+    assert all(c.planned and c.max_rank_bytes <= 80e9 for c in fitting)
+    assert s.collective_seconds == min(c.collective_seconds for c in fitting)
+    assert [c.shard_size for c in s.candidates] == [1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1]
+    # pure FSDP: W - 1 latencies per collective and Muon's split exchanges make it the slowest that fits
+    fsdp = s.candidates[0]
+    assert fsdp.num_split_blocks > 0 and fsdp.collective_seconds == max(c.collective_seconds for c in fitting)
+    # less memory: only the larger shard groups fit
+    t = suggest_mesh(model="llama3-8b", world_size=64, rule=muon_rule(), memory_per_rank=12e9)
+    assert [c.shard_size for c in t.candidates if c.fits] == [64, 32] and t.shard_size in (64, 32)
+    assert all(not c.planned for c in t.candidates if c.shard_size <= 16)
+
+
+def test_suggest_mesh_on_a_module_and_errors():
+    import torch
+    from torch import nn
+
+    from fsdp_optim.optimizers._rules import muon_rule
+    from fsdp_optim.sharding.plan import module_buckets, suggest_mesh
+
+    with torch.device("meta"):
+        model = nn.Module()
+        model.embed = nn.Embedding(1000, 64)
+        model.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64)) for _ in range(3))
+        model.norm = nn.LayerNorm(64)
+    buckets = module_buckets(model, rule=muon_rule())
+    assert [n for n, _ in buckets] == ["embed", "layers.0", "layers.1", "layers.2", "norm"]
+    assert str(buckets[1][1][0].spec) == "whole()" and str(buckets[0][1][0].spec) == "elements(1)"
+    s = suggest_mesh(model=model, world_size=8, rule=muon_rule(), memory_per_rank=1e9)
+    assert s.shard_size * s.num_replicas == 8 and len(s.candidates) == 4
+    with pytest.raises(ValueError, match="memory_per_rank must be a positive number of bytes"):
+        suggest_mesh(model=model, world_size=8, rule=muon_rule(), memory_per_rank=float("nan"))
+    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
+        suggest_mesh(model=model, world_size=0, rule=muon_rule(), memory_per_rank=1e9)
+    with pytest.raises(ValueError, match="model 'llama9' is not a preset"):
+        suggest_mesh(model="llama9", world_size=8, rule=muon_rule(), memory_per_rank=1e9)
+    with pytest.raises(ValueError, match="fits no HSDP shape of world size 8"):
+        suggest_mesh(model=model, world_size=8, rule=muon_rule(), memory_per_rank=1e3)

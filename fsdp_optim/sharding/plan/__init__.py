@@ -9,7 +9,18 @@ from ._cost import tensor_cost
 from ._presets import PRESETS, ModelPreset, preset_buckets, preset_names, preset_shapes
 from ._ragged import RaggedShard, block_aligned_splits, chunk_bounds
 from ._report import PlanStats
-from ._wire import WIRE_CHOICES, LinkModel, WireMode, choose_wire_mode, grouped_seconds, padded_seconds
+from ._wire import (
+    WIRE_CHOICES,
+    LinkModel,
+    WireMode,
+    all_reduce_seconds,
+    all_to_all_seconds,
+    choose_wire_mode,
+    grouped_seconds,
+    padded_seconds,
+    split_exchange,
+)
+from ._suggest import MeshCandidate, MeshSuggestion, module_buckets, suggest_mesh
 
 __all__ = [
     "BlockKind",
@@ -17,6 +28,8 @@ __all__ = [
     "BlockSpec",
     "BucketPlan",
     "LinkModel",
+    "MeshCandidate",
+    "MeshSuggestion",
     "Layout",
     "LocalPiece",
     "ModelPreset",
@@ -29,6 +42,8 @@ __all__ = [
     "TensorSpec",
     "WIRE_CHOICES",
     "WireMode",
+    "all_reduce_seconds",
+    "all_to_all_seconds",
     "block_aligned_splits",
     "choose_wire_mode",
     "chunk_bounds",
@@ -38,12 +53,15 @@ __all__ = [
     "grouped_seconds",
     "heads",
     "merge_small_dims",
+    "module_buckets",
     "padded_seconds",
     "plan_model",
     "preset_buckets",
     "preset_names",
     "preset_shapes",
     "rows",
+    "split_exchange",
+    "suggest_mesh",
     "tensor_cost",
     "whole",
 ]
