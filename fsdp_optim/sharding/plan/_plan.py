@@ -244,6 +244,9 @@ class Plan:
     balance_note: str = ""
     """One line on the balance choice (whole blocks kept, or blocks split and why, with the figures);
     what ``fully_shard`` logs. Empty for a one-rank plan."""
+    balance_shard_size: int | None = None
+    """Whole blocks above the cap without a split (``balance="whole"``, or no matrix blocks): the
+    largest HSDP shard size found whose whole-block plan balances within the cap; None otherwise."""
 
     def stats(self):
         """Whole-model figures (padding, splits, per-rank bytes and cost balance): a ``PlanStats``."""

@@ -640,7 +640,7 @@ def plan_model(
     """
     t0 = time.perf_counter()
     items = _validate(buckets, world_size, config)
-    w = world_size
+    w, hsdp = world_size, None
     param_b = sum(ts.numel * isz for _, specs, isz in items for ts in specs)
     if w == 1 or param_b == 0:
         return Plan(world_size=w, buckets=_layout(items, w, config), config=config, seconds=time.perf_counter() - t0)
@@ -652,7 +652,7 @@ def plan_model(
         return Plan(world_size=w, buckets=out, config=config, seconds=time.perf_counter() - t0, balance_note=note)
     out = _layout(items, w, config)
     ratio = _busiest(out) / mean
-    if ratio > max(1.02 * lb, 1.05) and config.layout == "auto" and any(b.layout is Layout.EVEN for b in out):
+    if lb <= cap and ratio > max(1.02 * lb, 1.05) and config.layout == "auto" and any(b.layout is Layout.EVEN for b in out):
         # even buckets add the same bytes to every rank; ragged ones can fill the ranks that whole
         # blocks leave light (elementwise embeddings beside the MLP matrices)
         alt = _layout(items, w, dataclasses.replace(config, layout="ragged"))
@@ -661,7 +661,7 @@ def plan_model(
     if ratio <= cap:
         note = f"whole blocks: busiest rank {ratio:.3f} x the mean (lower bound {lb:.3f}, cap {cap:.2f}), none split"
     elif not can_split:
-        shard = _balancing_shard_size(items, w, config)
+        shard = hsdp = _balancing_shard_size(items, w, config)
         note = (
             f"whole blocks: busiest rank {ratio:.3f} x the mean, above balance_cap {cap:.2f} (whole-block lower "
             f"bound {lb:.3f}); "
@@ -679,7 +679,8 @@ def plan_model(
             out = split
         else:
             note = f"whole blocks: busiest rank {ratio:.3f} x the mean, above balance_cap {cap:.2f}; splitting did not help"
-    return Plan(world_size=w, buckets=out, config=config, seconds=time.perf_counter() - t0, balance_note=note)
+    return Plan(world_size=w, buckets=out, config=config, seconds=time.perf_counter() - t0, balance_note=note,
+                balance_shard_size=hsdp)  # fmt: skip
 
 
 def _busiest(bucket_plans: Sequence[BucketPlan]) -> int:
@@ -711,7 +712,7 @@ def _balancing_shard_size(items, w: int, config: PlanConfig) -> int | None:
     param_b = sum(ts.numel * isz for _, specs, isz in items for ts in specs)
     planned = 0
     for s in sorted((d for d in range(1, w) if w % d == 0), reverse=True):
-        if _lower_bound(items, s) * s > config.balance_cap * param_b:
+        if _lower_bound(items, s) * s * _SHARD_MARGIN > config.balance_cap * param_b:
             continue
         if s == 1:
             return 1
@@ -723,7 +724,10 @@ def _balancing_shard_size(items, w: int, config: PlanConfig) -> int | None:
     return None
 
 
-_SHARD_TRIES = 6
+_SHARD_MARGIN = 1.03
+"""``balance="whole"`` warning: shard sizes whose lower bound is within 3% of the cap are not planned
+(whole-block plans land a few percent above the bound)."""
+_SHARD_TRIES = 2
 """``balance="whole"`` warning: HSDP shard sizes planned (after the lower-bound screen) at most."""
 
 
