@@ -67,7 +67,8 @@ ranks. ``plan_model`` then works in three steps, each only when the previous mis
    even: an even segment must be a multiple of every row length a tensor crossing two boundaries
    has (Llama 3 8B at W = 16384: padding 100%), a ragged cut needs only one row;
 3. ``balance="whole"`` (optimizers that refuse split blocks) keeps step 1's plan and warns with the
-   largest HSDP shard size (a divisor of W, screened by the bound, a few planned) that balances.
+   largest HSDP shard size (a divisor of W) whose whole-block bound is 3% under the cap (bound only:
+   ``suggest_mesh`` plans and prices shard sizes).
 ``Plan.balance_note`` says which happened, with the figures.
 """
 
@@ -666,7 +667,8 @@ def plan_model(
             f"whole blocks: busiest rank {ratio:.3f} x the mean, above balance_cap {cap:.2f} (whole-block lower "
             f"bound {lb:.3f}); "
             + (
-                f"an HSDP shard size of {shard} (replicate x {w // shard}) balances within the cap"
+                f"an HSDP shard size of {shard} (replicate x {w // shard}) balances within the cap by the "
+                f"whole-block bound (fsdp-optim plan --suggest plans and prices each shard size)"
                 if shard
                 else "no HSDP shard size dividing the world size balances within the cap"
             )
@@ -695,40 +697,37 @@ def _has_matrix(items) -> bool:
     return any(ts.spec.is_matrix and ts.numel for _, specs, _ in items for ts in specs)
 
 
-def _lower_bound(items, w: int) -> int:
-    """``whole_block_bound`` of the planner's input (bytes)."""
+def _sizes(items) -> dict[int, int]:
+    """``{block bytes: count}`` of the planner's input (for ``whole_block_bound``)."""
     sizes: dict[int, int] = {}
     for _, specs, isz in items:
         for ts in specs:
             for n, c in block_sizes(ts.shape, ts.spec).items():
                 sizes[n * isz] = sizes.get(n * isz, 0) + c
-    return whole_block_bound(sizes, w)
+    return sizes
+
+
+def _lower_bound(items, w: int) -> int:
+    """``whole_block_bound`` of the planner's input (bytes)."""
+    return whole_block_bound(_sizes(items), w)
 
 
 def _balancing_shard_size(items, w: int, config: PlanConfig) -> int | None:
-    """Largest divisor ``s < w`` of the world size whose whole-block plan balances within the cap
-    (HSDP: plan over ``s`` ranks, replicate ``w / s`` times), or None. Divisors are screened by
-    ``whole_block_bound`` first; at most a few are planned."""
+    """Largest divisor ``s < w`` of the world size (HSDP: plan over ``s`` ranks, replicate ``w / s``
+    times) whose whole-block lower bound is within the cap by ``_SHARD_MARGIN``, or None. Bound
+    only, nothing planned (``plan_model`` stays fast on this warning path; ``suggest_mesh`` plans and
+    prices every shard size)."""
     param_b = sum(ts.numel * isz for _, specs, isz in items for ts in specs)
-    planned = 0
+    sizes = _sizes(items)
     for s in sorted((d for d in range(1, w) if w % d == 0), reverse=True):
-        if _lower_bound(items, s) * s * _SHARD_MARGIN > config.balance_cap * param_b:
-            continue
-        if s == 1:
-            return 1
-        if planned == _SHARD_TRIES:
-            return None
-        planned += 1
-        if _busiest(_layout(items, s, config)) * s <= config.balance_cap * param_b:
+        if whole_block_bound(sizes, s) * s * _SHARD_MARGIN <= config.balance_cap * param_b:
             return s
     return None
 
 
 _SHARD_MARGIN = 1.03
-"""``balance="whole"`` warning: shard sizes whose lower bound is within 3% of the cap are not planned
+"""``balance="whole"`` warning: the shard size named has a whole-block lower bound 3% under the cap
 (whole-block plans land a few percent above the bound)."""
-_SHARD_TRIES = 2
-"""``balance="whole"`` warning: HSDP shard sizes planned (after the lower-bound screen) at most."""
 
 
 def _split_for_balance(items, w: int, config: PlanConfig, mean: float, why: str):
