@@ -361,7 +361,7 @@ def test_balance_whole_keeps_blocks_and_warns_with_the_hsdp_shard_size():
     assert st.num_split_blocks == 0 and st.balance_ratio > 7
     msg = str(rec[0].message)
     assert f"busiest rank {st.balance_ratio:.3f} x the mean" in msg and "balance_cap 1.10" in msg
-    assert "an HSDP shard size of 128 (replicate x 8) balances within the cap by the whole-block bound" in msg, msg
+    assert "an HSDP shard size of 128 (replicate x 8) balances within the cap" in msg, msg
     # that shard size does balance with whole blocks, twice it does not
     st128 = plan_model(_muon("llama3-8b"), world_size=128, config=PlanConfig(balance="whole")).stats()
     assert st128.balance_ratio <= 1.10 and st128.num_split_blocks == 0

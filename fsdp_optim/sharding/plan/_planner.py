@@ -67,8 +67,9 @@ ranks. ``plan_model`` then works in three steps, each only when the previous mis
    even: an even segment must be a multiple of every row length a tensor crossing two boundaries
    has (Llama 3 8B at W = 16384: padding 100%), a ragged cut needs only one row;
 3. ``balance="whole"`` (optimizers that refuse split blocks) keeps step 1's plan and warns with the
-   largest HSDP shard size (a divisor of W) whose whole-block bound is 3% under the cap (bound only:
-   ``suggest_mesh`` plans and prices shard sizes).
+   largest HSDP shard size the bound allows if its plan balances (one plan), else the largest with
+   balance guaranteed (largest block <= (cap - 1 - padding_cap) x mean; ``suggest_mesh`` plans and
+   prices every shard size).
 ``Plan.balance_note`` says which happened, with the figures.
 """
 
@@ -667,8 +668,8 @@ def plan_model(
             f"whole blocks: busiest rank {ratio:.3f} x the mean, above balance_cap {cap:.2f} (whole-block lower "
             f"bound {lb:.3f}); "
             + (
-                f"an HSDP shard size of {shard} (replicate x {w // shard}) balances within the cap by the "
-                f"whole-block bound (fsdp-optim plan --suggest plans and prices each shard size)"
+                f"an HSDP shard size of {shard} (replicate x {w // shard}) balances within the cap "
+                f"(fsdp-optim plan --suggest prices every shard size)"
                 if shard
                 else "no HSDP shard size dividing the world size balances within the cap"
             )
@@ -713,21 +714,22 @@ def _lower_bound(items, w: int) -> int:
 
 
 def _balancing_shard_size(items, w: int, config: PlanConfig) -> int | None:
-    """Largest divisor ``s < w`` of the world size (HSDP: plan over ``s`` ranks, replicate ``w / s``
-    times) whose whole-block lower bound is within the cap by ``_SHARD_MARGIN``, or None. Bound
-    only, nothing planned (``plan_model`` stays fast on this warning path; ``suggest_mesh`` plans and
-    prices every shard size)."""
+    """An HSDP shard size (a divisor ``s < w``: plan over ``s`` ranks, replicate ``w / s`` times) whose
+    whole-block plan balances within the cap, or None. The largest divisor that the whole-block bound
+    allows is planned (one plan); if it misses, the largest divisor whose balance is guaranteed: the
+    ragged fill puts at most the mean plus one largest block on a rank (plus the even buckets'
+    padding, at most ``padding_cap``), so ``largest block <= (cap - 1 - padding_cap) x mean`` suffices."""
     param_b = sum(ts.numel * isz for _, specs, isz in items for ts in specs)
     sizes = _sizes(items)
-    for s in sorted((d for d in range(1, w) if w % d == 0), reverse=True):
-        if whole_block_bound(sizes, s) * s * _SHARD_MARGIN <= config.balance_cap * param_b:
-            return s
-    return None
-
-
-_SHARD_MARGIN = 1.03
-"""``balance="whole"`` warning: the shard size named has a whole-block lower bound 3% under the cap
-(whole-block plans land a few percent above the bound)."""
+    biggest = max(sizes, default=0)
+    divisors = sorted((d for d in range(1, w) if w % d == 0), reverse=True)
+    first = next((s for s in divisors if whole_block_bound(sizes, s) * s <= config.balance_cap * param_b), None)
+    if first is None:
+        return None
+    if first == 1 or _busiest(_layout(items, first, config)) * first <= config.balance_cap * param_b:
+        return first
+    slack = config.balance_cap - 1.0 - config.padding_cap
+    return next((s for s in divisors if s < first and biggest * s <= slack * param_b), None)
 
 
 def _split_for_balance(items, w: int, config: PlanConfig, mean: float, why: str):
