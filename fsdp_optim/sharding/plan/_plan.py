@@ -81,6 +81,11 @@ class PlanConfig:
     matrix blocks are cut on rows where the balance needs it (Muon only; see the class docstring).
     ``"whole"``: never cut a block for balance; warn when the cap is missed, naming the HSDP shard
     size that would balance."""
+    piece_align_bytes: int = 64
+    """Every tensor's local piece starts at a multiple of this many bytes of its rank's segment (and
+    even segments are multiples of it): GPU vectorized kernels need 16 B, MKL's results on AVX-512
+    depend on operand alignment. Costs padding after each tensor (ragged buckets too); 1 turns it
+    off (the layout before issue 27). See [Note: aligned pieces] in ``_planner.py``."""
     balance_cap: float = 1.10
     """Largest rank's stored bytes (padding included) over the mean parameter bytes per rank that
     the plan may reach before ``balance="auto"`` splits blocks."""
@@ -94,6 +99,11 @@ class PlanConfig:
             raise ValueError(f"align must be >= 1, got {self.align}")
         if self.wire not in ("auto", "grouped", "padded"):
             raise ValueError(f"wire must be 'auto', 'grouped' or 'padded', got {self.wire!r}")
+        if isinstance(self.piece_align_bytes, bool) or not isinstance(self.piece_align_bytes, int) or self.piece_align_bytes < 1:
+            raise ValueError(
+                f"piece_align_bytes must be an int >= 1 (64: cache lines, 16: GPU vector loads, 1: no alignment), "
+                f"got {self.piece_align_bytes!r}"
+            )
         if self.balance not in ("auto", "whole"):
             raise ValueError(
                 f"balance must be 'auto' (split matrix blocks where whole ones miss balance_cap) or 'whole' "
@@ -215,8 +225,8 @@ class BucketPlan:
         if self.layout is Layout.EVEN:
             s = self.rank_bounds[1]
             assert all(self.rank_bounds[r] == r * s for r in range(w + 1)), "even bucket with uneven segments"
-        else:
-            assert self.padding == 0, "ragged bucket with padding"
+        else:  # ragged: padding only to round each tensor up to the alignment quantum
+            assert 0 <= self.padding < max(len(self.placements), 1) * 64, "ragged bucket with padding beyond alignment"
         end = 0
         for p in self.placements:
             assert p.offset >= end, f"{p.name} overlaps the previous tensor"

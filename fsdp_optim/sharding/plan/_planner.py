@@ -71,6 +71,17 @@ ranks. ``plan_model`` then works in three steps, each only when the previous mis
    balance guaranteed (largest block <= (cap - 1 - padding_cap) x mean; ``suggest_mesh`` plans and
    prices every shard size).
 ``Plan.balance_note`` says which happened, with the figures.
+
+[Note: aligned pieces]
+Every tensor's piece starts on a ``PlanConfig.piece_align_bytes`` (64 B) boundary of its rank's
+segment: GPU vectorized kernels need 16 B and MKL's results on AVX-512 depend on operand alignment
+(Shampoo reads aligned copies otherwise). With ``q = 64 / gcd(64, itemsize)`` elements, each tensor
+takes ``numel`` rounded up to a multiple of ``q`` (the tail padding belongs to its last block) and is
+cut only at multiples of ``lcm(block, q)`` from its start; even segments are multiples of ``q``.
+Offsets are then multiples of ``q`` in every layout, and so are all rank bounds, so a piece starts at
+0 of its segment (the tensor began on an earlier rank) or at ``offset - rank bound``, a multiple of
+``q``. Cost: under ``q - 1`` elements per tensor (ragged buckets now carry that padding too) and
+coarser cuts in tensors whose block is not a multiple of ``q``.
 """
 
 from __future__ import annotations
@@ -107,7 +118,9 @@ class _Geom:
 
     __slots__ = ("numel", "unit", "starts", "max_block", "split")
 
-    def __init__(self, ts: TensorSpec, *, split: bool = False):
+    def __init__(self, ts: TensorSpec, *, split: bool = False, quantum: int = 1):
+        """``quantum`` (elements): the tensor takes ``numel`` rounded up to a multiple of it, and is
+        cut only at multiples of it (see [Note: aligned pieces])."""
         shape, spec = ts.shape, ts.spec
         self.split = split
         self.numel = math.prod(shape)
@@ -127,6 +140,13 @@ class _Geom:
                 self.starts = [s for s in self.starts if s % quantum == 0 or s == self.numel]
             elif self.unit < self.numel:
                 self.unit = math.lcm(self.unit, quantum)
+        if quantum > 1 and self.numel:
+            span = -(-self.numel // quantum) * quantum
+            if self.starts is not None:
+                self.starts = [s for s in self.starts if s % quantum == 0 and s < self.numel] + [span]
+            else:
+                self.unit = span if self.unit >= self.numel else math.lcm(self.unit, quantum)
+            self.numel = span  # the padding after the data belongs to the last block
         if self.starts is not None:
             self.max_block = max((b - a for a, b in zip(self.starts, self.starts[1:])), default=0)
         else:
@@ -270,11 +290,18 @@ class _EvenResult(NamedTuple):
     padding: int
 
 
+def _quantum(config: PlanConfig, itemsize: int) -> int:
+    """Elements per ``config.piece_align_bytes`` (see [Note: aligned pieces])."""
+    return config.piece_align_bytes // math.gcd(config.piece_align_bytes, itemsize)
+
+
 def _plan_even(specs: Sequence[TensorSpec], world_size: int, config: PlanConfig, *, allow_split: bool) -> _EvenResult:
     n = sum(ts.numel for ts in specs)
     split = [False] * len(specs)
-    geoms = [_Geom(ts) for ts in specs]
-    seg, offs = _even_layout(geoms, world_size, config.align)
+    q = _quantum(config, specs[0].itemsize) if specs else 1
+    geoms = [_Geom(ts, quantum=q) for ts in specs]
+    align = math.lcm(config.align, q)
+    seg, offs = _even_layout(geoms, world_size, align)
     res = _EvenResult(seg, offs, list(split), world_size * seg - n)
     if not allow_split or res.padding <= config.padding_cap * n:
         return res
@@ -284,8 +311,8 @@ def _plan_even(specs: Sequence[TensorSpec], world_size: int, config: PlanConfig,
         for i, ts in enumerate(specs):
             if ts.spec.is_matrix and ts.numel and not split[i] and geoms[i].max_block >= th:
                 split[i] = True
-                geoms[i] = _Geom(ts, split=True)
-        seg, offs = _even_layout(geoms, world_size, config.align)
+                geoms[i] = _Geom(ts, split=True, quantum=q)
+        seg, offs = _even_layout(geoms, world_size, align)
         cand = _EvenResult(seg, offs, list(split), world_size * seg - n)
         if cand.padding < res.padding:
             res = cand
@@ -652,7 +679,8 @@ def plan_model(
     if can_split and lb > cap:  # no whole-block plan can meet the cap: split straight away
         out, note = _split_for_balance(items, w, config, mean, f"whole blocks cannot: lower bound {lb:.3f}")
         return Plan(world_size=w, buckets=out, config=config, seconds=time.perf_counter() - t0, balance_note=note)
-    out = _layout(items, w, config)
+    chosen = _choose_layouts(items, w, config)
+    out = _layout(items, w, config, chosen=chosen)
     ratio = _busiest(out) / mean
     if lb <= cap and ratio > max(1.02 * lb, 1.05) and config.layout == "auto" and any(b.layout is Layout.EVEN for b in out):
         # even buckets add the same bytes to every rank; ragged ones can fill the ranks that whole
@@ -677,7 +705,8 @@ def plan_model(
         if config.balance == "whole":
             warnings.warn(f"PlanConfig(balance='whole'): {note}", stacklevel=2)
     else:
-        split, note = _split_for_balance(items, w, config, mean, f"whole blocks gave {ratio:.3f} (lower bound {lb:.3f})")
+        split, note = _split_for_balance(items, w, config, mean, f"whole blocks gave {ratio:.3f} (lower bound {lb:.3f})",
+                                         chosen=chosen)  # fmt: skip
         if _busiest(split) < _busiest(out):
             out = split
         else:
@@ -732,7 +761,7 @@ def _balancing_shard_size(items, w: int, config: PlanConfig) -> int | None:
     return next((s for s in divisors if s < first and biggest * s <= slack * param_b), None)
 
 
-def _split_for_balance(items, w: int, config: PlanConfig, mean: float, why: str):
+def _split_for_balance(items, w: int, config: PlanConfig, mean: float, why: str, *, chosen=None):
     """``balance="auto"`` when whole blocks miss the cap: ragged buckets may cut matrix blocks larger
     than a threshold on rows (the threshold divided by 4 until the plan fits the cap, at most
     ``_SPLIT_TRIES`` plans). Returns ``(bucket plans, note)``: the plan with the least busy rank."""
@@ -740,7 +769,8 @@ def _split_for_balance(items, w: int, config: PlanConfig, mean: float, why: str)
     best, best_ratio = None, math.inf
     threshold = int((cap - 1.0) / 2 * mean)
     for _ in range(_SPLIT_TRIES):
-        cand = _layout(items, w, config, split_above=max(threshold, 1))
+        chosen = chosen or _choose_layouts(items, w, config)
+        cand = _layout(items, w, config, split_above=max(threshold, 1), chosen=chosen)
         ratio = _busiest(cand) / mean
         if ratio < best_ratio:
             best, best_ratio = cand, ratio
@@ -758,18 +788,19 @@ _SPLIT_TRIES = 3
 """Balance cap: split plans tried (threshold on block bytes divided by 4 after each miss)."""
 
 
-def _layout(items, w: int, config: PlanConfig, *, split_above: int | None = None) -> tuple[BucketPlan, ...]:
+def _layout(items, w: int, config: PlanConfig, *, split_above: int | None = None, chosen=None) -> tuple[BucketPlan, ...]:
     """The bucket plans: layout per bucket, global ragged balance, materialized placements.
-    ``split_above`` (bytes): ragged buckets may cut matrix blocks larger than this on rows."""
-    layouts, evens = _choose_layouts(items, w, config)
+    ``split_above`` (bytes): ragged buckets may cut matrix blocks larger than this on rows.
+    ``chosen``: ``_choose_layouts(items, w, config)`` when already computed (it is pure)."""
+    layouts, evens = chosen or _choose_layouts(items, w, config)
     ragged_idx = [i for i, lay in enumerate(layouts) if lay is Layout.RAGGED]
-    starts_b, total_b = {}, 0
-    for i in ragged_idx:
+    starts_b, total_b, rag = {}, 0, []
+    for i in ragged_idx:  # a bucket spans its tensors' elements, each rounded up to the alignment quantum
         starts_b[i] = total_b
-        total_b += sum(ts.numel for ts in items[i][1]) * items[i][2]
-    rag = [_ragged_item(items[i], starts_b[i], split_above) for i in ragged_idx]
+        rag.append(_ragged_item(items[i], total_b, split_above, _quantum(config, items[i][2])))
+        total_b += sum(g.numel for g in rag[-1][1]) * items[i][2]
     glob_cuts, offs_list = _balance_ragged(rag, total_b, w)
-    ragged = {i: (offs, [g.split for g in r[1]]) for i, offs, r in zip(ragged_idx, offs_list, rag)}
+    ragged = {i: (offs, [g.split for g in r[1]], sum(g.numel for g in r[1])) for i, offs, r in zip(ragged_idx, offs_list, rag)}
     glob = np.asarray(glob_cuts, dtype=np.int64)  # non-decreasing within a bucket, buckets in order
     out: list[BucketPlan] = []
     for i, (name, specs, isz) in enumerate(items):
@@ -778,9 +809,8 @@ def _layout(items, w: int, config: PlanConfig, *, split_above: int | None = None
             rb_np = np.arange(w + 1, dtype=np.int64) * ev.seg
             offsets, splits = ev.offsets, ev.split
         else:
-            nb = sum(ts.numel for ts in specs) * isz
-            rb_np = np.clip(glob - starts_b[i], 0, nb) // isz
-            offsets, splits = ragged[i]
+            offsets, splits, span = ragged[i]
+            rb_np = np.clip(glob - starts_b[i], 0, span * isz) // isz
         out.append(_materialize(name, specs, isz, layouts[i], rb_np, offsets, splits))
     return tuple(out)
 
@@ -809,17 +839,17 @@ def _choose_layouts(items, w: int, config: PlanConfig) -> tuple[list[Layout], li
     return layouts, evens
 
 
-def _ragged_item(item, start_b: int, split_above: int | None):
+def _ragged_item(item, start_b: int, split_above: int | None, quantum: int):
     """``(start byte, geometries, costs, cost profiles, itemsize)`` of one ragged bucket; matrix
     tensors whose largest block exceeds ``split_above`` bytes get row geometries (and a cost spread
     evenly over their rows)."""
     _, specs, isz = item
     geoms, profs = [], []
     for ts in specs:
-        g = _Geom(ts)
+        g = _Geom(ts, quantum=quantum)
         if split_above is not None and ts.spec.is_matrix and ts.numel and g.max_block * isz > split_above:
-            g = _Geom(ts, split=True)
-            rows_ = ts.numel // g.unit
+            g = _Geom(ts, split=True, quantum=quantum)
+            rows_ = g.numel // g.unit
             c = tensor_cost(ts.shape, ts.spec) / max(rows_, 1)
             profs.append(_UniformCost(g.unit, rows_, c, c))
         else:
