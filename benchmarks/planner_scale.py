@@ -57,10 +57,10 @@ def _timed_plan(buckets, w: int, config: PlanConfig):
     return plan, secs
 
 
-def default_table(world_sizes=TABLE_WORLD_SIZES) -> list[dict]:
+def default_table(world_sizes=TABLE_WORLD_SIZES, models=None) -> list[dict]:
     """Every preset x Muon / Shampoo x W with the default PlanConfig (see the module docstring)."""
     rows = []
-    for model in preset_names():
+    for model in models or preset_names():
         for opt in ("muon", "shampoo"):
             buckets = preset_buckets(model, rule=optimizer_rule(opt))
             for w in world_sizes:
