@@ -13,6 +13,7 @@ matrices / Shampoo blocks (ragged, whole blocks) still balance within 10%.
     python benchmarks/planner_scale.py            # full grid (a few minutes on 2 cores)
     python benchmarks/planner_scale.py --quick    # W in {8, 1024}, for a smoke run -> runs/bench-quick/
     python benchmarks/planner_scale.py --table    # the default plan table only (writes planner_scale_default.*)
+    python benchmarks/planner_scale.py --alignment  # padding of 64 B aligned pieces (planner_alignment.md)
     python benchmarks/planner_scale.py --shard-size 64   # HSDP: plan over 64 ranks, replicate W/64
                                                          # (writes planner_scale_hsdp64.*)
 """
@@ -77,6 +78,30 @@ def default_table(world_sizes=TABLE_WORLD_SIZES, models=None) -> list[dict]:
                       f"split={st.num_split_blocks:6d} t={secs:.3f}s hsdp={plan.balance_shard_size} "
                       f"{row['hsdp_balance_ratio'] or ''}", flush=True)  # fmt: skip
     return rows
+
+
+def alignment_md(world_sizes=(64, 1024, 16384), models=None) -> str:
+    """[Note: aligned pieces]: padding of the default plans (64 B aligned pieces) vs ``piece_align_bytes=1``."""
+    out = [
+        "# Aligned pieces: padding they cost (default plans, fp32)",
+        "",
+        "Made by: `python benchmarks/planner_scale.py --alignment`. Every tensor's local piece starts on a 64 B "
+        "boundary of its segment (`PlanConfig.piece_align_bytes=64`, the default) vs unaligned (`=1`). Padding % of "
+        "parameters; extra = the aligned plan's padding minus the unaligned one's, per rank on average.",
+        "",
+        "| preset | optimizer | W | padding % aligned | padding % unaligned | extra bytes per rank |",
+        "|---|---|---|---|---|---|",
+    ]
+    for model in models or preset_names():
+        for opt in ("muon", "shampoo"):
+            buckets = preset_buckets(model, rule=optimizer_rule(opt))
+            for w in world_sizes:
+                a, u = (_timed_plan(buckets, w, PlanConfig(balance=optimizer_balance(opt), piece_align_bytes=k))[0].stats()
+                        for k in (64, 1))  # fmt: skip
+                extra = (a.padding_ratio - u.padding_ratio) * a.param_numel * 4 / w
+                out.append(f"| {model} | {opt} | {w} | {100 * a.padding_ratio:.5f} | {100 * u.padding_ratio:.5f} | "
+                           f"{extra:,.0f} B |")  # fmt: skip
+    return "\n".join(out) + "\n"
 
 
 def _table_md(rows: list[dict]) -> list[str]:
@@ -237,10 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="W in {8, 1024} only")
     ap.add_argument("--table", action="store_true", help="the default plan table only (planner_scale_default.*)")
+    ap.add_argument("--alignment", action="store_true", help="padding of 64 B aligned pieces (planner_alignment.md)")
     ap.add_argument("--shard-size", type=int, default=None, help="HSDP: plan over this many ranks, replicate the rest")
     ap.add_argument("--out", default=None, help="output folder (default: benchmarks/results/; --quick: runs/bench-quick/)")
     args = ap.parse_args(argv)
-    results = out_dir(ap, args, keep=("shard_size", "table"))
+    results = out_dir(ap, args, keep=("shard_size", "table", "alignment"))
     world_sizes = (8, 1024) if args.quick else WORLD_SIZES
     if args.shard_size is not None and any(w % min(w, args.shard_size) for w in world_sizes):
         ap.error(f"--shard-size {args.shard_size} must divide every world size {world_sizes} it is smaller than")
@@ -248,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     command += f" --shard-size {args.shard_size}" if args.shard_size else ""
     name = "planner_scale" + (f"_hsdp{args.shard_size}" if args.shard_size else "")
     t0 = time.perf_counter()
+    if args.alignment:
+        results.mkdir(parents=True, exist_ok=True)
+        (results / "planner_alignment.md").write_text(alignment_md())
+        print(f"wrote {results}/planner_alignment.md in {time.perf_counter() - t0:.0f} s")
+        return 0
     if args.table:
         rows = default_table()
         md = "# Planner at scale: the default plan (simulated)\n\n" + f"Made by: `python benchmarks/planner_scale.py --table`\n\n"
