@@ -42,6 +42,13 @@ with no overlap with compute (what a step would cost if communication were expos
     python benchmarks/comm_model.py                              # all presets, W in {8 .. 16384}
     python benchmarks/comm_model.py --models llama3-8b --world-sizes 64 --no-write
     python benchmarks/comm_model.py --shard-size 64 --out-name comm_model_hsdp64
+    python benchmarks/comm_model.py --balanced   # issue 27: W in {64, 1024, 16384}, pure FSDP and the
+                                                 # suggest_mesh shape at 80 GB -> comm_model_balanced.*
+
+``--balanced``: per preset and W, ours (the default, balanced plan) as pure FSDP and at the HSDP
+shape ``suggest_mesh`` picks for ``--memory-per-rank`` (default 80 GB), each against (b) and (c) on
+the same mesh (equal per-rank memory: the same shard size holds the same parameter share). A cell
+where ours is slower than a peer names why (its optimizer exchanges or its ragged collectives).
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ import numpy as np
 from fsdp_optim._cli import optimizer_rule
 from fsdp_optim.sharding import BucketPlan, Layout, PlanConfig, plan_model
 from fsdp_optim.sharding.plan import preset_buckets, preset_names
-from fsdp_optim.sharding.plan import LinkModel, WireMode, choose_wire_mode
+from fsdp_optim.sharding.plan import LinkModel, WireMode, choose_wire_mode, split_exchange
 
 WORLD_SIZES = (8, 64, 256, 1024, 4096, 16384)
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -197,23 +204,9 @@ def _fsdp2_numel(shape: tuple[int, ...], spec, w: int) -> int:
 
 def _split_exchange(bucket: BucketPlan) -> tuple[np.ndarray, np.ndarray]:
     """Elements each rank sends / receives to gather its split matrices to their owners (the rank
-    holding the largest piece); the update goes back the same way."""
-    w = bucket.world_size
-    send, recv = np.zeros(w), np.zeros(w)
-    rb = np.asarray(bucket.rank_bounds, dtype=np.int64)
-    for p in bucket.placements:
-        for off, r, c in p.split_matrices():
-            a, b = p.offset + off, p.offset + off + r * c
-            lo = int(np.searchsorted(rb, a, side="right")) - 1
-            hi = int(np.searchsorted(rb, b, side="left"))
-            ranks = np.arange(lo, hi)
-            pieces = np.minimum(rb[ranks + 1], b) - np.maximum(rb[ranks], a)
-            owner = int(ranks[int(np.argmax(pieces))])
-            for rk, n in zip(ranks.tolist(), pieces.tolist()):
-                if rk != owner and n > 0:
-                    send[rk] += n
-                    recv[owner] += n
-    return send, recv
+    holding the largest piece); the update goes back the same way (``plan.split_exchange``)."""
+    send, recv = split_exchange(bucket)
+    return np.asarray(send, dtype=np.float64), np.asarray(recv, dtype=np.float64)
 
 
 def _root_loads(mats: list[int], w: int) -> np.ndarray:
@@ -356,6 +349,87 @@ def model_step(
     return out
 
 
+# ---- issue 27: balanced plans, pure FSDP and the suggested mesh --------------------------------
+BALANCED_WORLD_SIZES = (64, 1024, 16384)
+
+
+def _why_slower(r: dict) -> str:
+    """Empty when ours is no slower than (b) and (c); else what ours spends more on."""
+    o = r["ours"]
+    peers = {k: r[k] for k in ("fsdp2_muon", "gather_scatter") if r[k]["seconds"] < o["seconds"]}
+    if not peers:
+        return ""
+    parts = []
+    for k, p in peers.items():
+        d_f = o["fsdp"]["seconds"] - p["fsdp"]["seconds"]
+        d_o = o["optim"]["seconds"] - p["optim"]["seconds"]
+        what = (f"its ragged buckets' grouped collectives pay one latency per owner, +{d_f * 1e3:.0f} ms over flat "
+                f"even rings (+{d_f / max(p['fsdp']['seconds'], 1e-12) * 100:.1f}%); HSDP avoids it"
+                if d_f >= d_o else f"split-matrix exchanges ({r['num_split_blocks']} split) +{d_o * 1e3:.0f} ms")  # fmt: skip
+        parts.append(f"slower than {SCHEME_LABELS[k]}: {what}")
+    return "; ".join(parts)
+
+
+def balanced_rows(models, world_sizes, *, link: LinkConfig, memory_per_rank: float) -> list[dict]:
+    """Per preset and W: ours pure FSDP and at ``suggest_mesh``'s shape, each with (b) and (c)."""
+    from fsdp_optim.sharding.plan import suggest_mesh
+
+    rows = []
+    for model in models:
+        for w in world_sizes:
+            wire = LinkModel(alpha_s=link.alpha_s, bytes_per_s=link.bytes_per_s)
+            try:
+                sug = suggest_mesh(model=model, world_size=w, rule=optimizer_rule("muon"), memory_per_rank=memory_per_rank,
+                                   param_bytes=link.param_bytes, grad_bytes=link.grad_bytes, optim_bytes=link.optim_bytes,
+                                   link=wire)  # fmt: skip
+                fits = {c.shard_size: (c.fits, c.max_rank_bytes) for c in sug.candidates}
+                meshes = (("fsdp", w), ("suggested", sug.shard_size))
+            except ValueError:  # nothing fits this memory at this W (even pure FSDP): the FSDP row says so
+                fits, meshes = {}, (("fsdp (no shape fits)", w),)
+            for mesh, n in meshes:
+                r = model_step(model, w, link=link, shard_size=n)
+                r["mesh"] = mesh
+                r["memory_fits"], r["max_rank_bytes_modeled"] = fits.get(n, (False, None))
+                r["why"] = _why_slower(r)
+                rows.append(r)
+                print(f"{model:16s} W={w:<6d} {mesh:9s} {n:>6d} x {w // n:<5d} ours {r['ours']['seconds'] * 1e3:10.1f} ms | "
+                      f"(b) x{r['time_ratio_fsdp2_muon_over_ours']:7.2f} | (c) x{r['time_ratio_gather_scatter_over_ours']:6.2f}"
+                      f" {r['why']}", flush=True)  # fmt: skip
+    return rows
+
+
+def balanced_markdown(data: dict) -> str:
+    a = data["assumptions"]
+    out = [
+        "# Communication model on balanced plans (issue 27): ours vs FSDP2 + Muon vs gather/scatter Muon",
+        "",
+        f"Made by: `{data['command']}`",
+        "",
+        f"Same alpha-beta model as comm_model.md ({a['bandwidth_gbps']:g} Gb/s, alpha {a['alpha_us']:g} us, "
+        f"{a['latency']} latency, ragged `{a['ragged_model']}`, no overlap). Our plans are the default PlanConfig "
+        "(balance 'auto': busiest rank <= 1.10 x the mean, matrices split on rows where whole ones cannot). "
+        f"Rows: pure FSDP over W, and the HSDP shape `suggest_mesh` picks at {data['memory_per_rank'] / 1e9:g} GB "
+        "per rank (16 B per sharded element + two gathered buckets); each scheme runs on the same mesh, so each "
+        "holds the same parameter share per rank (equal per-rank memory). `fits`: the modeled busiest rank fits "
+        "the memory. ms = collective time per step on the busiest rank.",
+        "",
+        "| preset | W | mesh (shard x replicas) | fits | ours ms | (b) FSDP2+Muon ms | (c) gather/scatter ms | (b)/ours | "
+        "(c)/ours | split | ours bytes max/mean | why ours is slower |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        out.append(
+            f"| {r['model']} | {r['world_size']} | {r['mesh']}: {r['shard_size']} x {r['replicas']} | "
+            f"{'yes' if r['memory_fits'] else 'no'} | {_ms(r['ours']['seconds'])} | {_ms(r['fsdp2_muon']['seconds'])} | "
+            f"{_ms(r['gather_scatter']['seconds'])} | {r['time_ratio_fsdp2_muon_over_ours']:.2f} | "
+            f"{r['time_ratio_gather_scatter_over_ours']:.2f} | {r['num_split_blocks']} | {r['bytes_max_over_mean']:.3f} | "
+            f"{r['why'] or '-'} |"
+        )
+    slower = [r for r in data["rows"] if r["why"]]
+    out += ["", f"Cells where ours is slower than a peer: {len(slower)} of {len(data['rows'])}."]
+    return "\n".join(out) + "\n"
+
+
 # ---- outputs -------------------------------------------------------------------------------
 def _gb(x: float) -> str:
     return f"{x / 1e9:.2f}"
@@ -477,17 +551,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency", default=LinkConfig.latency, choices=("ring", "log2"))
     ap.add_argument("--ragged-model", default=LinkConfig.ragged_model, choices=("grouped", "grouped-serial", "ring-max"))
     ap.add_argument("--out-name", default="comm_model", help="results/<name>.{json,md,png}")
+    ap.add_argument("--balanced", action="store_true",
+                    help="issue 27 table: W in {64, 1024, 16384} (or --world-sizes), pure FSDP and suggest_mesh's "
+                    "shape at --memory-per-rank, -> <out>/comm_model_balanced.{json,md}")
+    ap.add_argument("--memory-per-rank", type=float, default=80e9, help="--balanced: bytes per rank (default 80e9)")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     ap.add_argument("--out", default=None, help="output folder (default: benchmarks/results/ for the full run with "
                     "default assumptions, runs/bench-quick/ when any other flag is changed)")
     args = ap.parse_args(argv)
-    results = out_dir(ap, args, keep=("shard_size", "out_name", "no_write"))
+    results = out_dir(ap, args, keep=("shard_size", "out_name", "no_write", "balanced"))
     link = LinkConfig(
         bandwidth_gbps=args.bandwidth_gbps, alpha_us=args.alpha_us, param_bytes=args.param_bytes,
         grad_bytes=args.grad_bytes, optim_bytes=args.optim_bytes, latency=args.latency, ragged_model=args.ragged_model,
     )
     command = " ".join(["python benchmarks/comm_model.py", *(sys.argv[1:] if argv is None else argv)])
     t0 = time.perf_counter()
+    if args.balanced:
+        ws = args.world_sizes if args.world_sizes != list(WORLD_SIZES) else list(BALANCED_WORLD_SIZES)
+        rows = balanced_rows(args.models, ws, link=link, memory_per_rank=args.memory_per_rank)
+        data = {"command": command, "assumptions": asdict(link), "memory_per_rank": args.memory_per_rank,
+                "seconds": time.perf_counter() - t0, "python": platform.python_version(), "rows": rows}  # fmt: skip
+        md = balanced_markdown(data)
+        if args.no_write:
+            print(md)
+            return 0
+        results.mkdir(parents=True, exist_ok=True)
+        (results / "comm_model_balanced.json").write_text(json.dumps(data, indent=1))
+        (results / "comm_model_balanced.md").write_text(md)
+        print(f"wrote {results}/comm_model_balanced.{{json,md}} in {data['seconds']:.0f} s")
+        return 0
     rows = []
     for model in args.models:
         for w in args.world_sizes:

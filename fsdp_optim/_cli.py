@@ -5,15 +5,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
+import warnings
 
-__all__ = ["main"]
+__all__ = ["main", "optimizer_balance", "optimizer_rule"]
 
 DESCRIPTION = (
     "fsdp_optim command line tools. 'fsdp-optim plan' lays out a public model's weights (shapes only, no "
     "download) over W simulated ranks and reports padding, split matrices, per-rank balance and planner time."
 )
-EPILOG = "Example: fsdp-optim plan --model llama3-70b --world-size 1024 --optimizer muon"
+EPILOG = (
+    "Example: fsdp-optim plan --model llama3-70b --world-size 1024 --optimizer muon; "
+    "fsdp-optim plan --model llama3-70b --world-size 16384 --optimizer muon --suggest --memory-per-rank 80GB"
+)
 
 OPTIMIZERS = ("adamw", "adamw8bit", "muon", "shampoo")
 
@@ -35,6 +40,15 @@ def optimizer_rule(name: str):
     if name not in rules:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     return rules[name]()
+
+
+def optimizer_balance(name: str) -> str:
+    """``PlanConfig.balance`` for ``--optimizer name``: ``"auto"`` where the optimizer accepts matrix
+    blocks split on rows (Muon; AdamW and 8-bit AdamW have none), ``"whole"`` where it refuses them
+    (Shampoo, like SOAP: a rank boundary inside a preconditioner block is a ValueError)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    return "whole" if name == "shampoo" else "auto"
 
 
 # ---- plan ---------------------------------------------------------------------------
@@ -65,7 +79,60 @@ def _add_plan(sub) -> None:
     p.add_argument("--wire", choices=["auto", "grouped", "padded"], default="auto",
                    help="ragged buckets on the wire (as PlanConfig.wire; auto: the alpha-beta model on NCCL)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.add_argument("--suggest", action="store_true",
+                   help="choose the HSDP shape (replicas x shard size) with the least modeled step time whose busiest "
+                   "rank fits --memory-per-rank, and print every candidate's figures (suggest_mesh)")
+    p.add_argument("--memory-per-rank", default=None,
+                   help="with --suggest: bytes per rank for sharded state and gathered buckets (80e9, 80GB or 80GiB)")
     p.set_defaults(func=_run_plan)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _parse_bytes(text: str) -> float:
+    """``80e9``, ``80GB`` (1e9) or ``80GiB`` (2**30) as bytes; ValueError naming the flag otherwise."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", text)
+    try:
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()] if m else math.nan
+    except (ValueError, KeyError):
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--memory-per-rank must be a positive size in bytes (80e9, 80GB or 80GiB), got {text!r}")
+    return value
+
+
+def _run_suggest(args: argparse.Namespace, config, itemsize: int) -> int:
+    from .sharding.plan import suggest_mesh
+
+    if args.memory_per_rank is None:
+        raise ValueError("--suggest needs --memory-per-rank (bytes per rank, e.g. 80GB)")
+    if args.shard_size is not None:
+        warnings.warn(f"--shard-size {args.shard_size} is ignored with --suggest (it chooses the shard size)", stacklevel=2)
+    mem = _parse_bytes(args.memory_per_rank)
+    s = suggest_mesh(model=args.model, world_size=args.world_size, rule=optimizer_rule(args.optimizer),
+                     memory_per_rank=mem, config=config, itemsize=itemsize)  # fmt: skip
+    if args.json:
+        cands = [{**c._asdict(), "collective_seconds": c.collective_seconds if c.planned else None,
+                  "balance_ratio": c.balance_ratio if c.planned else None} for c in s.candidates]  # fmt: skip
+        out = {"model": args.model, "optimizer": args.optimizer, "world_size": args.world_size, "memory_per_rank": mem,
+               "shard_size": s.shard_size, "num_replicas": s.num_replicas, "max_rank_bytes": s.max_rank_bytes,
+               "collective_seconds": s.collective_seconds, "candidates": cands}  # fmt: skip
+        print(json.dumps(out, allow_nan=False))
+        return 0
+    print(f"model {args.model}, optimizer {args.optimizer}, world size {args.world_size}, {mem / 1e9:.1f} GB per rank")
+    print(f"suggested: {s.num_replicas} replicas x shard size {s.shard_size} (busiest rank {s.max_rank_bytes / 1e9:.2f} GB, "
+          f"collectives {s.collective_seconds:.3f} s per step, modeled)")  # fmt: skip
+    print(f"{'shard':>7} {'replicas':>8} {'rank GB':>9} {'fits':>5} {'comm s/step':>12} {'bytes max/mean':>15} {'split':>6}")
+    for c in s.candidates:
+        secs = f"{c.collective_seconds:12.3f}" if c.planned else f"{'-':>12}"
+        ratio = f"{c.balance_ratio:>15.3f}" if c.planned else f"{'-':>15}"
+        print(f"{c.shard_size:>7} {c.num_replicas:>8} {c.max_rank_bytes / 1e9:>9.2f} {'yes' if c.fits else 'no':>5} {secs} "
+              f"{ratio} {c.num_split_blocks if c.planned else '-':>6}")  # fmt: skip
+    print("memory: 16 B per sharded element (fp32 parameter, gradient, 2 moments) + 2 gathered buckets (bf16 + fp32 "
+          "grad); time: all-gather x2 + reduce-scatter per bucket, Muon's split exchanges, HSDP all-reduce (alpha-beta, "
+          "5 us, 400 Gb/s, no overlap); '-': not planned, its memory lower bound does not fit")
+    return 0
 
 
 def _wire_of(bucket, itemsize: int, wire: str) -> str:
@@ -103,12 +170,16 @@ def _run_plan(args: argparse.Namespace) -> int:
             f"--padding-cap must be >= 0 and finite (the padding ratio tolerated; a large value such as 1e9 "
             f"tolerates any padding), got {args.padding_cap}"
         )
-    kw = {"layout": args.layout, "wire": args.wire}
+    if args.memory_per_rank is not None and not args.suggest:
+        warnings.warn("--memory-per-rank is ignored without --suggest", stacklevel=2)
+    kw = {"layout": args.layout, "wire": args.wire, "balance": optimizer_balance(args.optimizer)}
     if args.padding_cap is not None:
         kw["padding_cap"] = args.padding_cap
     if args.align is not None:
         kw["align"] = args.align
     config = PlanConfig(**kw)
+    if args.suggest:
+        return _run_suggest(args, config, args.itemsize)
     buckets = preset_buckets(
         args.model, rule=optimizer_rule(args.optimizer), bucket_layers=args.bucket_layers, itemsize=args.itemsize
     )
@@ -122,6 +193,9 @@ def _run_plan(args: argparse.Namespace) -> int:
             "bucket_layers": args.bucket_layers,
             "padding_cap": config.padding_cap,
             "align": config.align,
+            "balance": config.balance,
+            "balance_cap": config.balance_cap,
+            "balance_note": plan.balance_note,
             **plan.stats().as_dict(),
             "world_size": args.world_size,
             "shard_size": shard_size,

@@ -160,3 +160,25 @@ def test_bench_shampoo_quick(tmp_path):
     assert out["sharded_equals_single_process_bitwise"] == dict.fromkeys(("shampoo", "shampoo looped", "soap", "soap looped"), True)
     assert out["soap_batched_equals_looped_bitwise"] == {"W": True, "1p": True}
     assert all(math.isfinite(v) and v > 0 for v in out["ratios"].values())
+
+
+def test_issue27_tables_on_one_preset():
+    """planner_scale's default plan table and comm_model --balanced on Llama 3 8B: the cells the
+    results files hold, at small W."""
+    ps = _load("planner_scale")
+    rows = ps.default_table(world_sizes=(64, 1024), models=["llama3-8b"])
+    by = {(r["optimizer"], r["world_size"]): r for r in rows}
+    assert by[("muon", 1024)]["balance_ratio"] <= 1.10 and by[("muon", 1024)]["num_split_blocks"] > 0
+    sh = by[("shampoo", 1024)]
+    assert sh["balance"] == "whole" and sh["num_split_blocks"] == 0 and sh["balance_ratio"] > 1.10
+    assert sh["hsdp_shard_size"] and sh["hsdp_balance_ratio"] <= 1.10
+    md = "\n".join(ps._table_md(rows))
+    assert "| llama3-8b / muon |" in md and f"-> {sh['hsdp_shard_size']}:" in md
+    assert "Cells above 1.10: 1 of 4" in md
+    cm_rows = cm.balanced_rows(["llama3-8b"], [64], link=cm.LinkConfig(), memory_per_rank=80e9)
+    assert [r["mesh"] for r in cm_rows] == ["fsdp", "suggested"] and all(r["memory_fits"] for r in cm_rows)
+    for r in cm_rows:  # ours no slower than either peer here, so no reason is named
+        assert r["ours"]["seconds"] <= min(r["fsdp2_muon"]["seconds"], r["gather_scatter"]["seconds"]) and not r["why"]
+    text = cm.balanced_markdown({"command": "x", "assumptions": vars(cm.LinkConfig()), "memory_per_rank": 80e9,
+                                 "rows": cm_rows})  # fmt: skip
+    assert "| llama3-8b | 64 | suggested:" in text and "Cells where ours is slower than a peer: 0 of 2" in text

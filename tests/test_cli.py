@@ -118,3 +118,49 @@ def test_plan_rejects_bad_numbers_naming_the_flag(capsys, flag, value):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith(f"fsdp-optim plan: error: {flag} must be >= ") and value in captured.err
+
+
+# ---- issue 27: the balance cap and --suggest ------------------------------------------------
+def test_plan_default_balances_and_says_how(capsys):
+    """main: Llama 3 8B / Muon at W = 1024 gave bytes max/mean 7.619; the default now splits matrices
+    on rows (balance 'auto') and the JSON says so; Shampoo is planned with balance 'whole'."""
+    argv = ["plan", "--model", "llama3-8b", "--world-size", "1024", "--json"]
+    out = _json(capsys, [*argv, "--optimizer", "muon"])
+    assert out["balance"] == "auto" and out["balance_cap"] == 1.10
+    assert out["bytes_max_over_mean"] <= 1.10 and out["balance_ratio"] <= 1.10 and out["num_split_blocks"] > 0
+    assert out["balance_note"].startswith("split ") and "1.10" in out["balance_note"]
+    with pytest.warns(UserWarning, match="HSDP shard size"):
+        sh = _json(capsys, [*argv, "--optimizer", "shampoo"])
+    assert sh["balance"] == "whole" and sh["num_split_blocks"] == 0
+
+
+def test_plan_suggest(capsys):
+    argv = ["plan", "--model", "llama3-70b", "--world-size", "1024", "--optimizer", "muon", "--suggest",
+            "--memory-per-rank", "80GB"]  # fmt: skip
+    out = _json(capsys, [*argv, "--json"])
+    assert (out["shard_size"], out["num_replicas"]) == (64, 16) and out["max_rank_bytes"] <= 80e9
+    by_n = {c["shard_size"]: c for c in out["candidates"]}
+    assert set(by_n) == {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024}
+    assert not by_n[16]["fits"] and by_n[16]["collective_seconds"] is None  # 70.6B x 16 B / 16 > 80 GB
+    fitting = [c for c in out["candidates"] if c["fits"]]
+    assert min(fitting, key=lambda c: c["collective_seconds"])["shard_size"] == 64
+    assert by_n[1024]["collective_seconds"] > 2 * by_n[64]["collective_seconds"]  # pure FSDP: W-1 latencies
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "suggested: 16 replicas x shard size 64" in text and "comm s/step" in text
+
+
+def test_plan_suggest_errors(capsys):
+    base = ["plan", "--model", "llama3-70b", "--world-size", "64", "--optimizer", "muon", "--suggest"]
+    assert main(base) == 2
+    assert "--suggest needs --memory-per-rank" in capsys.readouterr().err
+    for bad in ("0", "-5GB", "80XB", "nan", "lots"):
+        assert main([*base, f"--memory-per-rank={bad}"]) == 2
+        assert f"--memory-per-rank must be a positive size in bytes (80e9, 80GB or 80GiB), got {bad!r}" in capsys.readouterr().err
+    assert main([*base, "--memory-per-rank", "1GB"]) == 2
+    assert "fits no HSDP shape" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match="--shard-size 8 is ignored with --suggest"):
+        assert main([*base, "--memory-per-rank", "80GiB", "--shard-size", "8", "--json"]) == 0
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="--memory-per-rank is ignored without --suggest"):
+        assert main([*base[:-1], "--memory-per-rank", "80GB", "--json"]) == 0

@@ -5,7 +5,9 @@ Every check here recomputes what it verifies from the block specs' explicit bloc
 """
 
 import itertools
+import math
 import os
+import warnings
 import subprocess
 import sys
 
@@ -62,18 +64,24 @@ def _check_plan(buckets, plan, config: PlanConfig):
             seg = b.rank_bounds[1]
             assert b.rank_bounds == tuple(r * seg for r in range(w + 1))
             assert seg % config.align == 0
-        else:
-            assert b.padding == 0
-            assert not any(p.split for p in b.placements)
+        else:  # ragged: only the alignment padding after each tensor
+            q = config.piece_align_bytes // math.gcd(config.piece_align_bytes, b.itemsize)
+            assert b.padding == sum(-p.numel % q for p in b.placements)
+            if config.balance == "whole":
+                assert not any(p.split for p in b.placements)
         for p in b.placements:
             ts = by_name[p.name]
             inner = [x for x in p.shard.bounds if 0 < x < p.numel]
             if p.split:
-                assert b.layout is Layout.EVEN and ts.spec.is_matrix
+                assert ts.spec.is_matrix
                 assert set(inner) <= _boundaries(ts, split=True)
                 assert not set(inner) <= _boundaries(ts), "split recorded although no block is cut"
             else:
                 assert set(inner) <= _boundaries(ts), (p.name, p.shard.bounds, ts.spec)
+    for b in plan.buckets:  # [Note: aligned pieces]: every local piece starts on the alignment in its segment
+        for r in range(w):
+            for piece in b.local_pieces(r):
+                assert piece.seg_offset * b.itemsize % config.piece_align_bytes == 0, (b.name, r, piece)
     if config.layout == "ragged":
         assert all(b.layout is Layout.RAGGED for b in plan.buckets)
     if config.layout == "even":
@@ -127,12 +135,17 @@ def models(draw):
     layout=st.sampled_from(["even", "ragged", "auto"]),
     padding_cap=st.sampled_from([0.0, 0.02, 0.5, 10.0]),
     align=st.sampled_from([1, 2, 4]),
+    balance=st.sampled_from(["auto", "whole"]),
+    piece_align=st.sampled_from([1, 8, 64]),
 )
-def test_invariants_random_buckets(buckets, world_size, layout, padding_cap, align):
-    config = PlanConfig(layout=layout, padding_cap=padding_cap, align=align)
-    plan = plan_model(buckets, world_size=world_size, config=config)
+def test_invariants_random_buckets(buckets, world_size, layout, padding_cap, align, balance, piece_align):
+    config = PlanConfig(layout=layout, padding_cap=padding_cap, align=align, balance=balance, piece_align_bytes=piece_align)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # balance="whole" warns when the cap is missed (tested below)
+        plan = plan_model(buckets, world_size=world_size, config=config)
+        again = plan_model(buckets, world_size=world_size, config=config)
     _check_plan(buckets, plan, config)
-    assert plan == plan_model(buckets, world_size=world_size, config=config)  # deterministic
+    assert plan == again and plan.balance_note == again.balance_note  # deterministic
     stats = plan.stats()
     param = sum(t.numel for _, s in buckets for t in s)
     assert stats.param_numel == param
@@ -140,11 +153,15 @@ def test_invariants_random_buckets(buckets, world_size, layout, padding_cap, ali
     assert stats.bytes_lower_bound >= 1.0
     if layout == "ragged" and param:
         # no whole-block plan beats the lower bound ...
-        assert stats.bytes_max_over_mean >= stats.bytes_lower_bound - 1e-9
+        if stats.num_split_blocks == 0:
+            assert stats.balance_ratio >= stats.bytes_lower_bound - 1e-9
         # ... and ours is within one block of the mean: each cut is off its target by at most
         # half a block (+1 element of rounding), see [Note: ragged layout and global balance]
-        big = max(_largest_block(t) for _, s in buckets for t in s)
-        assert stats.max_rank_bytes <= 4 * (param / world_size + big + 2)
+        # (aligned pieces: every tensor rounded up to q elements, and cut only at multiples of q)
+        q = piece_align // math.gcd(piece_align, 4)
+        spans = [-(-t.numel // q) * q for _, s in buckets for t in s]
+        big = max(_largest_block(t) for _, s in buckets for t in s) if q == 1 else max(spans)
+        assert stats.max_rank_bytes <= 4 * (sum(spans) / world_size + big + 2)
 
 
 # ---- brute force: optimal even padding on tiny buckets ------------------------------------------
@@ -186,7 +203,7 @@ def _brute_even_min_seg(specs, world_size, align):
 )
 def test_even_padding_near_brute_force_optimum(specs, world_size, align):
     specs = list(specs)
-    config = PlanConfig(layout="even", padding_cap=1e9, align=align)  # never split: compare whole-block layouts
+    config = PlanConfig(piece_align_bytes=1, layout="even", padding_cap=1e9, align=align)  # never split: compare whole-block layouts
     plan = plan_model([("b", specs)], world_size=world_size, config=config)
     _check_plan([("b", specs)], plan, config)
     best = _brute_even_min_seg(specs, world_size, align)
@@ -200,8 +217,8 @@ def test_even_padding_near_brute_force_optimum(specs, world_size, align):
 @pytest.mark.parametrize("g", [1, 3, 16])
 def test_even_elementwise_is_optimal(world_size, g):
     specs = [TensorSpec(name=f"t{i}", shape=s, spec=elements(g)) for i, s in enumerate([(513,), (7, 11), (1000,)])]
-    plan = plan_model([("b", specs)], world_size=world_size, config=PlanConfig(layout="even"))
-    _check_plan([("b", specs)], plan, PlanConfig(layout="even"))
+    plan = plan_model([("b", specs)], world_size=world_size, config=PlanConfig(piece_align_bytes=1, layout="even"))
+    _check_plan([("b", specs)], plan, PlanConfig(piece_align_bytes=1, layout="even"))
     seg, best = plan.buckets[0].rank_bounds[1], _brute_even_min_seg(specs, world_size, 1)
     # g = 1: exactly ceil(N / W); coarser blocks: a heuristic, within one block of the optimum
     assert best <= seg <= best + g - 1
@@ -212,23 +229,26 @@ def test_even_elementwise_is_optimal(world_size, g):
 # ---- targeted cases -----------------------------------------------------------------------
 def test_world_larger_than_blocks_gives_empty_ranks():
     specs = [TensorSpec(name="w", shape=(3, 5), spec=whole()), TensorSpec(name="e", shape=(2, 2, 3), spec=expert())]
-    plan = plan_model([("b", specs)], world_size=7, config=PlanConfig(layout="ragged"))
-    _check_plan([("b", specs)], plan, PlanConfig(layout="ragged"))
+    config = PlanConfig(piece_align_bytes=1, layout="ragged", balance="whole")
+    with pytest.warns(UserWarning, match="balance='whole'"):
+        plan = plan_model([("b", specs)], world_size=7, config=config)
+    _check_plan([("b", specs)], plan, config)
     sizes = plan.buckets[0].segment_sizes
     assert sizes.count(0) >= 7 - 3 and sorted(x for x in sizes if x) == [6, 6, 15]
 
 
 def test_even_split_is_recorded_only_beyond_the_cap():
     specs = [TensorSpec(name="m", shape=(8, 6), spec=whole()), TensorSpec(name="n", shape=(5,), spec=elements())]
-    tight = plan_model([("b", specs)], world_size=4, config=PlanConfig(layout="even", padding_cap=0.02))
-    _check_plan([("b", specs)], tight, PlanConfig(layout="even", padding_cap=0.02))
+    tight = plan_model([("b", specs)], world_size=4, config=PlanConfig(piece_align_bytes=1, layout="even", padding_cap=0.02))
+    _check_plan([("b", specs)], tight, PlanConfig(piece_align_bytes=1, layout="even", padding_cap=0.02))
     p = next(p for p in tight.buckets[0].placements if p.name == "m")
     assert p.split and tight.stats().num_split_blocks == 1
     assert tight.stats().split_bytes_ratio == 1.0
     assert tight.buckets[0].padding <= 0.02 * 53 or tight.buckets[0].rank_bounds[1] * 4 - 53 <= 6 * 4
-    loose = plan_model([("b", specs)], world_size=4, config=PlanConfig(layout="even", padding_cap=100.0))
+    loose = plan_model([("b", specs)], world_size=4, config=PlanConfig(piece_align_bytes=1, layout="even", padding_cap=100.0))
     assert not any(p.split for p in loose.buckets[0].placements) and loose.stats().num_split_blocks == 0
-    auto = plan_model([("b", specs)], world_size=4, config=PlanConfig(layout="auto"))
+    with pytest.warns(UserWarning, match="above balance_cap"):
+        auto = plan_model([("b", specs)], world_size=4, config=PlanConfig(piece_align_bytes=1, layout="auto", balance="whole"))
     assert auto.buckets[0].layout is Layout.RAGGED and auto.stats().num_split_blocks == 0
 
 
@@ -284,23 +304,106 @@ def test_report_lists_every_bucket():
 
 
 def test_deterministic_across_processes_and_hash_seeds():
-    """Same plan in another process with another string-hash seed (no set/dict-order dependence)."""
+    """Same plan in another process with another string-hash seed (no set/dict-order dependence),
+    whole blocks (DeepSeek-V3, W = 24) and blocks split by the balance cap (Llama 3 8B, W = 512)."""
     code = (
         "from fsdp_optim.sharding import plan_model;"
         "from fsdp_optim.sharding.plan import preset_buckets;"
         "from fsdp_optim.optimizers._rules import muon_rule;"
-        "p = plan_model(preset_buckets('deepseek-v3', rule=muon_rule()), world_size=24);"
-        "print([(b.layout.value, b.rank_bounds, [(q.name, q.offset) for q in b.placements]) for b in p.buckets])"
+        "ps = [plan_model(preset_buckets(m, rule=muon_rule()), world_size=w) for m, w in (('deepseek-v3', 24), ('llama3-8b', 512))];"
+        "print([[(b.layout.value, b.rank_bounds, [(q.name, q.offset, q.split) for q in b.placements]) for b in p.buckets] + [p.balance_note] for p in ps])"
     )
     from fsdp_optim.optimizers._rules import muon_rule
     from fsdp_optim.sharding.plan import preset_buckets
 
-    p = plan_model(preset_buckets("deepseek-v3", rule=muon_rule()), world_size=24)
-    here = str([(b.layout.value, b.rank_bounds, [(q.name, q.offset) for q in b.placements]) for b in p.buckets])
+    ps = [plan_model(preset_buckets(m, rule=muon_rule()), world_size=w) for m, w in (("deepseek-v3", 24), ("llama3-8b", 512))]
+    assert ps[0].stats().num_split_blocks == 0 and ps[1].stats().num_split_blocks > 0
+    here = str([[(b.layout.value, b.rank_bounds, [(q.name, q.offset, q.split) for q in b.placements]) for b in p.buckets]
+                + [p.balance_note] for p in ps])  # fmt: skip
     seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
     env = dict(os.environ, PYTHONHASHSEED=seed)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180, check=True)
     assert out.stdout.strip() == here and len(here) > 1000
+
+
+# ---- balance cap ----------------------------------------------------------------------------
+def _muon(model: str):
+    from fsdp_optim.optimizers._rules import muon_rule
+    from fsdp_optim.sharding.plan import preset_buckets
+
+    return preset_buckets(model, rule=muon_rule())
+
+
+def test_balance_cap_splits_matrices_only_where_whole_blocks_cannot_balance():
+    """Llama 3 8B at W = 1024: a [14336, 4096] MLP matrix is 7.5x a rank's mean bytes, so whole
+    blocks give 7.6 (main's default); the default now cuts matrices on rows and the busiest rank
+    holds <= 1.10 x the mean. At W = 64 whole blocks balance: nothing is split."""
+    st = plan_model(_muon("llama3-8b"), world_size=1024).stats()
+    assert st.balance_ratio <= 1.10 and st.bytes_max_over_mean <= 1.10, st
+    assert 0 < st.num_split_blocks <= 1023 and st.padding_ratio <= 0.02
+    small = plan_model(_muon("llama3-8b"), world_size=64)
+    assert small.stats().num_split_blocks == 0 and small.stats().balance_ratio <= 1.10
+    assert "none split" in small.balance_note
+    # every split placement is a matrix cut on row boundaries only (BucketPlan.check)
+    plan = plan_model(_muon("llama3-8b"), world_size=64, config=PlanConfig(balance_cap=1.0))
+    assert plan.stats().num_split_blocks > 0 and plan.stats().balance_ratio < small.stats().balance_ratio
+    for b in plan.buckets:
+        b.check()
+
+
+def test_balance_cap_tiny_model_checked_from_first_principles():
+    specs = [TensorSpec(name="a", shape=(8, 6), spec=whole()), TensorSpec(name="b", shape=(3, 4, 2), spec=expert()),
+             TensorSpec(name="n", shape=(5,), spec=elements())]  # fmt: skip
+    config = PlanConfig(piece_align_bytes=1, layout="ragged")
+    plan = plan_model([("b", specs)], world_size=4, config=config)
+    _check_plan([("b", specs)], plan, config)
+    st = plan.stats()
+    assert st.num_split_blocks >= 1 and st.balance_ratio <= 1.10, st
+    assert "split" in plan.balance_note and "balance='whole'" in plan.balance_note
+
+
+def test_balance_whole_keeps_blocks_and_warns_with_the_hsdp_shard_size():
+    """``balance="whole"`` keeps main's layout (no split) and says how imbalanced it is and which HSDP
+    shard size would balance."""
+    with pytest.warns(UserWarning) as rec:
+        plan = plan_model(_muon("llama3-8b"), world_size=1024, config=PlanConfig(balance="whole"))
+    st = plan.stats()
+    assert st.num_split_blocks == 0 and st.balance_ratio > 7
+    msg = str(rec[0].message)
+    assert f"busiest rank {st.balance_ratio:.3f} x the mean" in msg and "balance_cap 1.10" in msg
+    assert "an HSDP shard size of 128 (replicate x 8) balances within the cap" in msg, msg
+    # that shard size does balance with whole blocks, twice it does not
+    st128 = plan_model(_muon("llama3-8b"), world_size=128, config=PlanConfig(balance="whole")).stats()
+    assert st128.balance_ratio <= 1.10 and st128.num_split_blocks == 0
+    with pytest.warns(UserWarning, match="above balance_cap"):
+        plan_model(_muon("llama3-8b"), world_size=256, config=PlanConfig(balance="whole"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # within the cap: no warning
+        plan_model(_muon("llama3-8b"), world_size=64, config=PlanConfig(balance="whole"))
+
+
+def test_whole_block_lower_bound():
+    from fsdp_optim.sharding.plan._report import whole_block_bound
+
+    assert whole_block_bound({}, 4) == 0
+    assert whole_block_bound({10: 1, 1: 100}, 4) == 26  # 101 blocks >= 1 on 4 ranks: one holds 26
+    assert whole_block_bound({10: 5, 1: 3}, 4) == 20  # five blocks of 10 on four ranks: one holds two
+    # Llama 3 405B at W = 256: 378 MLP matrices on 256 ranks, some rank holds two: 1.101 x the mean
+    with pytest.warns(UserWarning, match="busiest rank 1.111 x the mean"):
+        st = plan_model(_muon("llama3-405b"), world_size=256, config=PlanConfig(balance="whole")).stats()
+    assert st.bytes_lower_bound == pytest.approx(2 * 53248 * 16384 * 4 / (st.param_numel * 4 / 256))
+    assert st.balance_ratio >= st.bytes_lower_bound
+
+
+def test_balance_config_errors_name_the_setting():
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="piece_align_bytes must be an int >= 1"):
+            PlanConfig(piece_align_bytes=bad)
+    with pytest.raises(ValueError, match="balance must be 'auto'.*got 'split'"):
+        PlanConfig(balance="split")
+    for bad in (0.9, float("nan"), float("inf"), "1.1"):
+        with pytest.raises(ValueError, match="balance_cap must be a finite number >= 1.0"):
+            PlanConfig(balance_cap=bad)
 
 
 # ---- user errors --------------------------------------------------------------------------
@@ -327,3 +430,18 @@ def test_tensor_cost():
     # Shampoo strips: cost grows with rows; a partial last strip costs less than a full one
     assert tensor_cost((5, 6), rows(2)) == 2 * tensor_cost((2, 6), rows(2)) + tensor_cost((1, 6), rows(2))
     assert tensor_cost((0, 6), rows(2)) == 0
+
+
+def test_aligned_pieces_on_a_preset_and_their_padding():
+    """[Note: aligned pieces]: every local piece starts on 64 B of its segment (main: a ragged Llama 3
+    8B piece could start at any element); the padding is under 16 fp32 elements per tensor."""
+    buckets = _muon("llama3-8b")
+    for w in (7, 64):
+        plan = plan_model(buckets, world_size=w)
+        off = [pc.seg_offset * 4 % 64 for b in plan.buckets for r in range(w) for pc in b.local_pieces(r)]
+        assert off and not any(off)
+        n_tensors = sum(len(b.placements) for b in plan.buckets)
+        ragged_pad = sum(b.padding for b in plan.buckets if b.layout is Layout.RAGGED)
+        assert ragged_pad < 16 * n_tensors
+    off = plan_model(buckets, world_size=7, config=PlanConfig(piece_align_bytes=1))
+    assert any(pc.seg_offset % 16 for b in off.buckets for r in range(7) for pc in b.local_pieces(r))  # what it fixes

@@ -10,7 +10,18 @@ from ._experts import expert_ranges, token_splits
 from ._presets import PRESETS, ModelPreset, preset_buckets, preset_names, preset_shapes
 from ._ragged import RaggedShard, block_aligned_splits, chunk_bounds
 from ._report import PlanStats
-from ._wire import WIRE_CHOICES, LinkModel, WireMode, choose_wire_mode, grouped_seconds, padded_seconds
+from ._wire import (
+    WIRE_CHOICES,
+    LinkModel,
+    WireMode,
+    all_reduce_seconds,
+    all_to_all_seconds,
+    choose_wire_mode,
+    grouped_seconds,
+    padded_seconds,
+    split_exchange,
+)
+from ._suggest import MeshCandidate, MeshSuggestion, module_buckets, suggest_mesh
 
 __all__ = [
     "BlockKind",
@@ -18,6 +29,8 @@ __all__ = [
     "BlockSpec",
     "BucketPlan",
     "LinkModel",
+    "MeshCandidate",
+    "MeshSuggestion",
     "Layout",
     "LocalPiece",
     "ModelPreset",
@@ -30,6 +43,8 @@ __all__ = [
     "TensorSpec",
     "WIRE_CHOICES",
     "WireMode",
+    "all_reduce_seconds",
+    "all_to_all_seconds",
     "block_aligned_splits",
     "choose_wire_mode",
     "chunk_bounds",
@@ -40,12 +55,15 @@ __all__ = [
     "grouped_seconds",
     "heads",
     "merge_small_dims",
+    "module_buckets",
     "padded_seconds",
     "plan_model",
     "preset_buckets",
     "preset_names",
     "preset_shapes",
     "rows",
+    "split_exchange",
+    "suggest_mesh",
     "tensor_cost",
     "token_splits",
     "whole",

@@ -12,6 +12,7 @@ contiguous, with padding only between tensors. From the two follows each tensor'
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 from dataclasses import dataclass, field
@@ -55,7 +56,14 @@ class TensorSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class PlanConfig:
-    """Knobs of the planner (see docs/architecture.md, Planner)."""
+    """Knobs of the planner (see docs/architecture.md, Planner, and [Note: balance cap] in ``_planner.py``).
+
+    Which optimizers accept split matrix blocks (``Placement.split``): Muon does (one
+    ``all_to_all`` pair per step exchanges them). Shampoo, SOAP and ``WholeTensorOptimizer``
+    refuse a rank boundary inside their blocks: plan them with ``balance="whole"`` (their plans
+    then keep every block whole and warn when the cap is missed, naming the HSDP shard size that
+    would balance). Element-wise optimizers (AdamW, 8-bit AdamW) have no matrix blocks to split.
+    """
 
     layout: str = "auto"
     """``"even"``, ``"ragged"`` or ``"auto"`` (the cost model picks per bucket)."""
@@ -68,6 +76,19 @@ class PlanConfig:
     """Ragged buckets on the wire: ``"grouped"`` (per-owner list collectives), ``"padded"`` (one
     tensor collective over segments padded to the largest) or ``"auto"`` (the cheaper by the
     alpha-beta model on NCCL, grouped elsewhere; see [Note: wire format] in ``_wire.py``)."""
+    balance: str = "auto"
+    """``"auto"``: when whole blocks leave the busiest rank above ``balance_cap`` times the mean,
+    matrix blocks are cut on rows where the balance needs it (Muon only; see the class docstring).
+    ``"whole"``: never cut a block for balance; warn when the cap is missed, naming the HSDP shard
+    size that would balance."""
+    piece_align_bytes: int = 64
+    """Every tensor's local piece starts at a multiple of this many bytes of its rank's segment (and
+    even segments are multiples of it): GPU vectorized kernels need 16 B, MKL's results on AVX-512
+    depend on operand alignment. Costs padding after each tensor (ragged buckets too); 1 turns it
+    off (the layout before issue 27). See [Note: aligned pieces] in ``_planner.py``."""
+    balance_cap: float = 1.10
+    """Largest rank's stored bytes (padding included) over the mean parameter bytes per rank that
+    the plan may reach before ``balance="auto"`` splits blocks."""
 
     def __post_init__(self) -> None:
         if self.layout not in ("even", "ragged", "auto"):
@@ -78,6 +99,21 @@ class PlanConfig:
             raise ValueError(f"align must be >= 1, got {self.align}")
         if self.wire not in ("auto", "grouped", "padded"):
             raise ValueError(f"wire must be 'auto', 'grouped' or 'padded', got {self.wire!r}")
+        if isinstance(self.piece_align_bytes, bool) or not isinstance(self.piece_align_bytes, int) or self.piece_align_bytes < 1:
+            raise ValueError(
+                f"piece_align_bytes must be an int >= 1 (64: cache lines, 16: GPU vector loads, 1: no alignment), "
+                f"got {self.piece_align_bytes!r}"
+            )
+        if self.balance not in ("auto", "whole"):
+            raise ValueError(
+                f"balance must be 'auto' (split matrix blocks where whole ones miss balance_cap) or 'whole' "
+                f"(never split for balance), got {self.balance!r}"
+            )
+        if not (isinstance(self.balance_cap, (int, float)) and math.isfinite(self.balance_cap) and self.balance_cap >= 1.0):
+            raise ValueError(
+                f"balance_cap must be a finite number >= 1.0 (largest rank's bytes over the mean; 1.10 allows 10%), "
+                f"got {self.balance_cap!r}"
+            )
 
 
 class LocalPiece(tuple):
@@ -117,8 +153,16 @@ class Placement:
         """The matrix blocks ``(flat_offset, rows, cols)`` that some rank boundary cuts."""
         if not self.split:
             return []
-        inner = self.shard.bounds[1:-1]
-        return [m for m in self.spec.matrices(self.shape) if any(m[0] < b < m[0] + m[1] * m[2] for b in inner)]
+        bounds = self.shard.bounds
+        n = self.numel
+        # the distinct rank bounds strictly inside the tensor (lazy bounds answer without O(W) work)
+        inner = bounds.inner() if hasattr(bounds, "inner") else sorted({b for b in bounds if 0 < b < n})
+        out = []
+        for m in self.spec.matrices(self.shape):
+            i = bisect.bisect_right(inner, m[0])
+            if i < len(inner) and inner[i] < m[0] + m[1] * m[2]:
+                out.append(m)
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,8 +225,8 @@ class BucketPlan:
         if self.layout is Layout.EVEN:
             s = self.rank_bounds[1]
             assert all(self.rank_bounds[r] == r * s for r in range(w + 1)), "even bucket with uneven segments"
-        else:
-            assert self.padding == 0, "ragged bucket with padding"
+        else:  # ragged: padding only to round each tensor up to the alignment quantum
+            assert 0 <= self.padding < max(len(self.placements), 1) * 64, "ragged bucket with padding beyond alignment"
         end = 0
         for p in self.placements:
             assert p.offset >= end, f"{p.name} overlaps the previous tensor"
@@ -207,6 +251,12 @@ class Plan:
     config: PlanConfig = field(default_factory=PlanConfig)
     seconds: float = field(default=0.0, compare=False)
     """Wall time of planning (not part of equality: equal plans may take different times)."""
+    balance_note: str = ""
+    """One line on the balance choice (whole blocks kept, or blocks split and why, with the figures);
+    what ``fully_shard`` logs. Empty for a one-rank plan."""
+    balance_shard_size: int | None = None
+    """Whole blocks above the cap without a split (``balance="whole"``, or no matrix blocks): the
+    largest HSDP shard size found whose whole-block plan balances within the cap; None otherwise."""
 
     def stats(self):
         """Whole-model figures (padding, splits, per-rank bytes and cost balance): a ``PlanStats``."""

@@ -47,15 +47,50 @@ else RAGGED. Why: on NCCL the ring ``all_gather_into_tensor`` / ``reduce_scatter
 ``W`` grouped broadcasts (one launch and latency per owner), so even wins while its padding
 (extra bytes moved and stored, <= cap) is small. A split matrix costs one extra exchange of that
 matrix per optimizer step (about twice its bytes), more than the padding cap allows, so any
-bucket that would need a split goes ragged, where no block is ever cut. Gloo (measured, see
-docs/architecture.md) runs the uneven forms no slower, so the rule never loses there.
+bucket that would need a split goes ragged, where no block is cut for padding (only for balance,
+below). Gloo (measured, see docs/architecture.md) runs the uneven forms no slower, so the rule never
+loses there.
+
+[Note: balance cap]
+Whole blocks cannot balance once a block nears a rank's mean bytes (Llama 3 8B, Muon, W = 1024: one
+MLP matrix is 7.5 ranks' worth). ``PlanStats.bytes_lower_bound`` says how far whole blocks can get:
+``max_k ceil(k / W) * size_k`` over the blocks sorted by size, since the ``k`` largest share ``W``
+ranks. ``plan_model`` then works in three steps, each only when the previous misses:
+1. the whole-block plan above; if the busiest rank exceeds ``max(1.02 * bound, 1.05)`` x the mean and
+   some bucket is EVEN, the all-ragged whole-block plan too (elementwise embeddings can then fill
+   the ranks that big matrices leave light), the better one kept;
+2. if the busiest rank is still above ``balance_cap`` (or the bound already is: step 1 skipped),
+   ``balance="auto"`` gives ragged buckets row geometries for every matrix whose largest block
+   exceeds ``(cap - 1) / 2`` of the mean (divided by 4 while the cap is missed, 3 tries): the
+   ragged balance then cuts those on rows, at most ``W - 1`` cuts, so at most ``W - 1`` split
+   matrices, recorded as ``Placement.split`` (Muon: one all_to_all pair per step). Ragged, not
+   even: an even segment must be a multiple of every row length a tensor crossing two boundaries
+   has (Llama 3 8B at W = 16384: padding 100%), a ragged cut needs only one row;
+3. ``balance="whole"`` (optimizers that refuse split blocks) keeps step 1's plan and warns with the
+   largest HSDP shard size the bound allows if its plan balances (one plan), else the largest with
+   balance guaranteed (largest block <= (cap - 1 - padding_cap) x mean; ``suggest_mesh`` plans and
+   prices every shard size).
+``Plan.balance_note`` says which happened, with the figures.
+
+[Note: aligned pieces]
+Every tensor's piece starts on a ``PlanConfig.piece_align_bytes`` (64 B) boundary of its rank's
+segment: GPU vectorized kernels need 16 B and MKL's results on AVX-512 depend on operand alignment
+(Shampoo reads aligned copies otherwise). With ``q = 64 / gcd(64, itemsize)`` elements, each tensor
+takes ``numel`` rounded up to a multiple of ``q`` (the tail padding belongs to its last block) and is
+cut only at multiples of ``lcm(block, q)`` from its start; even segments are multiples of ``q``.
+Offsets are then multiples of ``q`` in every layout, and so are all rank bounds, so a piece starts at
+0 of its segment (the tensor began on an earlier rank) or at ``offset - rank bound``, a multiple of
+``q``. Cost: under ``q - 1`` elements per tensor (ragged buckets now carry that padding too) and
+coarser cuts in tensors whose block is not a multiple of ``q``.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -65,7 +100,7 @@ from ._blocks import align_down, align_up
 from ._plan import BucketPlan, Layout, Placement, Plan, PlanConfig, TensorSpec
 from ._cost import _cost_profile, _cum_cost, _UniformCost, tensor_cost
 from ._ragged import RaggedShard
-from ._report import PlanStats, plan_report, plan_stats
+from ._report import PlanStats, block_sizes, plan_report, plan_stats, whole_block_bound
 
 __all__ = ["plan_model", "tensor_cost", "PlanStats", "plan_stats", "plan_report"]  # the last three re-exported from _report
 
@@ -81,10 +116,13 @@ class _Geom:
     """Where a tensor may be cut: every multiple of ``unit`` (uniform blocks) or the explicit
     ``starts`` (row-split matrices). ``split`` geometries cut matrices on rows."""
 
-    __slots__ = ("numel", "unit", "starts", "max_block")
+    __slots__ = ("numel", "unit", "starts", "max_block", "split")
 
-    def __init__(self, ts: TensorSpec, *, split: bool = False):
+    def __init__(self, ts: TensorSpec, *, split: bool = False, quantum: int = 1):
+        """``quantum`` (elements): the tensor takes ``numel`` rounded up to a multiple of it, and is
+        cut only at multiples of it (see [Note: aligned pieces])."""
         shape, spec = ts.shape, ts.spec
+        self.split = split
         self.numel = math.prod(shape)
         self.starts: list[int] | None = None
         if split:
@@ -102,6 +140,13 @@ class _Geom:
                 self.starts = [s for s in self.starts if s % quantum == 0 or s == self.numel]
             elif self.unit < self.numel:
                 self.unit = math.lcm(self.unit, quantum)
+        if quantum > 1 and self.numel:
+            span = -(-self.numel // quantum) * quantum
+            if self.starts is not None:
+                self.starts = [s for s in self.starts if s % quantum == 0 and s < self.numel] + [span]
+            else:
+                self.unit = span if self.unit >= self.numel else math.lcm(self.unit, quantum)
+            self.numel = span  # the padding after the data belongs to the last block
         if self.starts is not None:
             self.max_block = max((b - a for a, b in zip(self.starts, self.starts[1:])), default=0)
         else:
@@ -245,11 +290,18 @@ class _EvenResult(NamedTuple):
     padding: int
 
 
+def _quantum(config: PlanConfig, itemsize: int) -> int:
+    """Elements per ``config.piece_align_bytes`` (see [Note: aligned pieces])."""
+    return config.piece_align_bytes // math.gcd(config.piece_align_bytes, itemsize)
+
+
 def _plan_even(specs: Sequence[TensorSpec], world_size: int, config: PlanConfig, *, allow_split: bool) -> _EvenResult:
     n = sum(ts.numel for ts in specs)
     split = [False] * len(specs)
-    geoms = [_Geom(ts) for ts in specs]
-    seg, offs = _even_layout(geoms, world_size, config.align)
+    q = _quantum(config, specs[0].itemsize) if specs else 1
+    geoms = [_Geom(ts, quantum=q) for ts in specs]
+    align = math.lcm(config.align, q)
+    seg, offs = _even_layout(geoms, world_size, align)
     res = _EvenResult(seg, offs, list(split), world_size * seg - n)
     if not allow_split or res.padding <= config.padding_cap * n:
         return res
@@ -259,8 +311,8 @@ def _plan_even(specs: Sequence[TensorSpec], world_size: int, config: PlanConfig,
         for i, ts in enumerate(specs):
             if ts.spec.is_matrix and ts.numel and not split[i] and geoms[i].max_block >= th:
                 split[i] = True
-                geoms[i] = _Geom(ts, split=True)
-        seg, offs = _even_layout(geoms, world_size, config.align)
+                geoms[i] = _Geom(ts, split=True, quantum=q)
+        seg, offs = _even_layout(geoms, world_size, align)
         cand = _EvenResult(seg, offs, list(split), world_size * seg - n)
         if cand.padding < res.padding:
             res = cand
@@ -544,6 +596,12 @@ class _ClippedBounds(Sequence):
     def __hash__(self) -> int:
         return hash(tuple(self))
 
+    def inner(self) -> list[int]:
+        """The distinct values strictly between 0 and numel, ascending (O(log W + count))."""
+        rb, o, n = self._rb, self._offset, self._numel
+        lo, hi = bisect.bisect_right(rb, o), bisect.bisect_left(rb, o + n)
+        return sorted({b - o for b in rb[lo:hi]})
+
     def __repr__(self) -> str:
         return f"_ClippedBounds(offset={self._offset}, numel={self._numel}, world_size={len(self) - 1})"
 
@@ -605,14 +663,160 @@ def plan_model(
 
     ``buckets``: ``(name, tensor specs)`` per communication unit, in execution order.
     Each bucket is EVEN or RAGGED (``config.layout``; ``"auto"`` picks per bucket, see
-    [Note: auto layout cost model]). Deterministic: the same input gives the same plan on
-    every rank. Every returned ``BucketPlan`` passes ``BucketPlan.check()``.
+    [Note: auto layout cost model]); blocks stay whole unless the balance cap needs a split (see
+    [Note: balance cap]). Deterministic: the same input gives the same plan on every rank. Every
+    returned ``BucketPlan`` passes ``BucketPlan.check()``.
     """
     t0 = time.perf_counter()
     items = _validate(buckets, world_size, config)
-    w = world_size
+    w, hsdp = world_size, None
+    param_b = sum(ts.numel * isz for _, specs, isz in items for ts in specs)
+    if w == 1 or param_b == 0:
+        return Plan(world_size=w, buckets=_layout(items, w, config), config=config, seconds=time.perf_counter() - t0)
+    mean, cap = param_b / w, config.balance_cap
+    lb = max(1.0, _lower_bound(items, w) / mean)
+    can_split = config.balance == "auto" and _has_matrix(items)
+    if can_split and lb > cap:  # no whole-block plan can meet the cap: split straight away
+        out, note = _split_for_balance(items, w, config, mean, f"whole blocks cannot: lower bound {lb:.3f}")
+        return Plan(world_size=w, buckets=out, config=config, seconds=time.perf_counter() - t0, balance_note=note)
+    chosen = _choose_layouts(items, w, config)
+    out = _layout(items, w, config, chosen=chosen)
+    ratio = _busiest(out) / mean
+    if lb <= cap and ratio > max(1.02 * lb, 1.05) and config.layout == "auto" and any(b.layout is Layout.EVEN for b in out):
+        # even buckets add the same bytes to every rank; ragged ones can fill the ranks that whole
+        # blocks leave light (elementwise embeddings beside the MLP matrices)
+        alt = _layout(items, w, dataclasses.replace(config, layout="ragged"))
+        if _busiest(alt) / mean < ratio:
+            out, ratio = alt, _busiest(alt) / mean
+    if ratio <= cap:
+        note = f"whole blocks: busiest rank {ratio:.3f} x the mean (lower bound {lb:.3f}, cap {cap:.2f}), none split"
+    elif not can_split:
+        shard = hsdp = _balancing_shard_size(items, w, config)
+        note = (
+            f"whole blocks: busiest rank {ratio:.3f} x the mean, above balance_cap {cap:.2f} (whole-block lower "
+            f"bound {lb:.3f}); "
+            + (
+                f"an HSDP shard size of {shard} (replicate x {w // shard}) balances within the cap "
+                f"(fsdp-optim plan --suggest prices every shard size)"
+                if shard
+                else "no HSDP shard size dividing the world size balances within the cap"
+            )
+        )
+        if config.balance == "whole":
+            warnings.warn(f"PlanConfig(balance='whole'): {note}", stacklevel=2)
+    else:
+        split, note = _split_for_balance(items, w, config, mean, f"whole blocks gave {ratio:.3f} (lower bound {lb:.3f})",
+                                         chosen=chosen)  # fmt: skip
+        if _busiest(split) < _busiest(out):
+            out = split
+        else:
+            note = f"whole blocks: busiest rank {ratio:.3f} x the mean, above balance_cap {cap:.2f}; splitting did not help"
+    return Plan(world_size=w, buckets=out, config=config, seconds=time.perf_counter() - t0, balance_note=note,
+                balance_shard_size=hsdp)  # fmt: skip
 
-    # 1) layout per bucket
+
+def _busiest(bucket_plans: Sequence[BucketPlan]) -> int:
+    """Bytes of the busiest rank (padding included) over all buckets."""
+    tot = np.zeros(bucket_plans[0].world_size if bucket_plans else 1, dtype=np.int64)
+    for b in bucket_plans:
+        tot += np.diff(np.asarray(b.rank_bounds, dtype=np.int64)) * b.itemsize
+    return int(tot.max())
+
+
+def _has_matrix(items) -> bool:
+    return any(ts.spec.is_matrix and ts.numel for _, specs, _ in items for ts in specs)
+
+
+def _sizes(items) -> dict[int, int]:
+    """``{block bytes: count}`` of the planner's input (for ``whole_block_bound``)."""
+    sizes: dict[int, int] = {}
+    for _, specs, isz in items:
+        for ts in specs:
+            for n, c in block_sizes(ts.shape, ts.spec).items():
+                sizes[n * isz] = sizes.get(n * isz, 0) + c
+    return sizes
+
+
+def _lower_bound(items, w: int) -> int:
+    """``whole_block_bound`` of the planner's input (bytes)."""
+    return whole_block_bound(_sizes(items), w)
+
+
+def _balancing_shard_size(items, w: int, config: PlanConfig) -> int | None:
+    """An HSDP shard size (a divisor ``s < w``: plan over ``s`` ranks, replicate ``w / s`` times) whose
+    whole-block plan balances within the cap, or None. The largest divisor that the whole-block bound
+    allows is planned (one plan); if it misses, the largest divisor whose balance is guaranteed: the
+    ragged fill puts at most the mean plus one largest block on a rank (plus the even buckets'
+    padding, at most ``padding_cap``), so ``largest block <= (cap - 1 - padding_cap) x mean`` suffices."""
+    param_b = sum(ts.numel * isz for _, specs, isz in items for ts in specs)
+    sizes = _sizes(items)
+    biggest = max(sizes, default=0)
+    divisors = sorted((d for d in range(1, w) if w % d == 0), reverse=True)
+    first = next((s for s in divisors if whole_block_bound(sizes, s) * s <= config.balance_cap * param_b), None)
+    if first is None:
+        return None
+    if first == 1 or _busiest(_layout(items, first, config)) * first <= config.balance_cap * param_b:
+        return first
+    slack = config.balance_cap - 1.0 - config.padding_cap
+    return next((s for s in divisors if s < first and biggest * s <= slack * param_b), None)
+
+
+def _split_for_balance(items, w: int, config: PlanConfig, mean: float, why: str, *, chosen=None):
+    """``balance="auto"`` when whole blocks miss the cap: ragged buckets may cut matrix blocks larger
+    than a threshold on rows (the threshold divided by 4 until the plan fits the cap, at most
+    ``_SPLIT_TRIES`` plans). Returns ``(bucket plans, note)``: the plan with the least busy rank."""
+    cap = config.balance_cap
+    best, best_ratio = None, math.inf
+    threshold = int((cap - 1.0) / 2 * mean)
+    for _ in range(_SPLIT_TRIES):
+        chosen = chosen or _choose_layouts(items, w, config)
+        cand = _layout(items, w, config, split_above=max(threshold, 1), chosen=chosen)
+        ratio = _busiest(cand) / mean
+        if ratio < best_ratio:
+            best, best_ratio = cand, ratio
+        if ratio <= cap:
+            break
+        threshold //= 4
+    n_split = sum(len(p.split_matrices()) for b in best for p in b.placements if p.split)
+    return best, (
+        f"split {n_split} matrix blocks on rows (Muon exchanges them: one all_to_all pair per step): busiest rank "
+        f"{best_ratio:.3f} x the mean (cap {cap:.2f}); {why}; PlanConfig(balance='whole') keeps blocks whole"
+    )
+
+
+_SPLIT_TRIES = 3
+"""Balance cap: split plans tried (threshold on block bytes divided by 4 after each miss)."""
+
+
+def _layout(items, w: int, config: PlanConfig, *, split_above: int | None = None, chosen=None) -> tuple[BucketPlan, ...]:
+    """The bucket plans: layout per bucket, global ragged balance, materialized placements.
+    ``split_above`` (bytes): ragged buckets may cut matrix blocks larger than this on rows.
+    ``chosen``: ``_choose_layouts(items, w, config)`` when already computed (it is pure)."""
+    layouts, evens = chosen or _choose_layouts(items, w, config)
+    ragged_idx = [i for i, lay in enumerate(layouts) if lay is Layout.RAGGED]
+    starts_b, total_b, rag = {}, 0, []
+    for i in ragged_idx:  # a bucket spans its tensors' elements, each rounded up to the alignment quantum
+        starts_b[i] = total_b
+        rag.append(_ragged_item(items[i], total_b, split_above, _quantum(config, items[i][2])))
+        total_b += sum(g.numel for g in rag[-1][1]) * items[i][2]
+    glob_cuts, offs_list = _balance_ragged(rag, total_b, w)
+    ragged = {i: (offs, [g.split for g in r[1]], sum(g.numel for g in r[1])) for i, offs, r in zip(ragged_idx, offs_list, rag)}
+    glob = np.asarray(glob_cuts, dtype=np.int64)  # non-decreasing within a bucket, buckets in order
+    out: list[BucketPlan] = []
+    for i, (name, specs, isz) in enumerate(items):
+        if layouts[i] is Layout.EVEN:
+            ev = evens[i]
+            rb_np = np.arange(w + 1, dtype=np.int64) * ev.seg
+            offsets, splits = ev.offsets, ev.split
+        else:
+            offsets, splits, span = ragged[i]
+            rb_np = np.clip(glob - starts_b[i], 0, span * isz) // isz
+        out.append(_materialize(name, specs, isz, layouts[i], rb_np, offsets, splits))
+    return tuple(out)
+
+
+def _choose_layouts(items, w: int, config: PlanConfig) -> tuple[list[Layout], list[_EvenResult | None]]:
+    """Per bucket: EVEN or RAGGED (see [Note: auto layout cost model]) and the even packing."""
     layouts: list[Layout] = []
     evens: list[_EvenResult | None] = []
     for _, specs, _ in items:
@@ -632,87 +836,97 @@ def plan_model(
         else:
             layouts.append(Layout.RAGGED)
             evens.append(None)
+    return layouts, evens
 
-    # 2) global cut targets over the concatenated ragged buckets (bytes)
-    ragged_idx = [i for i, lay in enumerate(layouts) if lay is Layout.RAGGED]
-    starts_b, total_b = {}, 0
-    for i in ragged_idx:
-        starts_b[i] = total_b
-        total_b += sum(ts.numel for ts in items[i][1]) * items[i][2]
-    rag = [
-        (
-            starts_b[i],
-            [_Geom(ts) for ts in items[i][1]],
-            [tensor_cost(ts.shape, ts.spec) for ts in items[i][1]],
-            [_cost_profile(ts.shape, ts.spec) for ts in items[i][1]],
-            items[i][2],
-        )
-        for i in ragged_idx
-    ]
-    glob_cuts, offs_list = _ragged_fixed_targets(rag, total_b, w)
-    if w > 1 and rag:
-        # second candidate: smallest capacity per rank found by bisection (greedy fill, snap down);
-        # keep whichever has the smaller largest rank (ties: the fixed targets)
-        biggest = max((g.max_block * isz for _, gs, _, _, isz in rag for g in gs), default=0)
-        lo, hi = max(-(-total_b // w), biggest), -(-total_b // w) + biggest
-        best_max = max(b - a for a, b in zip(glob_cuts, glob_cuts[1:]))
-        if best_max > lo:
-            hi = min(hi, best_max)
-            found = None
-            for _ in range(_CAP_BISECT_STEPS):
-                if hi - lo <= max(1, total_b // (w * 1024)):
-                    break
-                mid = (lo + hi) // 2
-                res = _ragged_capacity(rag, total_b, w, mid)
-                if res is None:
-                    lo = mid
-                else:
-                    hi, found = mid, res
-            if found is not None and max(b - a for a, b in zip(found[0], found[0][1:])) < best_max:
-                glob_cuts, offs_list = found[0], found[1]
-        # optimizer cost second: cap each rank's cost too (bisection), inside a small allowance on
-        # the largest rank's bytes; kept only if it lowers the largest rank's cost
-        if _COST_BISECT_STEPS:
-            cap_b = int(max(b - a for a, b in zip(glob_cuts, glob_cuts[1:])) * (1 + _BYTES_SLACK))
-            cur_c = _max_rank_cost(rag, glob_cuts, offs_list, w)
-            total_c = sum(sum(c) for _, _, c, _, _ in rag)
-            big_c = max((_largest_block_cost(p) for _, _, _, ps, _ in rag for p in ps), default=0.0)
-            lo_c, hi_c, found = max(total_c / w, big_c), cur_c, None
-            for _ in range(_COST_BISECT_STEPS if cur_c > 1.01 * lo_c else 0):
-                if hi_c - lo_c <= 0.01 * total_c / w:
-                    break
-                mid = (lo_c + hi_c) / 2
-                res = _ragged_capacity(rag, total_b, w, cap_b, mid)
-                if res is None:
-                    lo_c = mid
-                else:
-                    hi_c, found = mid, res
-            if found is not None and _max_rank_cost(rag, found[0], found[1], w) < cur_c:
-                glob_cuts, offs_list = found[0], found[1]
-    ragged_offsets = dict(zip(ragged_idx, offs_list))
-    # cuts are non-decreasing within a bucket and buckets are in order
-    glob = np.asarray(glob_cuts, dtype=np.int64)
 
-    # 3) materialize bucket plans
-    out: list[BucketPlan] = []
-    for i, (name, specs, isz) in enumerate(items):
-        if layouts[i] is Layout.EVEN:
-            ev = evens[i]
-            rb_np = np.arange(w + 1, dtype=np.int64) * ev.seg
-            offsets, splits = ev.offsets, ev.split
+def _ragged_item(item, start_b: int, split_above: int | None, quantum: int):
+    """``(start byte, geometries, costs, cost profiles, itemsize)`` of one ragged bucket; matrix
+    tensors whose largest block exceeds ``split_above`` bytes get row geometries (and a cost spread
+    evenly over their rows)."""
+    _, specs, isz = item
+    geoms, profs = [], []
+    for ts in specs:
+        g = _Geom(ts, quantum=quantum)
+        if split_above is not None and ts.spec.is_matrix and ts.numel and g.max_block * isz > split_above:
+            g = _Geom(ts, split=True, quantum=quantum)
+            rows_ = g.numel // g.unit
+            c = tensor_cost(ts.shape, ts.spec) / max(rows_, 1)
+            profs.append(_UniformCost(g.unit, rows_, c, c))
         else:
-            nb = sum(ts.numel for ts in specs) * isz
-            rb_np = np.clip(glob - starts_b[i], 0, nb) // isz
-            offsets, splits = ragged_offsets[i], [False] * len(specs)
-        rank_bounds = tuple(rb_np.tolist())
-        placements = []
-        for j in sorted(range(len(specs)), key=lambda j: (offsets[j], specs[j].numel > 0, j)):
-            ts = specs[j]
-            shard = _make_shard(tuple(ts.shape), rank_bounds, rb_np, offsets[j])
-            # a splittable matrix is recorded as split only if a rank boundary actually cuts a block
-            cut = bool(splits[j]) and not _Geom(ts).crossings_ok(offsets[j], rb_np[1].item() or 1)
-            placements.append(
-                Placement(name=ts.name, shape=tuple(ts.shape), spec=ts.spec, offset=offsets[j], shard=shard, split=cut)
-            )
-        out.append(BucketPlan(name=name, layout=layouts[i], placements=tuple(placements), rank_bounds=rank_bounds, itemsize=isz))
-    return Plan(world_size=w, buckets=tuple(out), config=config, seconds=time.perf_counter() - t0)
+            profs.append(_cost_profile(ts.shape, ts.spec))
+        geoms.append(g)
+    return start_b, geoms, [tensor_cost(ts.shape, ts.spec) for ts in specs], profs, isz
+
+
+def _balance_ragged(rag, total_b: int, w: int) -> tuple[list[int], list[list[int]]]:
+    """Global cuts (bytes) and per-bucket tensor offsets of the ragged buckets: see
+    [Note: ragged layout and global balance]."""
+    glob_cuts, offs_list = _ragged_fixed_targets(rag, total_b, w)
+    if w <= 1 or not rag:
+        return glob_cuts, offs_list
+    # second candidate: smallest capacity per rank found by bisection (greedy fill, snap down);
+    # keep whichever has the smaller largest rank (ties: the fixed targets)
+    biggest = max((g.max_block * isz for _, gs, _, _, isz in rag for g in gs), default=0)
+    lo, hi = max(-(-total_b // w), biggest), -(-total_b // w) + biggest
+    best_max = max(b - a for a, b in zip(glob_cuts, glob_cuts[1:]))
+    if best_max > lo:
+        hi = min(hi, best_max)
+        found = None
+        for _ in range(_CAP_BISECT_STEPS):
+            if hi - lo <= max(1, total_b // (w * 1024)):
+                break
+            mid = (lo + hi) // 2
+            res = _ragged_capacity(rag, total_b, w, mid)
+            if res is None:
+                lo = mid
+            else:
+                hi, found = mid, res
+        if found is not None and max(b - a for a, b in zip(found[0], found[0][1:])) < best_max:
+            glob_cuts, offs_list = found[0], found[1]
+    if _COST_BISECT_STEPS:
+        glob_cuts, offs_list = _balance_cost(rag, total_b, w, glob_cuts, offs_list)
+    return glob_cuts, offs_list
+
+
+def _balance_cost(rag, total_b: int, w: int, glob_cuts, offs_list):
+    """Optimizer cost second: cap each rank's cost too (bisection), inside a small allowance on the
+    largest rank's bytes; kept only if it lowers the largest rank's cost."""
+    cap_b = int(max(b - a for a, b in zip(glob_cuts, glob_cuts[1:])) * (1 + _BYTES_SLACK))
+    cur_c = _max_rank_cost(rag, glob_cuts, offs_list, w)
+    total_c = sum(sum(c) for _, _, c, _, _ in rag)
+    big_c = max((_largest_block_cost(p) for _, _, _, ps, _ in rag for p in ps), default=0.0)
+    lo_c, hi_c, found = max(total_c / w, big_c), cur_c, None
+    for _ in range(_COST_BISECT_STEPS if cur_c > 1.01 * lo_c else 0):
+        if hi_c - lo_c <= 0.01 * total_c / w:
+            break
+        mid = (lo_c + hi_c) / 2
+        res = _ragged_capacity(rag, total_b, w, cap_b, mid)
+        if res is None:
+            lo_c = mid
+        else:
+            hi_c, found = mid, res
+    if found is not None and _max_rank_cost(rag, found[0], found[1], w) < cur_c:
+        return found[0], found[1]
+    return glob_cuts, offs_list
+
+
+def _materialize(name: str, specs, isz: int, layout: Layout, rb_np: np.ndarray, offsets, splits) -> BucketPlan:
+    """One ``BucketPlan`` from its rank bounds and tensor offsets; a splittable matrix is recorded as
+    split only if a rank boundary actually cuts one of its blocks."""
+    rank_bounds = tuple(rb_np.tolist())
+    placements = []
+    for j in sorted(range(len(specs)), key=lambda j: (offsets[j], specs[j].numel > 0, j)):
+        ts = specs[j]
+        shard = _make_shard(tuple(ts.shape), rank_bounds, rb_np, offsets[j])
+        cut = bool(splits[j]) and _cuts_a_block(_Geom(ts), offsets[j], rb_np)
+        placements.append(
+            Placement(name=ts.name, shape=tuple(ts.shape), spec=ts.spec, offset=offsets[j], shard=shard, split=cut)
+        )
+    return BucketPlan(name=name, layout=layout, placements=tuple(placements), rank_bounds=rank_bounds, itemsize=isz)
+
+
+def _cuts_a_block(g: _Geom, offset: int, rb_np: np.ndarray) -> bool:
+    """Whether a rank bound strictly inside the tensor falls inside one of its (whole) blocks."""
+    lo = int(np.searchsorted(rb_np, offset, side="right"))
+    hi = int(np.searchsorted(rb_np, offset + g.numel, side="left"))
+    return any(not g.is_boundary(x - offset) for x in set(rb_np[lo:hi].tolist()))

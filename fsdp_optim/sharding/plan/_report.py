@@ -15,7 +15,7 @@ import numpy as np
 from ._blocks import BlockSpec
 from ._cost import _cost_profile, _cum_cost
 
-__all__ = ["PlanStats", "plan_stats", "plan_report"]
+__all__ = ["PlanStats", "plan_stats", "plan_report", "whole_block_bound"]
 
 
 class PlanLike(Protocol):
@@ -46,7 +46,12 @@ class PlanStats(NamedTuple):
     cost_max_over_mean: float
     """Per-rank optimizer cost (``tensor_cost``) over all buckets: max / mean."""
     bytes_lower_bound: float
-    """Largest indivisible block / mean per-rank parameter bytes, floored at 1."""
+    """The best any whole-block plan can do, over the mean per-rank parameter bytes, floored at 1:
+    ``max_k ceil(k / W) * (k-th largest block)`` (``k`` blocks of at least that size share W ranks;
+    ``k = 1``: the largest block), see ``whole_block_bound``."""
+    balance_ratio: float
+    """Largest rank's stored bytes (padding included) over the mean *parameter* bytes per rank: what
+    ``PlanConfig.balance_cap`` bounds (padding counts against the balance)."""
     max_rank_bytes: int
     mean_rank_bytes: float
     plan_seconds: float
@@ -93,14 +98,37 @@ def _per_rank(plan: PlanLike) -> tuple[np.ndarray, np.ndarray, list[dict]]:
     return rank_bytes, rank_cost, details
 
 
-def _largest_block(shape: Sequence[int], spec: BlockSpec) -> int:
+def block_sizes(shape: Sequence[int], spec: BlockSpec) -> dict[int, int]:
+    """``{block elements: count}`` of one tensor (pure; uniform specs in O(1))."""
     numel = math.prod(shape)
     if numel == 0:
-        return 0
+        return {}
     if spec.is_uniform:
-        return min(spec.unit(shape), numel)
+        unit = min(spec.unit(shape), numel)
+        full, last = divmod(numel, unit)
+        out = {unit: full}
+        if last:
+            out[last] = out.get(last, 0) + 1
+        return out
     starts = spec.block_starts(shape)
-    return max(b - a for a, b in zip(starts, starts[1:]))
+    out: dict[int, int] = {}
+    for a, b in zip(starts, starts[1:]):
+        out[b - a] = out.get(b - a, 0) + 1
+    return out
+
+
+def whole_block_bound(sizes: dict[int, int], world_size: int) -> int:
+    """Least possible bytes on the busiest rank of any plan keeping blocks whole.
+
+    ``sizes``: ``{block bytes: count}``. The ``k`` largest blocks sit on ``W`` ranks, so some rank
+    holds ``ceil(k / W)`` of them, each at least the ``k``-th largest: the bound is the maximum of
+    ``ceil(k / W) * size_k`` over ``k`` (checked at the last block of each size class, where it peaks).
+    """
+    best, k = 0, 0
+    for size in sorted(sizes, reverse=True):
+        k += sizes[size]
+        best = max(best, -(-k // world_size) * size)
+    return best
 
 
 def _ratio(a: np.ndarray) -> float:
@@ -114,9 +142,12 @@ def plan_stats(plan: PlanLike, *, _per_rank_cache=None) -> PlanStats:
     param = sum(b.param_numel for b in plan.buckets)
     param_bytes = sum(b.param_numel * b.itemsize for b in plan.buckets)
     pad = sum(b.padding for b in plan.buckets)
-    biggest = max(
-        (_largest_block(p.shape, p.spec) * b.itemsize for b in plan.buckets for p in b.placements), default=0
-    )
+    sizes: dict[int, int] = {}
+    for b in plan.buckets:
+        for p in b.placements:
+            for n, c in block_sizes(p.shape, p.spec).items():
+                sizes[n * b.itemsize] = sizes.get(n * b.itemsize, 0) + c
+    bound = whole_block_bound(sizes, plan.world_size)
     mean_param = param_bytes / plan.world_size
     matrix_bytes = sum(d["matrix_bytes"] for d in details)
     return PlanStats(
@@ -131,7 +162,8 @@ def plan_stats(plan: PlanLike, *, _per_rank_cache=None) -> PlanStats:
         split_bytes_ratio=sum(d["split_bytes"] for d in details) / matrix_bytes if matrix_bytes else 0.0,
         bytes_max_over_mean=_ratio(rank_bytes),
         cost_max_over_mean=_ratio(rank_cost),
-        bytes_lower_bound=max(1.0, biggest / mean_param) if mean_param else 1.0,
+        bytes_lower_bound=max(1.0, bound / mean_param) if mean_param else 1.0,
+        balance_ratio=float(rank_bytes.max()) / mean_param if mean_param else 1.0,
         max_rank_bytes=int(rank_bytes.max()) if rank_bytes.size else 0,
         mean_rank_bytes=float(rank_bytes.mean()) if rank_bytes.size else 0.0,
         plan_seconds=plan.seconds,
@@ -172,8 +204,11 @@ def plan_report(plan: PlanLike) -> str:
         f"padding: {100 * st.padding_ratio:.3f}% of parameters",
         f"split matrix blocks: {st.num_split_blocks} ({100 * st.split_bytes_ratio:.2f}% of matrix bytes)",
         f"per-rank bytes: max {_fmt_bytes(st.max_rank_bytes)}, mean {_fmt_bytes(st.mean_rank_bytes)}, "
-        f"max/mean {st.bytes_max_over_mean:.4f} (whole-block lower bound {st.bytes_lower_bound:.4f})",
+        f"max/mean {st.bytes_max_over_mean:.4f}, max over mean parameter bytes {st.balance_ratio:.4f} "
+        f"(whole-block lower bound {st.bytes_lower_bound:.4f}, balance cap {getattr(cfg, 'balance_cap', 1.10):.2f})",
         f"per-rank optimizer cost: max/mean {st.cost_max_over_mean:.4f}",
         "bytes/collective: the gathered bucket (all-gather output / reduce-scatter input), padding included",
     ]
+    if getattr(plan, "balance_note", ""):
+        lines.append(f"balance: {plan.balance_note}")
     return "\n".join(lines)

@@ -29,12 +29,23 @@ while a padded collective is in flight.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["WireMode", "LinkModel", "WIRE_CHOICES", "grouped_seconds", "padded_seconds", "choose_wire_mode"]
+__all__ = [
+    "WireMode",
+    "LinkModel",
+    "WIRE_CHOICES",
+    "grouped_seconds",
+    "padded_seconds",
+    "choose_wire_mode",
+    "all_reduce_seconds",
+    "all_to_all_seconds",
+    "split_exchange",
+]
 
 WIRE_CHOICES = ("auto", "grouped", "padded")
 
@@ -99,3 +110,41 @@ def choose_wire_mode(
     grouped = grouped_seconds(sizes, element_size=element_size, link=link)
     padded = padded_seconds(sizes, element_size=element_size, link=link)
     return WireMode.PADDED if padded <= grouped or math.isclose(padded, grouped) else WireMode.GROUPED
+
+
+def all_reduce_seconds(numel: float, world_size: int, *, element_size: int, link: LinkModel = LinkModel()) -> float:
+    """Ring all-reduce of ``numel`` elements over ``world_size`` ranks (HSDP's replica reduction): a
+    reduce-scatter and an all-gather of ``numel / W`` per rank, each ``padded_seconds`` of even segments."""
+    if world_size <= 1 or numel <= 0:
+        return 0.0
+    even = [numel / world_size] * world_size
+    return 2 * padded_seconds(even, element_size=element_size, link=link)
+
+
+def all_to_all_seconds(send: Sequence[float], recv: Sequence[float], *, element_size: int, link: LinkModel = LinkModel()) -> float:
+    """One all-to-all with per-rank element counts sent / received: ``steps(W)`` latencies and the
+    busiest rank's bytes (as ``benchmarks/comm_model.py`` costs it)."""
+    w = len(send)
+    if w <= 1:
+        return 0.0
+    busiest = max(max(a, b) for a, b in zip(send, recv))
+    return _steps(w) * link.alpha_s + busiest * element_size / link.bytes_per_s
+
+
+def split_exchange(bucket) -> tuple[list[int], list[int]]:
+    """Elements each rank sends / receives to gather a bucket's split matrices to their owners (the
+    rank holding the largest piece; Muon sends the update back the same way). Pure, on a ``BucketPlan``."""
+    w = bucket.world_size
+    send, recv = [0] * w, [0] * w
+    rb = bucket.rank_bounds
+    for p in bucket.placements:
+        for off, r, c in p.split_matrices():
+            a, b = p.offset + off, p.offset + off + r * c
+            lo, hi = bisect.bisect_right(rb, a) - 1, bisect.bisect_left(rb, b)
+            pieces = [(min(rb[k + 1], b) - max(rb[k], a), k) for k in range(lo, hi)]
+            owner = max(pieces, key=lambda t: (t[0], -t[1]))[1]
+            for n, k in pieces:
+                if k != owner and n > 0:
+                    send[k] += n
+                    recv[owner] += n
+    return send, recv

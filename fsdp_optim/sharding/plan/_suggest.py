@@ -1,0 +1,186 @@
+"""Choose the mesh: the HSDP shape (replicas x shard size) with the least modeled step time whose
+busiest rank fits in memory (``suggest_mesh``, ``fsdp-optim plan --suggest``).
+
+[Note: mesh suggestion model]
+Every divisor ``N`` of the world size ``W`` is a candidate shard size (``R = W / N`` replicas; ``N = W``
+is pure FSDP). Each is planned with ``plan_model`` over ``N`` ranks (the plan a replica holds) and
+priced per step on the busiest rank:
+
+- memory: its sharded elements x ``state_bytes`` (fp32 parameter, gradient and two optimizer
+  moments: 16) plus two gathered buckets (the one in use and the prefetched one) x
+  ``gathered_bytes`` (a bf16 parameter and an fp32 gradient: 6). Activations are not modeled: pass
+  ``memory_per_rank`` net of them;
+- time: per bucket two all-gathers (forward, backward) at ``param_bytes`` and one reduce-scatter at
+  ``grad_bytes``, as the runtime moves them (even: one ring; ragged: grouped or padded, whichever
+  ``choose_wire_mode`` picks), Muon's two all-to-alls where the plan split a matrix, and with
+  ``R > 1`` an all-reduce of the rank's gradient segment over the replicas. The alpha-beta formulas
+  are those of ``_wire.py`` (the model ``benchmarks/comm_model.py`` uses); no overlap with compute.
+
+Candidates whose memory lower bound (parameters x ``state_bytes`` / N) already exceeds the budget are
+not planned. The fitting candidate with the least time wins (ties: the larger shard size, less memory).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from ._blocks import BlockRule
+from ._plan import Layout, Plan, PlanConfig, TensorSpec
+from ._planner import plan_model
+from ._presets import PRESETS, preset_buckets
+from ._wire import LinkModel, WireMode, all_reduce_seconds, all_to_all_seconds, choose_wire_mode
+from ._wire import grouped_seconds, padded_seconds, split_exchange
+
+__all__ = ["MeshCandidate", "MeshSuggestion", "suggest_mesh", "module_buckets"]
+
+
+class MeshCandidate(NamedTuple):
+    """One HSDP shape and the figures behind it (see [Note: mesh suggestion model])."""
+
+    shard_size: int
+    num_replicas: int
+    max_rank_bytes: int
+    """Modeled memory of the busiest rank (sharded state + two gathered buckets)."""
+    fits: bool
+    collective_seconds: float
+    """Modeled collective time per step on the busiest rank."""
+    balance_ratio: float
+    """The plan's busiest rank parameter bytes over the mean (``PlanStats.balance_ratio``)."""
+    num_split_blocks: int
+    planned: bool
+    """False: skipped, its memory lower bound does not fit (``max_rank_bytes`` is that bound)."""
+
+
+class MeshSuggestion(NamedTuple):
+    """``suggest_mesh``'s answer: the chosen shape, its figures, and every candidate considered."""
+
+    shard_size: int
+    num_replicas: int
+    max_rank_bytes: int
+    collective_seconds: float
+    plan: Plan
+    """The chosen shard group's plan."""
+    candidates: tuple[MeshCandidate, ...]
+
+
+def module_buckets(module: nn.Module, *, rule: BlockRule, itemsize: int = 4) -> list[tuple[str, list[TensorSpec]]]:
+    """Planner input from a module's parameter shapes: one bucket per top-level child (per item of a
+    top-level ``nn.ModuleList`` / ``nn.Sequential``, e.g. ``layers.3``), in registration order, plus
+    one for the root's own parameters; each spec from ``rule(fqn, param, owner module)``."""
+    groups: dict[str, list[TensorSpec]] = {}
+    for mname, mod in module.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            fqn = f"{mname}.{pname}" if mname else pname
+            parts = mname.split(".") if mname else []
+            top = module.get_submodule(parts[0]) if parts else None
+            key = ".".join(parts[:2]) if isinstance(top, (nn.ModuleList, nn.Sequential)) and len(parts) > 1 else (parts[0] if parts else "")
+            spec = rule(fqn, p, mod)
+            groups.setdefault(key, []).append(TensorSpec(name=fqn, shape=tuple(p.shape), spec=spec, itemsize=itemsize))
+    return [(k or "root", v) for k, v in groups.items()]
+
+
+def _step_seconds(plan: Plan, replicas: int, *, link: LinkModel, param_bytes: int, grad_bytes: int, optim_bytes: int) -> float:
+    """Modeled collective seconds per step on the plan's busiest rank (see [Note: mesh suggestion model])."""
+    total = 0.0
+    w = plan.world_size
+    held = np.zeros(w)  # per rank: elements of its segments, and buckets it holds a piece of
+    pieces = np.zeros(w)
+    for b in plan.buckets:
+        sizes = b.segment_sizes
+        seg = np.asarray(sizes, dtype=np.float64)
+        held += seg
+        pieces += seg > 0
+        for isz, n in ((param_bytes, 2), (grad_bytes, 1)):
+            if b.layout is Layout.EVEN or choose_wire_mode(sizes, element_size=isz, wire=plan.config.wire) is WireMode.PADDED:
+                total += n * padded_seconds(sizes, element_size=isz, link=link)
+            else:
+                total += n * grouped_seconds(sizes, element_size=isz, link=link)
+        if b.num_split_blocks:
+            send, recv = split_exchange(b)
+            total += all_to_all_seconds(send, recv, element_size=optim_bytes, link=link)
+            total += all_to_all_seconds(recv, send, element_size=optim_bytes, link=link)
+    if replicas > 1:
+        # each rank all-reduces its own segment of every bucket with its replicas: per bucket
+        # ``all_reduce_seconds(seg)`` = latency + slope * seg (the same model, summed per rank)
+        one, two = (all_reduce_seconds(x, replicas, element_size=grad_bytes, link=link) for x in (1.0, 2.0))
+        slope, latency = two - one, 2 * one - two
+        total += float((pieces * latency + held * slope).max())
+    return total
+
+
+def suggest_mesh(
+    *,
+    model: str | nn.Module | Sequence[tuple[str, Sequence[TensorSpec]]],
+    world_size: int,
+    rule: BlockRule,
+    memory_per_rank: float,
+    config: PlanConfig = PlanConfig(),
+    itemsize: int = 4,
+    state_bytes: float = 16.0,
+    gathered_bytes: float = 6.0,
+    param_bytes: int = 2,
+    grad_bytes: int = 4,
+    optim_bytes: int = 4,
+    link: LinkModel = LinkModel(),
+) -> MeshSuggestion:
+    """The HSDP shape (``num_replicas x shard_size``) with the least modeled collective time per step
+    whose busiest rank fits in ``memory_per_rank`` bytes, and every candidate's figures.
+
+    ``model``: a preset name (``preset_names()``), an ``nn.Module`` (its parameter shapes, meta is
+    fine; buckets by ``module_buckets``) or planner buckets. ``rule``: the optimizer's block rule
+    (``Muon.blocks``, ``muon_rule()``, ...); ``config``: the planner's (Shampoo / SOAP:
+    ``PlanConfig(balance="whole")``). The rest: [Note: mesh suggestion model].
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not (isinstance(memory_per_rank, (int, float)) and math.isfinite(memory_per_rank) and memory_per_rank > 0):
+        raise ValueError(f"memory_per_rank must be a positive number of bytes (80e9 for 80 GB), got {memory_per_rank!r}")
+    for name, v in (("state_bytes", state_bytes), ("gathered_bytes", gathered_bytes)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0 (bytes per element), got {v!r}")
+    buckets = _buckets(model, rule=rule, itemsize=itemsize)
+    numel = sum(ts.numel for _, specs in buckets for ts in specs)
+    biggest = max((sum(ts.numel for ts in specs) for _, specs in buckets), default=0)
+    gathered = 2 * biggest * gathered_bytes
+    cands, plans = [], {}
+    for n in sorted((d for d in range(1, world_size + 1) if world_size % d == 0), reverse=True):
+        floor = int(numel * state_bytes / n + gathered)
+        if floor > memory_per_rank:
+            cands.append(MeshCandidate(n, world_size // n, floor, False, math.inf, 1.0, 0, False))
+            continue
+        plan = plan_model(buckets, world_size=n, config=config)
+        elems = sum(np.diff(np.asarray(b.rank_bounds, dtype=np.int64)) for b in plan.buckets)
+        mem = int(float(np.max(elems)) * state_bytes + gathered)
+        secs = _step_seconds(plan, world_size // n, link=link, param_bytes=param_bytes, grad_bytes=grad_bytes, optim_bytes=optim_bytes)
+        st = plan.stats()
+        cands.append(MeshCandidate(n, world_size // n, mem, mem <= memory_per_rank, secs, st.balance_ratio, st.num_split_blocks, True))
+        plans[n] = plan
+    fitting = [c for c in cands if c.fits]
+    if not fitting:
+        least = min(c.max_rank_bytes for c in cands)
+        raise ValueError(
+            f"memory_per_rank={memory_per_rank:.4g} bytes fits no HSDP shape of world size {world_size}: even pure FSDP "
+            f"needs {least:.4g} bytes on the busiest rank ({state_bytes:g} bytes per sharded element + two gathered "
+            f"buckets); raise memory_per_rank or the world size"
+        )
+    best = min(fitting, key=lambda c: (c.collective_seconds, -c.shard_size))
+    return MeshSuggestion(best.shard_size, best.num_replicas, best.max_rank_bytes, best.collective_seconds,
+                          plans[best.shard_size], tuple(cands))  # fmt: skip
+
+
+def _buckets(model, *, rule: BlockRule, itemsize: int):
+    if isinstance(model, str):
+        if model not in PRESETS:
+            raise ValueError(f"model {model!r} is not a preset; choose one of {', '.join(PRESETS)} or pass an nn.Module")
+        return preset_buckets(model, rule=rule, itemsize=itemsize)
+    if isinstance(model, nn.Module):
+        return module_buckets(model, rule=rule, itemsize=itemsize)
+    if isinstance(model, torch.Tensor):
+        raise ValueError("model must be a preset name, an nn.Module or planner buckets, got a tensor")
+    return list(model)
