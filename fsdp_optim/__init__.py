@@ -17,6 +17,7 @@ from .sharding import (
     init_weights,
     shard_info,
     sharded_plan,
+    suggest_mesh,
 )
 from .sharding.checkpoint import (
     export_hf,
@@ -46,5 +47,6 @@ __all__ = [
     "shard_info",
     "sharded_plan",
     "sharding",
+    "suggest_mesh",
 ]
 __version__ = "0.1.0"

@@ -45,10 +45,11 @@ def optimizer_rule(name: str):
 def optimizer_balance(name: str) -> str:
     """``PlanConfig.balance`` for ``--optimizer name``: ``"auto"`` where the optimizer accepts matrix
     blocks split on rows (Muon; AdamW and 8-bit AdamW have none), ``"whole"`` where it refuses them
-    (Shampoo, like SOAP: a rank boundary inside a preconditioner block is a ValueError)."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
-    return "whole" if name == "shampoo" else "auto"
+    (Shampoo, like SOAP: a rank boundary inside a preconditioner block is a ValueError); the rule
+    decides, as in ``fully_shard`` (``config_for_rules``)."""
+    from .sharding.plan import PlanConfig, config_for_rules
+
+    return config_for_rules(PlanConfig(), [optimizer_rule(name)]).balance
 
 
 # ---- plan ---------------------------------------------------------------------------

@@ -71,12 +71,16 @@ def adamw_rule(fqn: str, param: torch.Tensor, module: nn.Module | None) -> Block
     return elements(1)
 
 
+adamw_rule.splits_blocks = True  # type: ignore[attr-defined]  # element-wise: any cut is fine (PlanConfig.balance)
+
+
 def adamw8bit_rule(block_size: int = 256) -> BlockRule:
     """Quantization blocks of ``block_size`` flat elements of the global tensor."""
 
     def rule(fqn: str, param: torch.Tensor, module: nn.Module | None) -> BlockSpec:
         return elements(block_size)
 
+    rule.splits_blocks = True  # type: ignore[attr-defined]  # element-wise blocks: no matrix to split
     return rule
 
 
@@ -126,6 +130,7 @@ def muon_rule(
         return whole()
 
     rule.guesses_names = explicit is None  # type: ignore[attr-defined]  # read by Muon's warnings
+    rule.splits_blocks = True  # type: ignore[attr-defined]  # Muon exchanges split matrices (PlanConfig.balance)
     return rule
 
 

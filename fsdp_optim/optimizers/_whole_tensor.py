@@ -229,7 +229,7 @@ def _check_whole(p: Tensor, info: ShardInfo) -> None:
             f"{info.world_size}) is cut across ranks ({info.spec} blocks, {info.local_numel} of {info.numel} "
             f"elements on rank {info.rank}); shard the model with fully_shard(..., "
             "blocks=WholeTensorOptimizer.blocks) and a layout that keeps whole tensors "
-            "(PlanConfig(layout='ragged'), or a padding_cap that never splits)"
+            "(PlanConfig(layout='ragged', balance='whole'), or a padding_cap that never splits)"
         )
     if p.numel() != info.numel:
         raise ValueError(

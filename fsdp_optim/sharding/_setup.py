@@ -47,7 +47,7 @@ from ._expert_parallel import expert_shard
 from ._mixed_precision import MixedPrecisionPolicy
 from ._runtime import _STATE, _ModuleState, _Runtime
 from ._shard_info import replacement_of, shard_info, was_replaced
-from .plan import BlockSpec, Plan, PlanConfig, TensorSpec, default_rule, plan_model
+from .plan import BlockSpec, Plan, PlanConfig, TensorSpec, config_for_rules, default_rule, plan_model
 
 logger = logging.getLogger(__name__)  # a child of "fsdp_optim": logging.getLogger("fsdp_optim").setLevel(...)
 
@@ -440,12 +440,19 @@ def _plan_under(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry], l
             )
             for st in bucket_states
         ]
-        plan = plan_model(specs, world_size=root.world_size, config=root.plan_config or PlanConfig())
+        plan = plan_model(specs, world_size=root.world_size, config=_plan_config(root, states))
         fingerprint = _fingerprint(root, plan, bucket_states)
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         err = e
     _agree(err, root, fingerprint)
     return states, entries, bucket_states, plan
+
+
+def _plan_config(root: _ModuleState, states: list[_ModuleState]) -> PlanConfig:
+    """The root's ``PlanConfig`` for the block rules in use (``config_for_rules``: balance by split
+    matrices only where the optimizer takes them)."""
+    rules = {id(r): r for r in [st.blocks or root.blocks or default_rule for st in states]}
+    return config_for_rules(root.plan_config or PlanConfig(), rules.values())
 
 
 def _build_buckets(
@@ -532,6 +539,7 @@ def _log_plan(root: _ModuleState, plan, buckets: list[_Bucket], *, absorbed: int
         100 * st.padding_ratio, st.bytes_max_over_mean, st.cost_max_over_mean, st.plan_seconds, absorbed,
         sum(not b.is_materialized for b in buckets),
     )  # fmt: skip
+    logger.info("fully_shard(%s): balance: %s", name, plan.balance_note)
     if logger.isEnabledFor(logging.DEBUG):
         for b in buckets:
             sizes = b.plan.segment_sizes

@@ -673,3 +673,29 @@ def test_errors_raise_on_every_rank_without_hanging():
         assert "returned None" in msgs[0] and ("rank 1" in msgs[0] or r == 1)
         assert "differ from rank" in msgs[1] and "planned layout (parameter names" in msgs[1]
         assert "world size 1" in msgs[2] and "world size 2" in msgs[2] and "same mesh" in msgs[2]
+
+
+def test_balance_splits_matrices_only_for_rules_that_take_them():
+    # One large matrix among small ones at W = 4: whole blocks cannot balance. Muon's rule (it
+    # exchanges split matrices) gets the balanced plan with a split; Shampoo's (it refuses a rank
+    # boundary inside a block) keeps blocks whole and the planner warns, naming HSDP.
+    import warnings
+
+    from fsdp_optim.optimizers import Muon, Shampoo
+
+    def fn():
+        out = {}
+        for name, rule in (("muon", Muon.blocks), ("shampoo", Shampoo.blocks)):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*(torch.nn.Linear(n, n, bias=False) for n in (96, 8, 8)))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fsdp_optim.fully_shard(model, blocks=rule)
+            split = any(fsdp_optim.shard_info(p).split for p in model.parameters())
+            out[name] = split, [str(w.message) for w in caught if "balance='whole'" in str(w.message)]
+            del model
+        return out
+
+    for out in run_distributed(fn, world_size=4):
+        assert out["muon"][0] and not out["muon"][1]
+        assert not out["shampoo"][0] and out["shampoo"][1], out

@@ -3,7 +3,7 @@ model presets, and the wire model of ragged collectives. Pure functions on shape
 for 16K ranks is computed (and tested) on one CPU."""
 
 from ._blocks import BlockKind, BlockRule, BlockSpec, default_rule, elements, expert, heads, merge_small_dims, rows, whole
-from ._plan import BucketPlan, Layout, LocalPiece, Placement, Plan, PlanConfig, TensorSpec
+from ._plan import BucketPlan, Layout, LocalPiece, Placement, Plan, PlanConfig, TensorSpec, config_for_rules
 from ._planner import plan_model
 from ._cost import tensor_cost
 from ._experts import expert_ranges, token_splits
@@ -48,6 +48,7 @@ __all__ = [
     "block_aligned_splits",
     "choose_wire_mode",
     "chunk_bounds",
+    "config_for_rules",
     "default_rule",
     "elements",
     "expert",

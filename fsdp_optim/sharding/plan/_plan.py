@@ -13,15 +13,17 @@ contiguous, with padding only between tensors. From the two follows each tensor'
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import enum
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ._blocks import BlockSpec
+from ._blocks import BlockSpec, default_rule
 from ._ragged import RaggedShard
 from ._report import plan_report, plan_stats
 
-__all__ = ["Layout", "TensorSpec", "Placement", "BucketPlan", "Plan", "PlanConfig", "LocalPiece"]
+__all__ = ["Layout", "TensorSpec", "Placement", "BucketPlan", "Plan", "PlanConfig", "LocalPiece", "config_for_rules"]
 
 
 class Layout(enum.Enum):
@@ -266,3 +268,14 @@ class Plan:
         """Layout per bucket, padding %, split blocks and their bytes, per-rank bytes and cost
         max/mean, bytes per collective."""
         return plan_report(self)
+
+
+def config_for_rules(config: PlanConfig, rules: Iterable[Callable]) -> PlanConfig:
+    """``config`` with ``balance="auto"`` kept only where every block rule says its optimizer takes
+    matrices split across ranks (``rule.splits_blocks``: Muon's) or has no blocks to split (the
+    default element rule): Shampoo, SOAP, ``WholeTensorOptimizer`` and unknown rules get ``"whole"``,
+    since a split would be refused at the optimizer's first step (the planner warns instead when whole
+    blocks miss the cap, naming the HSDP shard size that would balance)."""
+    if config.balance == "auto" and not all(getattr(r, "splits_blocks", False) or r is default_rule for r in rules):
+        return dataclasses.replace(config, balance="whole")
+    return config

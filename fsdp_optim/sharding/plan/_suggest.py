@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ._blocks import BlockRule
-from ._plan import Layout, Plan, PlanConfig, TensorSpec
+from ._plan import Layout, Plan, PlanConfig, TensorSpec, config_for_rules
 from ._planner import plan_model
 from ._presets import PRESETS, preset_buckets
 from ._wire import LinkModel, WireMode, all_reduce_seconds, all_to_all_seconds, choose_wire_mode
@@ -134,8 +134,8 @@ def suggest_mesh(
 
     ``model``: a preset name (``preset_names()``), an ``nn.Module`` (its parameter shapes, meta is
     fine; buckets by ``module_buckets``) or planner buckets. ``rule``: the optimizer's block rule
-    (``Muon.blocks``, ``muon_rule()``, ...); ``config``: the planner's (Shampoo / SOAP:
-    ``PlanConfig(balance="whole")``). The rest: [Note: mesh suggestion model].
+    (``Muon.blocks``, ``muon_rule()``, ...); ``config``: the planner's (``balance="auto"`` splits matrices only for a rule that takes them,
+    see ``config_for_rules``). The rest: [Note: mesh suggestion model].
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -154,7 +154,7 @@ def suggest_mesh(
         if floor > memory_per_rank:
             cands.append(MeshCandidate(n, world_size // n, floor, False, math.inf, 1.0, 0, False))
             continue
-        plan = plan_model(buckets, world_size=n, config=config)
+        plan = plan_model(buckets, world_size=n, config=config_for_rules(config, [rule]))
         elems = sum(np.diff(np.asarray(b.rank_bounds, dtype=np.int64)) for b in plan.buckets)
         mem = int(float(np.max(elems)) * state_bytes + gathered)
         secs = _step_seconds(plan, world_size // n, link=link, param_bytes=param_bytes, grad_bytes=grad_bytes, optim_bytes=optim_bytes)
