@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from .sharding import BlockSpec, RaggedShard
 
-__all__ = ["run_distributed", "DistributedTestError", "LiveBytes"]
+__all__ = ["run_distributed", "DistributedTestError", "LiveBytes", "make_sharded_param", "random_block_layout", "seeded_tensors", "train_steps"]
 
 
 _ECHOES = ("Connection closed by peer", "Connection reset by peer", "Socket Timeout", "timed out after")
@@ -159,6 +159,47 @@ def make_sharded_param(
         ShardInfo.of(fqn=fqn, shape=tuple(full.shape), spec=spec, layout=layout, rank=rank, bucket=bucket, split=split),
     )
     return p
+
+
+def random_block_layout(shape, world_size: int, seed: int, *, block: int, empty_first: bool = False) -> "RaggedShard":
+    """Random contiguous ranges of ``shape`` over ``world_size`` ranks, cut on multiples of ``block``
+    elements (some may be empty; ``empty_first``: rank 0's is empty when there is a cut)."""
+    import math
+    import random
+
+    from .sharding import RaggedShard
+
+    rng = random.Random(seed)
+    numel = math.prod(shape)
+    num_blocks = -(-numel // block)
+    cuts = sorted(min(rng.randrange(0, num_blocks + 1) * block, numel) for _ in range(world_size - 1))
+    if empty_first and cuts:
+        cuts[0] = 0
+    return RaggedShard(tuple(shape), (0, *cuts, numel))
+
+
+def seeded_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, "torch.Tensor"]:
+    """``{name: torch.randn(shape)}`` from one generator seeded with ``seed`` (test inputs and gradients)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+
+
+def train_steps(opt: Any, params: list, grads: list[list["torch.Tensor"]], *, scheduler: Any = None, layouts: list | None = None) -> None:
+    """For each step's gradients: set every parameter's ``.grad`` (a clone, or this rank's piece under
+    ``layouts``), ``opt.step()``, then ``scheduler.step()`` if one is given."""
+    rank = 0
+    if layouts is not None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    for gs in grads:
+        for i, (p, g) in enumerate(zip(params, gs)):
+            p.grad = (layouts[i].shard(g, rank) if layouts is not None else g).clone()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
 
 
 class LiveBytes:

@@ -3,6 +3,8 @@
 Hidden 72 with 3 heads (head dim 24), MLP 200 wide with biases, vocab 1009 (prime), the
 output head tied to the embedding. ``frozen=True`` freezes one parameter
 (``layers.1.mlp_norm.weight``) so frozen and trainable tensors share a bucket.
+
+``SwiGLUExperts``: plain-torch experts meeting ``expert_parallel``'s contract (the MoE tests' reference).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TinyConfig", "TinyTransformer", "make_batch"]
+__all__ = ["SwiGLUExperts", "TinyConfig", "TinyTransformer", "make_batch"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,3 +113,23 @@ def assert_close_after_adamw(got: dict[str, torch.Tensor], want: dict[str, torch
         diff = (a - b).abs()
         assert diff.max().item() <= lr / 10, (k, diff.max().item())
         assert (diff <= 1e-5).float().mean().item() >= 0.995, (k, diff.max().item())
+
+
+class SwiGLUExperts(nn.Module):
+    """SwiGLU experts ``w1, w3: [E, hidden, dim]``, ``w2: [E, dim, hidden]`` in plain torch, one expert's
+    contiguous rows at a time (``forward(x sorted by expert, num_tokens_per_expert)``: the contract of
+    ``fsdp_optim.sharding.expert_parallel``)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(num_experts, hidden, dim) / dim**0.5)
+        self.w3 = nn.Parameter(torch.randn(num_experts, hidden, dim) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, dim, hidden) / hidden**0.5)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        out, start = [], 0
+        for e, n in enumerate(num_tokens_per_expert.tolist()):
+            xe = x[start : start + n]
+            out.append((F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)) @ self.w2[e].T)
+            start += n
+        return torch.cat(out)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from fsdp_optim._testing import make_sharded_param, run_distributed
+from fsdp_optim._testing import make_sharded_param, run_distributed, train_steps
 from fsdp_optim.optimizers import AdamW, adamw_update
 from fsdp_optim.sharding import RaggedShard, elements
 
@@ -39,13 +39,7 @@ def reference(params, grads, *, scheduler=None, param_groups=None, **kw):
     """torch.optim.AdamW on the full tensors; returns final params and states."""
     ps = [torch.nn.Parameter(p.clone()) for p in params]
     opt = torch.optim.AdamW(ps if param_groups is None else param_groups(ps), **kw)
-    sched = scheduler(opt) if scheduler else None
-    for gs in grads:
-        for p, g in zip(ps, gs):
-            p.grad = g.clone()
-        opt.step()
-        if sched:
-            sched.step()
+    train_steps(opt, ps, grads, scheduler=scheduler(opt) if scheduler else None)
     states = [{k: v.clone() for k, v in opt.state[p].items()} for p in ps]
     return [p.detach().clone() for p in ps], states
 
@@ -54,16 +48,9 @@ def sharded_run(params, grads, layouts, *, scheduler=None, param_groups=None, **
     """Our AdamW on each rank's pieces; returns (rank, local params, local states)."""
 
     def fn():
-        rank = dist.get_rank()
         ps = [make_sharded_param(f, spec=elements(1), layout=lay, fqn=f"p{i}") for i, (f, lay) in enumerate(zip(params, layouts))]
         opt = AdamW(ps if param_groups is None else param_groups(ps), **kw)
-        sched = scheduler(opt) if scheduler else None
-        for gs in grads:
-            for p, g, lay in zip(ps, gs, layouts):
-                p.grad = lay.shard(g, rank).clone()
-            opt.step()
-            if sched:
-                sched.step()
+        train_steps(opt, ps, grads, scheduler=scheduler(opt) if scheduler else None, layouts=layouts)
         return [p.detach().clone() for p in ps], [{k: v.clone() for k, v in opt.state[p].items()} for p in ps]
 
     return run_distributed(fn, world_size=layouts[0].world_size)

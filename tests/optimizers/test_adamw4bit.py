@@ -18,6 +18,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp_optim
 from fsdp_optim._testing import make_sharded_param, run_distributed
+from fsdp_optim._testing import random_block_layout as _random_layout
 from fsdp_optim.optimizers import AdamW4bit, AdamW8bit
 from fsdp_optim.optimizers._quantized_adamw import FORMAT_4BIT, dequantize_blockwise, quantize_blockwise
 from fsdp_optim.sharding import RaggedShard, elements
@@ -36,11 +37,7 @@ ODD_SHAPES = [(4097,), (17, 243), (35, 130)]
 
 def random_block_layout(shape, world_size: int, seed: int) -> RaggedShard:
     """Random contiguous 128-block-aligned ranges (some empty)."""
-    rng = random.Random(seed)
-    numel = torch.Size(shape).numel()
-    num_blocks = -(-numel // BS)
-    cuts = sorted(min(rng.randrange(0, num_blocks + 1) * BS, numel) for _ in range(world_size - 1))
-    return RaggedShard(tuple(shape), (0, *cuts, numel))
+    return _random_layout(shape, world_size, seed, block=BS)
 
 
 def make_data(shapes, num_steps: int, *, seed: int = 0):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import warnings
 
 import pytest
@@ -17,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from fsdp_optim._testing import make_sharded_param, run_distributed
+from fsdp_optim._testing import make_sharded_param, run_distributed, train_steps
+from fsdp_optim._testing import random_block_layout as _random_layout
 from fsdp_optim.optimizers import AdamW8bit, adamw8bit_rule
 from fsdp_optim.optimizers._adamw8bit import dequantize_blockwise, quantize_blockwise
 from fsdp_optim.sharding import RaggedShard, elements
@@ -35,13 +35,7 @@ ODD_SHAPES = [(4097,), (17, 241), (35, 130)]
 
 def random_block_layout(shape, world_size: int, seed: int) -> RaggedShard:
     """Random contiguous 256-block-aligned ranges (some empty: rank 0 for odd seeds)."""
-    rng = random.Random(seed)
-    numel = torch.Size(shape).numel()
-    num_blocks = -(-numel // BS)
-    cuts = sorted(min(rng.randrange(0, num_blocks + 1) * BS, numel) for _ in range(world_size - 1))
-    if seed % 2 and cuts:
-        cuts[0] = 0
-    return RaggedShard(tuple(shape), (0, *cuts, numel))
+    return _random_layout(shape, world_size, seed, block=BS, empty_first=bool(seed % 2))
 
 
 def even_block_layout(shape, world_size: int) -> RaggedShard:
@@ -105,14 +99,8 @@ def torchao_reference(params, grads, *, eager: bool, scheduler=None, **kw):
     """Unsharded torchao AdamW8bit: final params and flat states (codes/scales where 8-bit)."""
     ps = [torch.nn.Parameter(p.clone()) for p in params]
     opt = torchao_optim.AdamW8bit(ps, **kw)
-    sched = scheduler(opt) if scheduler else None
     with dynamo_disabled() if eager else contextlib.nullcontext():
-        for gs in grads:
-            for p, g in zip(ps, gs):
-                p.grad = g.clone()
-            opt.step()
-            if sched:
-                sched.step()
+        train_steps(opt, ps, grads, scheduler=scheduler(opt) if scheduler else None)
     states = []
     for p in ps:
         st = {}
@@ -131,16 +119,9 @@ def sharded_run(params, grads, layouts, *, scheduler=None, **kw):
     """Our AdamW8bit on each rank: (local params, raw states, dequantized states, quantized flags)."""
 
     def fn():
-        rank = dist.get_rank()
         ps = [make_sharded_param(f, spec=elements(BS), layout=lay, fqn=f"p{i}") for i, (f, lay) in enumerate(zip(params, layouts))]
         opt = AdamW8bit(ps, **kw)
-        sched = scheduler(opt) if scheduler else None
-        for gs in grads:
-            for p, g, lay in zip(ps, gs, layouts):
-                p.grad = lay.shard(g, rank).clone()
-            opt.step()
-            if sched:
-                sched.step()
+        train_steps(opt, ps, grads, scheduler=scheduler(opt) if scheduler else None, layouts=layouts)
         return (
             [p.detach().clone() for p in ps],
             [{k: v.clone() for k, v in opt.state[p].items()} for p in ps],

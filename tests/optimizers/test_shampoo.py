@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed
+from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed, seeded_tensors
 from fsdp_optim.optimizers import Shampoo
 from fsdp_optim.optimizers._shampoo import matrix_inverse_root, shampoo_blocks
 from fsdp_optim.sharding import RaggedShard, elements, expert, rows
@@ -45,13 +45,11 @@ def _spec(name, shape):
 
 
 def _init():
-    gen = torch.Generator().manual_seed(3)
-    return {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    return seeded_tensors(SHAPES, 3)
 
 
 def _grads(step):
-    gen = torch.Generator().manual_seed(100 + step)
-    return {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    return seeded_tensors(SHAPES, 100 + step)
 
 
 def strip_layout(shape, spec, world_size, shift: int) -> RaggedShard:

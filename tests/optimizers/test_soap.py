@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed
+from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed, seeded_tensors
 from fsdp_optim.optimizers import SOAP
 from fsdp_optim.optimizers._preconditioner import outer as _outer
 from fsdp_optim.optimizers._soap import _rotate, reference_merge_dims
@@ -186,13 +186,11 @@ OPT = dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.01, precondition_frequency
 
 
 def _init():
-    gen = torch.Generator().manual_seed(3)
-    return {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    return seeded_tensors(SHAPES, 3)
 
 
 def _grads(step):
-    gen = torch.Generator().manual_seed(100 + step)
-    return {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    return seeded_tensors(SHAPES, 100 + step)
 
 
 def _layout(shape, spec, world_size, shift, block_size):

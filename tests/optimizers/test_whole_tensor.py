@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp_optim
-from fsdp_optim._testing import run_distributed
+from fsdp_optim._testing import run_distributed, train_steps
 from fsdp_optim.optimizers import WholeTensorOptimizer
 from fsdp_optim.sharding import PlanConfig, RaggedShard, elements, whole
 from fsdp_optim.sharding._shard_info import ShardInfo, set_shard_info, shard_info
@@ -66,12 +66,7 @@ def unsharded_run(cls, kw, params, grads, *, sched_gamma: float | None = None):
     ps = [nn.Parameter(p.clone()) for p in params]
     opt = cls(ps, **kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=sched_gamma) if sched_gamma else None
-    for gs in grads:
-        for p, g in zip(ps, gs):
-            p.grad = g.clone()
-        opt.step()
-        if sched:
-            sched.step()
+    train_steps(opt, ps, grads, scheduler=sched)
     return [p.detach() for p in ps]
 
 

@@ -32,26 +32,16 @@ from fsdp_optim.sharding._expert_parallel import (
     token_splits,
 )
 from fsdp_optim.sharding._grouped_mm import count_grouped_mm, grouped_linear
+from tests._models import SwiGLUExperts
 
 D, H = 8, 16
 
 
-class _PlainSwiGLU(nn.Module):
+class _PlainSwiGLU(SwiGLUExperts):
     """Reference experts: plain torch, one SwiGLU per expert on its contiguous rows."""
 
     def __init__(self, num_experts: int) -> None:
-        super().__init__()
-        self.w1 = nn.Parameter(torch.randn(num_experts, H, D) / D**0.5)
-        self.w3 = nn.Parameter(torch.randn(num_experts, H, D) / D**0.5)
-        self.w2 = nn.Parameter(torch.randn(num_experts, D, H) / H**0.5)
-
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        out, start = [], 0
-        for e, n in enumerate(num_tokens_per_expert.tolist()):
-            xe = x[start : start + n]
-            out.append((F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)) @ self.w2[e].T)
-            start += n
-        return torch.cat(out)
+        super().__init__(num_experts, D, H)
 
 
 class _GroupedSwiGLU(_PlainSwiGLU):

@@ -18,27 +18,9 @@ import fsdp_optim
 from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import Muon
 from fsdp_optim.sharding import expert_parallel, expert_parallel_groups, shard_info
+from tests._models import SwiGLUExperts
 
 D, H, TOP_K, ROWS, STEPS, LR = 8, 12, 2, 24, 3, 1e-2
-
-
-class _Experts(nn.Module):
-    """SwiGLU experts ``[E, H, D]`` / ``[E, D, H]``, one expert's rows at a time (the contract of
-    ``expert_parallel``: tokens sorted by expert, per-expert counts)."""
-
-    def __init__(self, num_experts: int) -> None:
-        super().__init__()
-        self.w1 = nn.Parameter(torch.randn(num_experts, H, D) / D**0.5)
-        self.w3 = nn.Parameter(torch.randn(num_experts, H, D) / D**0.5)
-        self.w2 = nn.Parameter(torch.randn(num_experts, D, H) / H**0.5)
-
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        out, start = [], 0
-        for e, n in enumerate(num_tokens_per_expert.tolist()):
-            xe = x[start : start + n]
-            out.append((F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)) @ self.w2[e].T)
-            start += n
-        return torch.cat(out)
 
 
 class _Net(nn.Module):
@@ -49,7 +31,7 @@ class _Net(nn.Module):
         torch.manual_seed(0)
         self.inp = nn.Linear(D, D)
         self.router = nn.Linear(D, num_experts, bias=False)
-        self.experts = _Experts(num_experts)
+        self.experts = SwiGLUExperts(num_experts, D, H)
         self.head = nn.Linear(D, 3)
         self.num_experts = num_experts
 
