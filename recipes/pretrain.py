@@ -960,8 +960,9 @@ def cli(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         if args.check is not None or "RANK" not in os.environ:
-            world = 2 if args.check is None else args.check  # (resolve_config refuses --check 0)
-            cfg = resolve_config(args)
+            cfg = resolve_config(args)  # (refuses --check 0)
+            # --check W; without it, the ranks of the torchrun command printed below: 2, or parallel.ep's.
+            world = max(2, cfg.parallel.ep) if args.check is None else args.check
             out = Path(args.out)
             report = finished_run(out, cfg)
             if report is None:
@@ -981,7 +982,7 @@ def cli(argv: list[str] | None = None) -> int:
                 print(f"[pretrain] check passed for {world} ranks{what}; run: {run}", flush=True)
                 return 0
             print("error: recipes/pretrain.py runs under torchrun (RANK is not set); the config, data and model "
-                  f"checks passed. Run:\n  {torchrun_command(argv)}", file=sys.stderr, flush=True)
+                  f"checks passed. Run:\n  {torchrun_command(argv, world)}", file=sys.stderr, flush=True)
             return 2
         main(argv)
         return 0
