@@ -83,6 +83,9 @@ class OptimConfig:
     """Shampoo block rows; SOAP's max_precond_dim."""
     precondition_frequency: int = 10
     """Shampoo: steps between inverse-root recomputations; SOAP: between eigenbasis updates."""
+    qk_clip_tau: float = 0.0
+    """MuonClip's QK-clip (docs/muonclip.md): after each step, scale down the query/key rows of every
+    attention head whose max pre-softmax logit exceeded tau (0: off). The max logit is logged either way."""
 
 
 DEFAULT_LR = {"adamw": 3e-3, "adamw4bit": 3e-3, "adamw8bit": 3e-3, "muon": 0.02, "shampoo": 3e-3, "soap": 3e-3}
@@ -128,12 +131,21 @@ class LogConfig:
 
 
 @dataclass(kw_only=True)
+class ParallelConfig:
+    ep: int = 1
+    """Expert parallelism (model.kind = moe): each group of ep ranks splits the experts of every MoE
+    layer whole, tokens travel to their experts' owners (docs/expert-parallel.md); must divide the
+    number of ranks. 1: plain FSDP. A layout, not a model setting: a resume may change it."""
+
+
+@dataclass(kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def _fields(obj) -> dict[str, dataclasses.Field]:
@@ -262,16 +274,17 @@ RANGES: dict[str, Range] = {
     "data.seq_len": POSITIVE, "data.val_fraction": Range(0, 1, hi_open=True),
     "optim.lr": NON_NEGATIVE, "optim.adamw_lr": NON_NEGATIVE, "optim.betas": Range(0, 1, hi_open=True),
     "optim.eps": NON_NEGATIVE, "optim.weight_decay": NON_NEGATIVE, "optim.momentum": Range(0, 1, hi_open=True),
-    "optim.max_preconditioner_dim": POSITIVE, "optim.precondition_frequency": POSITIVE,
+    "optim.max_preconditioner_dim": POSITIVE, "optim.precondition_frequency": POSITIVE, "optim.qk_clip_tau": NON_NEGATIVE,
     "train.steps": POSITIVE, "train.batch_size": POSITIVE, "train.grad_accum": POSITIVE,
     "train.warmup_steps": NON_NEGATIVE, "train.min_lr_ratio": UNIT, "train.grad_clip": NON_NEGATIVE,
     "log.every": POSITIVE, "log.eval_every": NON_NEGATIVE, "log.eval_batches": POSITIVE,
     "log.ckpt_every": NON_NEGATIVE, "log.keep_ckpts": NON_NEGATIVE, "log.peak_tflops": NON_NEGATIVE,
+    "parallel.ep": POSITIVE,
 }
 _MEANING = {  # what the special values of a range mean, for the error message
     "train.grad_clip": "0: no clipping", "log.eval_every": "0: only at the end", "log.ckpt_every": "0: only at the end",
     "log.keep_ckpts": "0: keep all", "model.vocab_size": "0: the tokenizer's", "data.val_fraction": "0: no held-out split",
-    "log.peak_tflops": "0: from the table in pretrain.py",
+    "log.peak_tflops": "0: from the table in pretrain.py", "optim.qk_clip_tau": "0: off",
 }
 
 

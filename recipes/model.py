@@ -1,8 +1,11 @@
 """A Llama-3-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) and its MoE variant.
 
 ``Transformer.layers`` is an ``nn.ModuleList`` so the recipe can shard layer by layer. The MoE
-feed-forward stores its experts as 3-D ``[E, r, c]`` weights (one matrix per expert, which is
-what Muon's ``expert()`` blocks keep whole) and applies them with one batched matmul over experts.
+feed-forward is a router plus an ``experts`` module with 3-D ``[E, r, c]`` weights (one matrix per
+expert, which is what Muon's ``expert()`` blocks keep whole), applied dropless with a grouped matmul
+over the routed tokens; the recipe may split the experts over ranks (``parallel.ep``).
+``Attention.record_logits`` switches attention to an explicit form that records each head's max
+logit (for MuonClip's QK-clip and the ``max_attn_logit`` metric).
 ``build_model`` also makes a Hugging Face ``transformers`` model from a config (no download).
 """
 
@@ -16,6 +19,8 @@ from einops import rearrange
 from torch import nn
 
 from config import ModelConfig
+from fsdp_optim.optimizers import attention_with_max_logits
+from fsdp_optim.sharding import grouped_linear
 
 
 def ffn_hidden(dim: int, multiple_of: int) -> int:
@@ -63,6 +68,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
         self.wo.is_out_proj = True  # residual-branch output: smaller init (see Transformer.init_module)
+        self.record_logits = False
+        """True: explicit attention (O(T^2) memory) recording each head's max logit for qk_clip_."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # Split the projections into heads: [batch, time, heads * head_dim] -> [batch, heads, time, head_dim].
@@ -70,7 +77,10 @@ class Attention(nn.Module):
         k = rearrange(self.wk(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
         v = rearrange(self.wv(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        if self.record_logits:  # the same attention, explicitly, keeping each head's max logit (see qk_clip_)
+            y = attention_with_max_logits(self, q, k, v, causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(rearrange(y, "b h t d -> b t (h d)"))
 
 
@@ -88,13 +98,32 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class MoE(nn.Module):
-    """Top-k routed SwiGLU experts with weights ``w1, w3: [E, hidden, dim]`` and ``w2: [E, dim, hidden]``.
+class Experts(nn.Module):
+    """E SwiGLU experts, ``w1, w3: [E, hidden, dim]`` and ``w2: [E, dim, hidden]``, meeting the
+    experts-module contract of ``fsdp_optim.sharding.expert_parallel``: ``forward(x, counts)`` takes
+    tokens sorted by expert (``counts[e]`` rows of expert e, contiguous) and returns their outputs
+    in the same order. ``grouped_linear`` multiplies each expert's rows only: no padding."""
 
-    Tokens are sorted by expert and packed into an ``[E, C, dim]`` batch (C = the busiest expert's
-    token count, nothing dropped), run through the experts with ``torch.bmm``, and combined with the
-    router's renormalized top-k weights. ``aux_loss`` is the Switch Transformer load-balancing term
-    E * sum_e(fraction of routed tokens_e * mean router probability_e) (Fedus et al. 2021, eq. 4).
+    def __init__(self, dim: int, hidden: int, n_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        h = F.silu(grouped_linear(x, self.w1, num_tokens_per_expert)) * grouped_linear(x, self.w3, num_tokens_per_expert)
+        return grouped_linear(h, self.w2, num_tokens_per_expert)
+
+
+class MoE(nn.Module):
+    """A top-k router and ``experts`` (``Experts``), dropless.
+
+    Each token's k (token, expert) assignments are sorted stably by expert, the experts run on exactly
+    those rows with the per-expert counts (under expert parallelism the ``experts`` module sends the
+    rows to their owners and back: the same computation, other ranks), the outputs are put back in
+    assignment order and combined with the router's renormalized top-k weights. ``aux_loss`` is the
+    Switch Transformer load-balancing term E * sum_e(fraction of routed tokens_e * mean router
+    probability_e) (Fedus et al. 2021, eq. 4).
     """
 
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int):
@@ -103,9 +132,7 @@ class MoE(nn.Module):
             raise ValueError(f"model.top_k ({top_k}) must be between 1 and model.n_experts ({n_experts})")
         self.n_experts, self.top_k = n_experts, top_k
         self.router = nn.Linear(dim, n_experts, bias=False)
-        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
-        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
-        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.experts = Experts(dim, hidden, n_experts)
         self.aux_loss = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,20 +141,13 @@ class MoE(nn.Module):
         probs = self.router(x).float().softmax(-1)  # [N, E]
         weights, experts = probs.topk(self.top_k, dim=-1)  # [N, k]
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-        frac = torch.bincount(experts.flatten(), minlength=self.n_experts).float() / experts.numel()
-        self.aux_loss = self.n_experts * (frac * probs.mean(0)).sum()
-
         flat = experts.flatten()  # [N*k]: assignment a -> token a // k
-        order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts)
-        slot = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
-        cap = int(counts.max())
-        packed = x.new_zeros(self.n_experts, cap, shape[-1])
-        packed[flat[order], slot] = x[order // self.top_k]
-        h = F.silu(torch.bmm(packed, self.w1.transpose(1, 2))) * torch.bmm(packed, self.w3.transpose(1, 2))
-        out_packed = torch.bmm(h, self.w2.transpose(1, 2))  # [E, C, dim]
-        out = x.new_zeros(flat.numel(), shape[-1])
-        out[order] = out_packed[flat[order], slot]
+        self.aux_loss = self.n_experts * (counts.float() / flat.numel() * probs.mean(0)).sum()
+
+        order = flat.argsort(stable=True)  # assignments grouped by expert, token order kept within each
+        y = self.experts(x[order // self.top_k], counts)  # [N*k, dim], in sorted order
+        out = torch.empty_like(y).index_copy(0, order, y)  # back to assignment order
         out = (out.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(1)
         return out.view(shape)
 
@@ -184,7 +204,7 @@ class Transformer(nn.Module):
             nn.init.ones_(m.weight)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=std)
-        elif isinstance(m, MoE):
+        elif isinstance(m, Experts):
             nn.init.normal_(m.w1, std=std)
             nn.init.normal_(m.w3, std=std)
             nn.init.normal_(m.w2, std=out_std)

@@ -85,10 +85,14 @@ def shard_model(
     param_dtype: torch.dtype,
     fp8_all_gather: str = "off",
     max_preconditioner_dim: int = 1024,
+    ep: int = 1,
 ) -> None:
     """Shard each decoder layer, then the root (embeddings, final norm, head), FSDP2-style, with the
     optimizer's block rule (Shampoo's follows ``optim.max_preconditioner_dim``).
-    ``fp8_all_gather``: ``off`` or a tile (``128x128``, ``1x128``) for the block-wise FP8 all-gather."""
+    ``fp8_all_gather``: ``off`` or a tile (``128x128``, ``1x128``) for the block-wise FP8 all-gather.
+    ``ep`` > 1 (MoE, fsdp_optim backend): first each layer's experts are split whole over groups of
+    ``ep`` ranks (``expert_parallel``) and each rank's slice sharded over the ranks holding the same
+    experts (docs/expert-parallel.md); ``ep`` = 1 leaves them in their layer, sharded with it."""
     if backend == "fsdp_optim":
         import fsdp_optim
         from fsdp_optim import optimizers
@@ -100,10 +104,20 @@ def shard_model(
         if param_dtype != torch.float32:
             mp = fsdp_optim.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         fp8 = None if fp8_all_gather == "off" else fsdp_optim.Float8AllGather(tile=fp8_all_gather)
+        if ep > 1:
+            from fsdp_optim.sharding import expert_parallel, expert_parallel_groups
+
+            groups = expert_parallel_groups(ep)
+            for layer in model.layers:  # the experts' own fully_shard comes before their layer's
+                experts = layer.feed_forward.experts
+                expert_parallel(experts, group=groups.ep)
+                fsdp_optim.fully_shard(experts, mesh=groups.replicas, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8)
         for layer in model.layers:
             fsdp_optim.fully_shard(layer, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8)
         fsdp_optim.fully_shard(model, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8)
     else:
+        if ep > 1:  # (resolve_config refuses it first; this guards direct callers)
+            raise ValueError(f"parallel.ep = {ep} needs the fsdp_optim backend (train.backend); set parallel.ep=1")
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -183,6 +197,37 @@ def clip_grads(model: torch.nn.Module, max_norm: float, backend: str) -> float:
         return float(fsdp_optim.clip_grad_norm_(model.parameters(), max_norm))
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def set_logit_recording(model: torch.nn.Module, on: bool) -> None:
+    """Switch the recipe's attention layers to explicit attention that records each head's max logit
+    (``on``) or back to SDPA (a transformers model has none: nothing is recorded)."""
+    from model import Attention
+
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.record_logits = on
+
+
+def qk_clip(model: torch.nn.Module, tau: float, backend: str) -> float | None:
+    """After ``optimizer.step()`` of a step whose logits were recorded: the largest attention logit of
+    the step over all ranks (before clipping), with QK-clip at ``tau`` applied (0: measure only).
+    None for a model without the recipe's attention (kind = hf)."""
+    from model import Attention
+    from fsdp_optim.optimizers import qk_clip_, recorded_max_logits
+
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not layers:
+        return None
+    if backend == "fsdp_optim":
+        return qk_clip_(model, tau=tau if tau > 0 else math.inf).max_logit
+    # torch backend: qk_clip_ refuses FSDP2's DTensor weights (resolve_config refuses tau > 0), so measure only.
+    recorded = [recorded_max_logits(m) for m in layers]
+    top = torch.stack([r.max() for r in recorded]).max()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    for r in recorded:
+        r.fill_(float("-inf"))  # a running max per step, as qk_clip_ resets it
+    return top.item()
 
 
 def save_checkpoint(path: Path, model, optimizer, scheduler, extra: dict, backend: str) -> None:
@@ -429,6 +474,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
             f"optim.name = {cfg.optim.name!r} needs fsdp_optim.optimizers.{OPTIMIZERS[cfg.optim.name]} "
             "(train.backend = 'fsdp_optim'); the torch backend (PyTorch FSDP2) runs adamw and adamw8bit"
         )
+    check_parallel(cfg, backend)
     check_writable_dir("--out", Path(args.out))
     if args.export_hf is not None:
         check_writable_dir("--export-hf", Path(args.export_hf))
@@ -438,6 +484,36 @@ def resolve_config(args: argparse.Namespace) -> Config:
                 f"export to a subfolder, e.g. {Path(args.out) / 'hf'}"
             )
     return cfg
+
+
+def check_parallel(cfg: Config, backend: str, world: int | None = None) -> None:
+    """parallel.ep and optim.qk_clip_tau against the model and backend (and ``world``, the number of
+    ranks, when known): one line naming the key and the fix."""
+    ep = cfg.parallel.ep
+    if ep > 1:
+        if cfg.model.kind != "moe":
+            raise ValueError(f"parallel.ep = {ep} splits MoE experts, but model.kind = {cfg.model.kind!r} has none; "
+                             "set parallel.ep=1")
+        if ep > cfg.model.n_experts:
+            raise ValueError(f"parallel.ep = {ep} is more than model.n_experts = {cfg.model.n_experts} (each rank of an "
+                             "EP group holds whole experts); lower parallel.ep")
+        if backend != "fsdp_optim":
+            raise ValueError(f"parallel.ep = {ep} needs the fsdp_optim backend, but the backend is {backend}; set "
+                             "train.backend=fsdp_optim or parallel.ep=1")
+        if cfg.model.meta_init:
+            raise ValueError(f"parallel.ep = {ep} with model.meta_init = true is not supported (the sharded init "
+                             "sees only this rank's experts); set model.meta_init=false or parallel.ep=1")
+        if world is not None and world % ep:
+            raise ValueError(f"parallel.ep = {ep} must divide the number of ranks ({world}); choose one of "
+                             f"{[d for d in range(1, world + 1) if world % d == 0]}, or run on a multiple of {ep} ranks")
+    if cfg.optim.qk_clip_tau > 0:
+        if backend != "fsdp_optim":
+            raise ValueError(f"optim.qk_clip_tau = {cfg.optim.qk_clip_tau:g} needs the fsdp_optim backend (QK-clip "
+                             f"scales our sharded weights), but the backend is {backend}; set train.backend=fsdp_optim "
+                             "or optim.qk_clip_tau=0 (max_attn_logit is logged either way)")
+        if cfg.model.kind == "hf":
+            raise ValueError(f"optim.qk_clip_tau = {cfg.optim.qk_clip_tau:g} needs the recipe's attention "
+                             "(model.kind = llama or moe), not a transformers model; set optim.qk_clip_tau=0")
 
 
 def load_data(cfg: Config, world: int):
@@ -480,9 +556,11 @@ def check_model(cfg: Config) -> None:
 # changed key fails to load, or is silently replaced by the saved value, as the saved param groups
 # replace lr, betas and weight decay), the backend (the checkpoint's format), and what a data window is
 # (the sampler's saved position counts windows). The rest (steps, batch size, grad_accum, world size,
-# the LR schedule, clipping, dtype, logging) may change on resume.
+# the LR schedule, clipping, dtype, logging) may change on resume, and so may [parallel] (parallel.ep
+# is a layout: checkpoints save at one (ep, W) and load at any other) and optim.qk_clip_tau (applied
+# after each step, no state).
 RESUME_FIXED = ("model.", "optim.", "data.", "train.seed", "train.backend")
-RESUME_FREE = ("model.moe_aux_loss", "model.meta_init", "model.max_seq_len")
+RESUME_FREE = ("model.moe_aux_loss", "model.meta_init", "model.max_seq_len", "optim.qk_clip_tau")
 
 
 def _resume_keys(d: dict) -> dict:
@@ -635,6 +713,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = finished_run(out, cfg)
     if report is not None:  # the --set overrides must hold even when nothing is trained
         load_data(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        check_parallel(cfg, pick_backend(cfg), int(os.environ.get("WORLD_SIZE", 1)))
         check_model(cfg)
     if report is not None and _rank() == 0:
         print(report, flush=True)
@@ -660,6 +739,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---- data: every rank tokenizes the same stream and takes its own windows ----
     tokenizer, tokens, windows = load_data(cfg, world)
+    check_parallel(cfg, backend, world)
     if not finished:  # (on every rank: all raise alike, before any collective)
         check_unfinished(out, cfg, args.resume)
     if latest_checkpoint(out) is not None:
@@ -674,7 +754,8 @@ def main(argv: list[str] | None = None) -> dict:
     check_seq_len(cfg, model)
     n_params, n_flop_params = num_params(model), num_params(model, exclude_embedding=True)
     shard_model(
-        model, backend, cfg.optim.name, dtype, cfg.train.fp8_all_gather, cfg.optim.max_preconditioner_dim
+        model, backend, cfg.optim.name, dtype, cfg.train.fp8_all_gather, cfg.optim.max_preconditioner_dim,
+        cfg.parallel.ep,
     )
     if cfg.model.meta_init:  # initialize at full shape, one bucket at a time, keeping this rank's piece
         torch.manual_seed(cfg.train.seed)
@@ -770,7 +851,14 @@ def main(argv: list[str] | None = None) -> dict:
     bar = tqdm(total=t.steps, initial=step, disable=not master or finished or not on_terminal, dynamic_ncols=True,
                desc="pretrain")
     t_last, step_last = time.perf_counter(), step
+
+    def logged(step: int) -> bool:  # a metrics record after optimizer step ``step``
+        return step % cfg.log.every == 0 or (bool(cfg.log.eval_every) and step % cfg.log.eval_every == 0) or step == t.steps
+
     while step < t.steps:
+        # Attention logits are recorded where QK-clip needs them (every step) or max_attn_logit is logged.
+        measure = cfg.optim.qk_clip_tau > 0 or logged(step + 1)
+        set_logit_recording(model, measure)
         loss_sum = torch.zeros((), device=device)
         for micro in range(t.grad_accum):
             model.set_requires_gradient_sync(micro == t.grad_accum - 1)  # reduce-scatter once per step
@@ -781,6 +869,8 @@ def main(argv: list[str] | None = None) -> dict:
         grad_norm = clip_grads(model, t.grad_clip, backend)
         lr = float(optimizer.param_groups[0]["lr"])  # torchao keeps lr as a tensor
         optimizer.step()
+        max_logit = qk_clip(model, cfg.optim.qk_clip_tau, backend) if measure else None
+        set_logit_recording(model, False)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -789,7 +879,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         last = step == t.steps
         eval_now = bool(cfg.log.eval_every) and step % cfg.log.eval_every == 0
-        if step % cfg.log.every == 0 or eval_now or last:
+        if logged(step):
             dist.all_reduce(loss_sum)
             now = time.perf_counter()
             tps = tokens_per_step * (step - step_last) / (now - t_last)
@@ -799,6 +889,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "grad_norm": grad_norm, "tokens_per_s": tps, "tokens": tokens_seen,
                 "mfu": 6 * n_flop_params * tps / (peak * 1e12 * world) if peak else None,
                 "mem_gb": memory_gb(), "elapsed_s": now - t_start,
+                "max_attn_logit": max_logit,  # largest pre-softmax logit of the step (before any QK-clip)
             }
             if eval_now or last:
                 rec["eval_loss"] = evaluate()
@@ -869,13 +960,15 @@ def cli(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         if args.check is not None or "RANK" not in os.environ:
-            world = 2 if args.check is None else args.check  # (resolve_config refuses --check 0)
-            cfg = resolve_config(args)
+            cfg = resolve_config(args)  # (refuses --check 0)
+            # --check W; without it, the ranks of the torchrun command printed below: 2, or parallel.ep's.
+            world = max(2, cfg.parallel.ep) if args.check is None else args.check
             out = Path(args.out)
             report = finished_run(out, cfg)
             if report is None:
                 check_unfinished(out, cfg, args.resume)
             tokens = load_data(cfg, world)[1]  # (a finished run too: the --set overrides must hold)
+            check_parallel(cfg, pick_backend(cfg), world)
             check_model(cfg)
             if report is not None and args.export_hf is None:
                 print(report, flush=True)
@@ -889,7 +982,7 @@ def cli(argv: list[str] | None = None) -> int:
                 print(f"[pretrain] check passed for {world} ranks{what}; run: {run}", flush=True)
                 return 0
             print("error: recipes/pretrain.py runs under torchrun (RANK is not set); the config, data and model "
-                  f"checks passed. Run:\n  {torchrun_command(argv)}", file=sys.stderr, flush=True)
+                  f"checks passed. Run:\n  {torchrun_command(argv, world)}", file=sys.stderr, flush=True)
             return 2
         main(argv)
         return 0

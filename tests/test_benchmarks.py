@@ -182,3 +182,18 @@ def test_issue27_tables_on_one_preset():
     text = cm.balanced_markdown({"command": "x", "assumptions": vars(cm.LinkConfig()), "memory_per_rank": 80e9,
                                  "rows": cm_rows})  # fmt: skip
     assert "| llama3-8b | 64 | suggested:" in text and "Cells where ours is slower than a peer: 0 of 2" in text
+
+
+def test_moe_ep_quick(tmp_path):
+    """The expert-parallel recipe benchmark runs at W = 4 with ep = 1, 2, 4: the dropless experts compute
+    exactly the routed rows (k per token per layer), fewer than the old padded bmm's E x C_max, the
+    same total for every ep, and the losses agree."""
+    bench = _load("moe_ep")
+    out = bench.main(["--quick", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "moe_ep.json").read_text())["rows"]
+    assert set(rows) == {"1", "2", "4"}
+    routed = out["config"]["tokens_per_step"] * 2 * 2  # top-2, 2 MoE layers
+    for r in rows.values():
+        assert r["slots_equal_routed_rows"] and r["slots_per_step_total"] == r["routed_rows_per_step"] == routed
+        assert r["padded_bmm_slots_per_step_total"] > r["slots_per_step_total"]
+        assert r["max_rel_loss_diff_vs_ep1"] < 1e-3 and r["tokens_per_s"] > 0

@@ -19,7 +19,7 @@ def tiny(**kw) -> ModelConfig:
 
 def test_moe_equals_per_token_loop():
     torch.manual_seed(0)
-    moe = MoE(8, 12, n_experts=5, top_k=2)
+    moe = MoE(8, 12, n_experts=5, top_k=2)  # (a router and moe.experts: w1, w3 [E, hidden, dim], w2 [E, dim, hidden])
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.5)
     x = torch.randn(3, 7, 8)
@@ -28,11 +28,11 @@ def test_moe_equals_per_token_loop():
     w, e = moe.router(xs).softmax(-1).topk(2, -1)
     w = w / w.sum(-1, keepdim=True)
     ref = torch.stack([
-        sum(w[t, j] * moe.w2[e[t, j]] @ (F.silu(moe.w1[e[t, j]] @ xs[t]) * (moe.w3[e[t, j]] @ xs[t])) for j in range(2))
+        sum(w[t, j] * moe.experts.w2[e[t, j]] @ (F.silu(moe.experts.w1[e[t, j]] @ xs[t]) * (moe.experts.w3[e[t, j]] @ xs[t])) for j in range(2))
         for t in range(len(xs))
     ])
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert moe.w1.shape == (5, 12, 8) and moe.w2.shape == (5, 8, 12)
+    assert moe.experts.w1.shape == (5, 12, 8) and moe.experts.w2.shape == (5, 8, 12)
     assert moe.aux_loss.item() > 0
     torch.nn.init.zeros_(moe.router.weight)  # uniform router probabilities: E * sum_e f_e / E = 1 exactly
     moe(x)
@@ -67,7 +67,7 @@ def test_real_llama3_sizes_on_meta():
     moe.model.vocab_size = 258
     with torch.device("meta"):
         m = build_model(moe.model)
-    assert m.layers[0].feed_forward.w1.shape == (8, 256, 128)
+    assert m.layers[0].feed_forward.experts.w1.shape == (8, 256, 128)
 
 
 def test_bad_heads():
