@@ -4,8 +4,9 @@
 feed-forward is a router plus an ``experts`` module with 3-D ``[E, r, c]`` weights (one matrix per
 expert, which is what Muon's ``expert()`` blocks keep whole), applied dropless with a grouped matmul
 over the routed tokens; the recipe may split the experts over ranks (``parallel.ep``).
-``Attention.record_logits`` switches attention to an explicit form that records each head's max
-logit (for MuonClip's QK-clip and the ``max_attn_logit`` metric).
+``Attention.record_logits`` records each head's max logit (for MuonClip's QK-clip and the
+``max_attn_logit`` metric): ``"exact"`` computes attention explicitly from the logits it records,
+``"measure"`` keeps SDPA and measures the maxima in a no-grad pass that keeps nothing for backward.
 ``build_model`` also makes a Hugging Face ``transformers`` model from a config (no download).
 """
 
@@ -19,7 +20,7 @@ from einops import rearrange
 from torch import nn
 
 from config import ModelConfig
-from fsdp_optim.optimizers import attention_with_max_logits
+from fsdp_optim.optimizers import attention_with_max_logits, measure_max_logits
 from fsdp_optim.sharding import grouped_linear
 
 
@@ -68,8 +69,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
         self.wo.is_out_proj = True  # residual-branch output: smaller init (see Transformer.init_module)
-        self.record_logits = False
-        """True: explicit attention (O(T^2) memory) recording each head's max logit for qk_clip_."""
+        self.record_logits: str | None = None
+        """``"exact"``: explicit attention (O(T^2) memory) recording each head's max logit from its own
+        logits (QK-clip); ``"measure"``: SDPA plus a no-grad pass over query chunks (logging only)."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # Split the projections into heads: [batch, time, heads * head_dim] -> [batch, heads, time, head_dim].
@@ -77,10 +79,12 @@ class Attention(nn.Module):
         k = rearrange(self.wk(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
         v = rearrange(self.wv(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.record_logits:  # the same attention, explicitly, keeping each head's max logit (see qk_clip_)
+        if self.record_logits == "exact":  # the same attention, explicitly, keeping each head's max logit
             y = attention_with_max_logits(self, q, k, v, causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+            if self.record_logits == "measure":
+                measure_max_logits(self, q, k, causal=True)
         return self.wo(rearrange(y, "b h t d -> b t (h d)"))
 
 

@@ -199,14 +199,15 @@ def clip_grads(model: torch.nn.Module, max_norm: float, backend: str) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
-def set_logit_recording(model: torch.nn.Module, on: bool) -> None:
-    """Switch the recipe's attention layers to explicit attention that records each head's max logit
-    (``on``) or back to SDPA (a transformers model has none: nothing is recorded)."""
+def set_logit_recording(model: torch.nn.Module, mode: str | None) -> None:
+    """How the recipe's attention layers record each head's max logit: ``"exact"`` (explicit attention,
+    the logits QK-clip scales by), ``"measure"`` (SDPA plus a no-grad pass: logging only, no memory
+    kept for backward) or ``None`` (a transformers model has none: nothing is recorded)."""
     from model import Attention
 
     for m in model.modules():
         if isinstance(m, Attention):
-            m.record_logits = on
+            m.record_logits = mode
 
 
 def qk_clip(model: torch.nn.Module, tau: float, backend: str) -> float | None:
@@ -856,9 +857,11 @@ def main(argv: list[str] | None = None) -> dict:
         return step % cfg.log.every == 0 or (bool(cfg.log.eval_every) and step % cfg.log.eval_every == 0) or step == t.steps
 
     while step < t.steps:
-        # Attention logits are recorded where QK-clip needs them (every step) or max_attn_logit is logged.
-        measure = cfg.optim.qk_clip_tau > 0 or logged(step + 1)
-        set_logit_recording(model, measure)
+        # Attention logits are recorded where QK-clip needs them (every step, from the attention's own
+        # logits) or max_attn_logit is logged (a no-grad measuring pass beside SDPA).
+        clipping = cfg.optim.qk_clip_tau > 0
+        measure = clipping or logged(step + 1)
+        set_logit_recording(model, "exact" if clipping else "measure" if measure else None)
         loss_sum = torch.zeros((), device=device)
         for micro in range(t.grad_accum):
             model.set_requires_gradient_sync(micro == t.grad_accum - 1)  # reduce-scatter once per step
@@ -870,7 +873,7 @@ def main(argv: list[str] | None = None) -> dict:
         lr = float(optimizer.param_groups[0]["lr"])  # torchao keeps lr as a tensor
         optimizer.step()
         max_logit = qk_clip(model, cfg.optim.qk_clip_tau, backend) if measure else None
-        set_logit_recording(model, False)
+        set_logit_recording(model, None)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1

@@ -45,7 +45,14 @@ from torch import nn
 
 from ..sharding import shard_info
 
-__all__ = ["ClipStats", "attention_with_max_logits", "qk_clip_", "record_max_logits", "recorded_max_logits"]
+__all__ = [
+    "ClipStats",
+    "attention_with_max_logits",
+    "measure_max_logits",
+    "qk_clip_",
+    "record_max_logits",
+    "recorded_max_logits",
+]
 
 _ATTR = "_qk_clip_max_logits"
 
@@ -72,7 +79,11 @@ def record_max_logits(module: nn.Module, logits: torch.Tensor) -> None:
             f"record_max_logits({type(module).__name__}): logits must be [batch, heads, q_len, k_len], got shape "
             f"{tuple(logits.shape)}"
         )
-    m = logits.detach().amax(dim=(0, 2, 3)).float()
+    _fold_max(module, logits.detach().amax(dim=(0, 2, 3)).float())
+
+
+def _fold_max(module: nn.Module, m: torch.Tensor) -> None:
+    """Fold per-head maxima ``m`` (float32 ``[heads]``) into ``module``'s running maxima."""
     old = getattr(module, _ATTR, None)
     if old is not None and old.shape != m.shape:
         raise ValueError(
@@ -80,6 +91,46 @@ def record_max_logits(module: nn.Module, logits: torch.Tensor) -> None:
             "records one attention's heads"
         )
     setattr(module, _ATTR, m if old is None else torch.maximum(old, m))
+
+
+def measure_max_logits(
+    module: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    max_chunk_elements: int = 1 << 24,
+) -> None:
+    """Record each query head's max logit of ``q k^T * scale`` on ``module`` without keeping anything
+    for backward: a no-grad pass over chunks of query rows (at most ``max_chunk_elements`` logits at a
+    time), for an attention computed by ``F.scaled_dot_product_attention`` (whose kernels do not expose
+    their logits). An extra ``q k^T`` pass, so for measuring (the recipe's ``max_attn_logit`` on logged
+    steps); ``attention_with_max_logits`` records from the attention's own logits. Shapes as there.
+    No-op when grad is disabled (evaluation forwards are not recorded, as ``record_max_logits``)."""
+    if not torch.is_grad_enabled():
+        return
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    if q.dim() != 4 or k.dim() != 4 or hkv == 0 or hq % hkv or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(
+            f"measure_max_logits({type(module).__name__}): need q [batch, n_heads, q_len, head_dim] and k [batch, "
+            f"n_kv_heads, k_len, head_dim] with n_heads a multiple of n_kv_heads, got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    rows = max(1, max_chunk_elements // max(1, b * hq * s))
+    top = torch.full((hq,), float("-inf"), dtype=torch.float32, device=q.device)
+    with torch.no_grad():
+        kt = k.detach().unsqueeze(2).transpose(-2, -1)
+        for i in range(0, t, rows):
+            qi = q.detach()[:, :, i : i + rows]
+            logits = (qi.reshape(b, hkv, g, qi.shape[2], d) @ kt).view(b, hq, qi.shape[2], s) * scale
+            if causal:
+                pos = torch.arange(i, i + qi.shape[2], device=q.device)[:, None]
+                logits = logits.masked_fill(torch.arange(s, device=q.device)[None, :] > pos, float("-inf"))
+            top = torch.maximum(top, logits.amax(dim=(0, 2, 3)).float())
+    _fold_max(module, top)
 
 
 def recorded_max_logits(module: nn.Module) -> torch.Tensor | None:

@@ -536,3 +536,25 @@ def test_error_is_raised_on_every_rank():
     every_rank = r"ranks with errors: \[0, 1\][\s\S]*layers\.1\.attn'?: wq has a bias"
     with pytest.raises(DistributedTestError, match=every_rank):
         run_distributed(fn, world_size=2)
+
+
+@pytest.mark.parametrize(("n_heads", "n_kv_heads"), [(4, 4), (4, 2), (4, 1)])
+def test_measured_maxima_equal_the_recorded_ones(n_heads, n_kv_heads):
+    # measure_max_logits (beside SDPA, no graph kept) gives the maxima attention_with_max_logits records
+    # from its own logits, over several chunks of query rows, causal or not; nothing under no_grad.
+    from fsdp_optim.optimizers import attention_with_max_logits, measure_max_logits, recorded_max_logits
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, n_heads, 9, 8, generator=g, requires_grad=True)
+    k = torch.randn(2, n_kv_heads, 9, 8, generator=g)
+    v = torch.randn(2, n_kv_heads, 9, 8, generator=g)
+    for causal in (False, True):
+        exact, measured = torch.nn.Module(), torch.nn.Module()
+        attention_with_max_logits(exact, q, k, v, causal=causal)
+        measure_max_logits(measured, q, k, causal=causal, max_chunk_elements=2 * n_heads * 9 * 2)  # 2 rows a chunk
+        torch.testing.assert_close(recorded_max_logits(measured), recorded_max_logits(exact), rtol=1e-6, atol=0)
+        assert not recorded_max_logits(measured).requires_grad
+    with torch.no_grad():
+        idle = torch.nn.Module()
+        measure_max_logits(idle, q, k)
+    assert recorded_max_logits(idle) is None
