@@ -748,23 +748,7 @@ class Muon(torch.optim.Optimizer):
             self._exchanges = self._plan_exchanges()  # the same split parameters on every rank: all re-plan
         if self.nonfinite != "ignore" and self._skip_for_nonfinite():
             return loss
-        updates: dict[Tensor, _Update] = {}
-        for group in self.param_groups:
-            if not group["use_muon"]:
-                self._adamw_group(group)
-                continue
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            for p in params:
-                if p.grad.is_sparse or torch.is_complex(p):
-                    raise RuntimeError("Muon does not support sparse gradients or complex parameters")
-            grads = [p.grad for p in params]
-            bufs = [self.state[p]["momentum_buffer"] for p in params]
-            mom = group["momentum"]
-            torch._foreach_lerp_(bufs, grads, 1 - mom)
-            nesterov = mom if group["nesterov"] else None
-            updates.update((p, _Update(g.view(-1), b.view(-1), nesterov)) for p, g, b in zip(params, grads, bufs))
+        updates = self._momentum_updates()  # (and the AdamW groups' steps)
         if not updates and not self._exchanges:
             return loss
         # as torch.optim.Muon: param *= 1 - lr * wd, then param -= adjusted lr * NS(update); weight decay
@@ -805,25 +789,52 @@ class Muon(torch.optim.Optimizer):
             for alpha, (dst, src) in adds.items():
                 torch._foreach_add_(dst, src, alpha=alpha)
         for ex, back in zip(self._exchanges, backs):
-            mine = torch.empty(sum(ex.back_recv_sizes), dtype=torch.bfloat16, device=ex.device)
-            dist.all_to_all_single(mine, back, list(ex.back_recv_sizes), list(ex.back_send_sizes), group=ex.group)
-            adds = {}
-            for sp in ex.sends:  # my pieces of NS(split matrix), or of the new parameter values
-                if sp.param not in updates:
-                    continue
-                dst = sp.param.view(-1)[sp.local_offset : sp.local_offset + sp.n]
-                got = mine[sp.back_at : sp.back_at + sp.n]
-                if sp.with_param:
-                    dst.copy_(got.view(dst.dtype))
-                    continue
-                g = group_of[sp.param]
-                alpha = -adjust_lr(g["lr"], g["adjust_lr_fn"], sp.rows, sp.cols)
-                dsts, srcs = adds.setdefault(alpha, ([], []))
-                dsts.append(dst)
-                srcs.append(got)
-            for alpha, (dsts, srcs) in adds.items():
-                torch._foreach_add_(dsts, srcs, alpha=alpha)
+            self._receive_back(ex, back, updates, group_of)
         return loss
+
+    def _momentum_updates(self) -> dict[Tensor, _Update]:
+        """Momentum for every Muon parameter with a gradient (its update, read by Newton–Schulz); the
+        AdamW groups take their whole step here."""
+        updates: dict[Tensor, _Update] = {}
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                self._adamw_group(group)
+                continue
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if p.grad.is_sparse or torch.is_complex(p):
+                    raise RuntimeError("Muon does not support sparse gradients or complex parameters")
+            grads = [p.grad for p in params]
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            mom = group["momentum"]
+            torch._foreach_lerp_(bufs, grads, 1 - mom)
+            nesterov = mom if group["nesterov"] else None
+            updates.update((p, _Update(g.view(-1), b.view(-1), nesterov)) for p, g, b in zip(params, grads, bufs))
+        return updates
+
+    def _receive_back(self, ex: Any, back: Tensor, updates: dict[Tensor, _Update], group_of: dict[Tensor, dict]) -> None:
+        """The second exchange of split matrices: each rank gets its pieces of NS(matrix) (added with the
+        matrix's lr) or, for low-precision matrices, of the owner's new values (copied)."""
+        mine = torch.empty(sum(ex.back_recv_sizes), dtype=torch.bfloat16, device=ex.device)
+        dist.all_to_all_single(mine, back, list(ex.back_recv_sizes), list(ex.back_send_sizes), group=ex.group)
+        adds: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+        for sp in ex.sends:  # my pieces of NS(split matrix), or of the new parameter values
+            if sp.param not in updates:
+                continue
+            dst = sp.param.view(-1)[sp.local_offset : sp.local_offset + sp.n]
+            got = mine[sp.back_at : sp.back_at + sp.n]
+            if sp.with_param:
+                dst.copy_(got.view(dst.dtype))
+                continue
+            g = group_of[sp.param]
+            alpha = -adjust_lr(g["lr"], g["adjust_lr_fn"], sp.rows, sp.cols)
+            dsts, srcs = adds.setdefault(alpha, ([], []))
+            dsts.append(dst)
+            srcs.append(got)
+        for alpha, (dsts, srcs) in adds.items():
+            torch._foreach_add_(dsts, srcs, alpha=alpha)
 
     def _local_jobs(self, updates: dict[Tensor, _Update], group_of: dict[Tensor, dict]) -> list[_Job]:
         """The matrices lying wholly in this rank's pieces (their updates are computed when used)."""
