@@ -42,8 +42,21 @@ with no overlap with compute (what a step would cost if communication were expos
     python benchmarks/comm_model.py                              # all presets, W in {8 .. 16384}
     python benchmarks/comm_model.py --models llama3-8b --world-sizes 64 --no-write
     python benchmarks/comm_model.py --shard-size 64 --out-name comm_model_hsdp64
+    python benchmarks/comm_model.py --ep         # issue 26: expert parallelism, MoE presets, W in {1024, 16384}
     python benchmarks/comm_model.py --balanced   # issue 27: W in {64, 1024, 16384}, pure FSDP and the
                                                  # suggest_mesh shape at 80 GB -> comm_model_balanced.*
+
+``--ep`` (issue 26): expert parallelism on the MoE presets at W in {1024, 16384}, 16M tokens per step
+(``--tokens-per-step``), three schemes at equal sharded memory (every one holds E/W of the experts per
+rank): **ours** = EP over ``ep`` ranks (the power of two dividing W and E that minimizes ours' time;
+``--ep-size`` forces one), each rank's ``E / ep`` experts planned by our default plan over the ``W / ep``
+ranks holding them, the dense part planned on the HSDP shape ``suggest_mesh`` picks for it, Muon local
+(two all-to-alls only for matrices a plan split); **EP + FSDP2 + DistMuon-style** = the same EP and
+meshes, flat buckets, two all-to-alls per bucket moving every Muon matrix (experts too) to a root and
+back (as (c)); **FSDP2 + gather-based Muon without EP** = (b) with the experts sharded over all W.
+Per MoE layer both EP schemes add 4 token all-to-alls (dispatch + combine, forward and backward) of
+``T x top_k x hidden x act_bytes x (ep-1)/ep`` bytes per rank (dropless, capacity factor 1, average
+load) + 1 of the routing counts. -> ``comm_model_ep.{json,md}``.
 
 ``--balanced``: per preset and W, ours (the default, balanced plan) as pure FSDP and at the HSDP
 shape ``suggest_mesh`` picks for ``--memory-per-rank`` (default 80 GB), each against (b) and (c) on
@@ -67,7 +80,7 @@ import numpy as np
 
 from fsdp_optim._cli import optimizer_rule
 from fsdp_optim.sharding import BucketPlan, Layout, PlanConfig, plan_model
-from fsdp_optim.sharding.plan import preset_buckets, preset_names
+from fsdp_optim.sharding.plan import PRESETS, preset_buckets, preset_names
 from fsdp_optim.sharding.plan import LinkModel, WireMode, choose_wire_mode, split_exchange
 
 WORLD_SIZES = (8, 64, 256, 1024, 4096, 16384)
@@ -430,6 +443,318 @@ def balanced_markdown(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+# ---- issue 26: expert parallelism --------------------------------------------------------------
+EP_WORLD_SIZES = (1024, 16384)
+EP_TOKENS_PER_STEP = 16 * 2**20
+"""Global batch per step in tokens (16M, DeepSeek-V3's final batch size was 15360 x 4096 = 63M tokens;
+Llama 3 405B's 16M); per-rank tokens = this / W."""
+TOP_K = {"qwen3-235b-a22b": 8, "deepseek-v3": 8, "kimi-k2": 8, "gpt-oss-120b": 4}
+"""Routed experts per token: ``num_experts_per_tok`` of the official configs (gpt-oss:
+``experts_per_token``), as collected in tests/data/model_shapes.json (the presets carry no router width)."""
+EP_SCHEMES = ("ours", "ep_distmuon", "fsdp2_no_ep")
+EP_LABELS = {
+    "ours": "ours (EP + our plans, local Muon)",
+    "ep_distmuon": "EP + FSDP2 + DistMuon-style",
+    "fsdp2_no_ep": "FSDP2 + gather-based Muon, no EP",
+}
+
+
+def _is_expert(fqn: str) -> bool:
+    return ".mlp.experts." in fqn
+
+
+def ep_buckets(preset: str, ep: int, *, rule) -> tuple[list, list]:
+    """``(dense, experts)`` planner buckets of a preset under EP degree ``ep``: the dense part of every
+    layer (attention, router, shared experts, norms) as the preset's buckets, and per MoE layer one
+    bucket of this rank's routed experts, every ``[E, ...]`` parameter cut to ``[ceil(E / ep), ...]``
+    (the largest slice: ``expert_parallel`` gives the first ranks one more when ``ep`` does not divide E)."""
+    from fsdp_optim.sharding.plan import TensorSpec, preset_shapes
+
+    dense, experts = [], []
+    for bname, tensors in preset_shapes(preset):
+        d = [(f, s) for f, s in tensors if not _is_expert(f)]
+        x = [(f, (math.ceil(s[0] / ep), *s[1:])) for f, s in tensors if _is_expert(f)]
+        for out, ts, name in ((dense, d, bname), (experts, x, f"{bname}.experts")):
+            if ts:
+                out.append((name, [TensorSpec(name=f, shape=s, spec=rule(f, _meta(s), None), itemsize=4) for f, s in ts]))
+    return dense, experts
+
+
+def _meta(shape):
+    import torch
+
+    return torch.empty(shape, device="meta")
+
+
+def _bucket_mats(specs) -> list[int]:
+    return [r * c for ts in specs for _, r, c in ts.spec.matrices(ts.shape)]
+
+
+def ours_cost(buckets, n: int, replicas: int, *, link: LinkConfig) -> tuple[SchemeCost, dict]:
+    """(a) on planner buckets: the default plan over ``n`` ranks, all-gathers x2 + reduce-scatter per
+    bucket (ragged ones by ``link.ragged_model``), the replica all-reduce when ``replicas > 1``, and
+    Muon's two all-to-alls only in buckets where a matrix was split. Also the plan's busiest rank."""
+    rule_cfg = PlanConfig()
+    plan = plan_model(buckets, world_size=n, config=rule_cfg)
+    pb, gb, ob = link.param_bytes, link.grad_bytes, link.optim_bytes
+    sc = SchemeCost()
+    held = np.zeros(n)
+    ar_bytes, ar_msgs = np.zeros(n), np.zeros(n)
+    for b in plan.buckets:
+        seg = np.diff(np.asarray(b.rank_bounds, dtype=np.float64))
+        held += seg
+        coll = ring if (b.layout is Layout.EVEN or link.ragged_model == "ring-max") else grouped
+        sc.fsdp += coll(link, n, seg * pb).scale(2) + coll(link, n, seg * gb)
+        if replicas > 1:
+            ar_bytes += 2 * (replicas - 1) / replicas * seg * gb
+            ar_msgs += 2 * link.steps(replicas) * (seg > 0)
+        if b.num_split_blocks:
+            send, recv = _split_exchange(b)
+            sc.optim += all_to_all(link, n, send * ob, recv * ob) + all_to_all(link, n, recv * ob, send * ob)
+    if replicas > 1:
+        busiest = float(np.max(ar_msgs * link.alpha_s + ar_bytes / link.bytes_per_s))
+        sc.fsdp += Cost(bytes=float(ar_bytes.max()), seconds=busiest, collectives=len(plan.buckets))
+    st = plan.stats()
+    return sc, {"max_rank_elems": float(held.max()), "num_split_blocks": st.num_split_blocks,
+                "num_ragged_buckets": st.num_ragged_buckets, "bytes_max_over_mean": st.bytes_max_over_mean}  # fmt: skip
+
+
+def distmuon_cost(buckets, n: int, replicas: int, *, link: LinkConfig) -> tuple[SchemeCost, dict]:
+    """(c) on planner buckets: flat even buckets (``ceil(N / n)`` per rank, no padding), all-gathers x2 +
+    reduce-scatter, the replica all-reduce, and per bucket two all-to-alls moving every Muon matrix to
+    its root (roots dealt longest-first) and the update back (torchtitan's DistMuon, veScale)."""
+    pb, gb, ob = link.param_bytes, link.grad_bytes, link.optim_bytes
+    sc, held = SchemeCost(), 0.0
+    for _, specs in buckets:
+        flat = math.ceil(sum(ts.numel for ts in specs) / n)
+        held += flat
+        sc.fsdp += ring_even(link, n, flat * pb).scale(2) + ring_even(link, n, flat * gb)
+        sc.fsdp += all_reduce(link, replicas, flat * gb)
+        mats = _bucket_mats(specs)
+        if mats and n > 1:
+            roots = _root_loads(mats, n)
+            send = np.full(n, sum(mats) / n) - roots / n
+            recv = roots * (n - 1) / n
+            sc.optim += all_to_all(link, n, send * ob, recv * ob) + all_to_all(link, n, recv * ob, send * ob)
+    return sc, {"max_rank_elems": held}
+
+
+def fsdp2_gather_cost(buckets, n: int, replicas: int, *, link: LinkConfig) -> tuple[SchemeCost, dict]:
+    """(b) on planner buckets: FSDP2's dim-0 padded ``Shard(0)`` (experts as separate 2-D parameters),
+    all-gathers x2 + reduce-scatter, the replica all-reduce, and one all-gather of every Muon matrix in
+    the step (torch.optim.Muon on DTensors; a lower bound, see the module docstring)."""
+    pb, gb, ob = link.param_bytes, link.grad_bytes, link.optim_bytes
+    sc, held = SchemeCost(), 0.0
+    for _, specs in buckets:
+        f2 = sum(_fsdp2_numel(ts.shape, ts.spec, n) for ts in specs)
+        held += f2 / n
+        sc.fsdp += ring_even(link, n, f2 / n * pb).scale(2) + ring_even(link, n, f2 / n * gb)
+        sc.fsdp += all_reduce(link, replicas, f2 / n * gb)
+        for ts in specs:
+            for _, r, c in ts.spec.matrices(ts.shape):
+                sc.optim += ring_even(link, n, math.ceil(r / n) * c * ob)
+    return sc, {"max_rank_elems": held}
+
+
+def token_exchange(preset: str, world_size: int, ep: int, *, tokens_per_step: int, act_bytes: int,
+                   link: LinkConfig) -> tuple[Cost, dict]:  # fmt: skip
+    """EP's per-step token traffic on one rank: per MoE layer one all-to-all of the ``[E]`` routing
+    counts, the dispatch and the combine in forward and the same two reversed in backward (4 data
+    all-to-alls), each sending (and receiving) ``T x top_k x hidden x act_bytes x (ep-1)/ep`` bytes,
+    ``T = tokens_per_step / W`` (dropless, capacity factor 1, average load: every expert gets its share)."""
+    m = PRESETS[preset]
+    moe_layers = m.num_layers - m.num_dense_layers
+    t = tokens_per_step / world_size
+    per = t * TOP_K[preset] * m.hidden_size * act_bytes * (ep - 1) / ep
+    data = all_to_all(link, ep, np.full(ep, per), np.full(ep, per))
+    counts = all_to_all(link, ep, np.full(ep, m.num_experts * 8 * (ep - 1) / ep), np.full(ep, m.num_experts * 8 * (ep - 1) / ep))
+    c = (data.scale(4) + counts).scale(moe_layers)
+    return c, {"moe_layers": moe_layers, "tokens_per_rank": t, "top_k": TOP_K[preset],
+               "bytes_per_data_all_to_all": per}  # fmt: skip
+
+
+def _dense_mesh(dense, world_size: int, *, expert_elems: float, link: LinkConfig, memory_per_rank: float) -> int:
+    """The dense part's shard size: ``suggest_mesh`` on the dense buckets with the memory left after the
+    experts' sharded state (16 B per element, ``expert_elems / W`` per rank: equal for every scheme)."""
+    from fsdp_optim.sharding.plan import suggest_mesh
+
+    left = memory_per_rank - 16.0 * expert_elems / world_size
+    try:
+        sug = suggest_mesh(model=dense, world_size=world_size, rule=optimizer_rule("muon"), memory_per_rank=left,
+                           param_bytes=link.param_bytes, grad_bytes=link.grad_bytes, optim_bytes=link.optim_bytes,
+                           link=LinkModel(alpha_s=link.alpha_s, bytes_per_s=link.bytes_per_s))  # fmt: skip
+        return sug.shard_size
+    except ValueError:
+        return world_size
+
+
+def _ep_candidates(num_experts: int, world_size: int) -> list[int]:
+    """EP degrees tried: powers of two dividing W and E (every rank the same number of whole experts)."""
+    out, ep = [], 2
+    while ep <= num_experts and world_size % ep == 0:
+        if num_experts % ep == 0:
+            out.append(ep)
+        ep *= 2
+    return out
+
+
+def ep_step(preset: str, world_size: int, *, link: LinkConfig, tokens_per_step: int = EP_TOKENS_PER_STEP,
+            act_bytes: int = 2, ep: int | None = None, memory_per_rank: float = 80e9) -> dict:  # fmt: skip
+    """Per step per rank: ours vs EP + FSDP2 + DistMuon-style vs FSDP2 + gather-based Muon without EP
+    (see ``--ep`` in the module docstring). ``ep=None``: the candidate minimizing ours' time."""
+    m = PRESETS[preset]
+    if not m.is_moe:
+        raise ValueError(f"{preset} has no routed experts")
+    rule = optimizer_rule("muon")
+    dense, _ = ep_buckets(preset, 1, rule=rule)
+    full_experts = ep_buckets(preset, 1, rule=rule)[1]
+    expert_elems = float(sum(ts.numel for _, specs in full_experts for ts in specs))
+    n_d = _dense_mesh(dense, world_size, expert_elems=expert_elems, link=link, memory_per_rank=memory_per_rank)
+    r_d = world_size // n_d
+    dense_ours, dense_ours_info = ours_cost(dense, n_d, r_d, link=link)
+    dense_dm, dense_dm_info = distmuon_cost(dense, n_d, r_d, link=link)
+    dense_f2, dense_f2_info = fsdp2_gather_cost(dense, n_d, r_d, link=link)
+
+    def with_ep(e: int) -> dict:
+        _, local = ep_buckets(preset, e, rule=rule)
+        reps = world_size // e
+        tok, tok_info = token_exchange(preset, world_size, e, tokens_per_step=tokens_per_step, act_bytes=act_bytes,
+                                       link=link)  # fmt: skip
+        xo, xo_info = ours_cost(local, reps, 1, link=link)
+        xd, xd_info = distmuon_cost(local, reps, 1, link=link)
+        return {"ep": e, "expert_replicas": reps, "tokens": tok, "tok_info": tok_info,
+                "ours": (xo, xo_info), "ep_distmuon": (xd, xd_info)}  # fmt: skip
+
+    tried = {e: with_ep(e) for e in ([ep] if ep else _ep_candidates(m.num_experts, world_size))}
+
+    def ours_total(x):
+        return (x["tokens"].seconds + x["ours"][0].total.seconds + dense_ours.total.seconds)
+
+    best = min(tried.values(), key=ours_total)
+    xf2, xf2_info = fsdp2_gather_cost(full_experts, world_size, 1, link=link)
+    parts = {
+        "ours": (best["tokens"], dense_ours, best["ours"][0], dense_ours_info, best["ours"][1]),
+        "ep_distmuon": (best["tokens"], dense_dm, best["ep_distmuon"][0], dense_dm_info, best["ep_distmuon"][1]),
+        "fsdp2_no_ep": (Cost(), dense_f2, xf2, dense_f2_info, xf2_info),
+    }
+    out = {
+        "model": preset, "world_size": world_size, "tokens_per_step": tokens_per_step,
+        "tokens_per_rank": tokens_per_step / world_size, "top_k": TOP_K[preset], "hidden": m.hidden_size,
+        "num_experts": m.num_experts, "moe_layers": best["tok_info"]["moe_layers"], "ep": best["ep"],
+        "experts_per_rank": math.ceil(m.num_experts / best["ep"]), "expert_replicas": best["expert_replicas"],
+        "dense_shard_size": n_d, "dense_replicas": r_d,
+        "ours_seconds_by_ep": {str(e): ours_total(x) for e, x in tried.items()},
+        "ep_distmuon_seconds_by_ep": {str(e): x["tokens"].seconds + x["ep_distmuon"][0].total.seconds
+                                      + dense_dm.total.seconds for e, x in tried.items()},
+    }  # fmt: skip
+    out["ep_distmuon_best_seconds"] = min(out["ep_distmuon_seconds_by_ep"].values())
+    for name, (tok, dense_c, exp_c, dinfo, xinfo) in parts.items():
+        total = tok + dense_c.total + exp_c.total
+        optim = dense_c.optim + exp_c.optim
+        out[name] = {
+            "seconds": total.seconds, "bytes": total.bytes, "collectives": total.collectives,
+            "tokens": asdict(tok), "dense_fsdp": asdict(dense_c.fsdp), "expert_fsdp": asdict(exp_c.fsdp),
+            "optim": asdict(optim), "dense_optim": asdict(dense_c.optim), "expert_optim": asdict(exp_c.optim),
+            "max_rank_elems": dinfo["max_rank_elems"] + xinfo["max_rank_elems"],
+            "dense_plan": dinfo, "expert_plan": xinfo,
+        }  # fmt: skip
+    for name in EP_SCHEMES[1:]:
+        out[f"time_ratio_{name}_over_ours"] = out[name]["seconds"] / out["ours"]["seconds"]
+    out["why"] = _why_ep_slower(out)
+    return out
+
+
+def _why_ep_slower(r: dict) -> str:
+    """Empty when ours is no slower than either peer; else the terms where ours spends more."""
+    o, parts = r["ours"], []
+    for k in EP_SCHEMES[1:]:
+        p = r[k]
+        if p["seconds"] >= o["seconds"]:
+            continue
+        terms = {t: o[t]["seconds"] - p[t]["seconds"] for t in ("tokens", "dense_fsdp", "expert_fsdp", "optim")}
+        worst = max(terms, key=terms.get)
+        parts.append(f"slower than {EP_LABELS[k]} by {(o['seconds'] - p['seconds']) * 1e3:.0f} ms: "
+                     f"{worst} +{terms[worst] * 1e3:.0f} ms")  # fmt: skip
+    return "; ".join(parts)
+
+
+def ep_markdown(data: dict) -> str:
+    a = data["assumptions"]
+    out = [
+        "# Communication model under expert parallelism (issue 26): ours vs EP + FSDP2 + DistMuon vs FSDP2 without EP",
+        "",
+        f"Made by: `{data['command']}`",
+        "",
+        "Assumptions: the alpha-beta model of comm_model.md, "
+        f"{a['bandwidth_gbps']:g} Gb/s per GPU each direction, alpha = {a['alpha_us']:g} us per message step "
+        f"({a['latency']} latency; ragged buckets `{a['ragged_model']}`), parameters gathered in "
+        f"{8 * a['param_bytes']}-bit, gradients reduced in {8 * a['grad_bytes']}-bit, optimizer exchanges in "
+        f"{8 * a['optim_bytes']}-bit, no overlap with compute; every all-to-all (tokens too) at the same link "
+        f"(an EP group spanning nodes; within an NVLink node it would be faster for both EP schemes alike). "
+        f"Tokens: {data['tokens_per_step'] / 2**20:g}M per step (global batch), W-th of it per rank; "
+        f"activations {8 * data['act_bytes']}-bit; dropless routing with capacity factor 1 at the average load "
+        "(every EP rank sends and receives `T x top_k x hidden x act_bytes x (ep-1)/ep` per all-to-all); per "
+        "MoE layer 4 token all-to-alls (dispatch + combine, forward and backward) + 1 of the `[E]` routing counts. "
+        "EP: `ep` is the power of two dividing W and E that minimizes ours' time (`ep` whole experts per "
+        "group, same `ep` for both EP schemes); each rank's `E / ep` experts FSDP-sharded over the `W / ep` "
+        "ranks holding them; the dense part (attention, router, shared experts, embeddings, head) on the HSDP "
+        "shape `suggest_mesh` picks for it with the memory left at "
+        f"{data['memory_per_rank'] / 1e9:g} GB after the experts' sharded state, the same shape for all three "
+        "schemes. Every scheme holds E/W of the experts per rank (equal sharded memory; `M elems/rank` is the "
+        "busiest rank's sharded parameter elements), but without EP a layer's gathered experts are E/ep times "
+        "larger. Schemes: **ours** = our default plans (whole expert matrices), Muon local except where a "
+        "plan split a matrix (2 all-to-alls of the split pieces); **EP + DistMuon** = the same EP, FSDP2-style flat "
+        "buckets, and per bucket 2 all-to-alls moving every Muon matrix (experts too) to a root and back; "
+        "**no EP** = FSDP2 dim-0 padded Shard(0) of the whole model over W (experts all-gathered over W in "
+        "forward and backward, today's comm_model (b) row) + torch.optim.Muon's all-gather per matrix "
+        "(a lower bound). ms = summed collective time per step on the busiest rank; GB = bytes it sends.",
+        "",
+        "| preset | W | tokens/rank | top_k | ep (experts/rank, expert replicas) | dense mesh | ours ms "
+        "| ours: tokens / dense / experts / optim ms "
+        "| EP+DistMuon ms | its optim ms | no-EP ms | its optim ms | ours GB | EP+DistMuon GB | no-EP GB "
+        "| M elems/rank ours / DistMuon / no-EP | DistMuon/ours | no-EP/ours | why ours is slower |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        o, d, f = r["ours"], r["ep_distmuon"], r["fsdp2_no_ep"]
+        out.append(
+            f"| {r['model']} | {r['world_size']} | {r['tokens_per_rank']:,.0f} | {r['top_k']} | {r['ep']} "
+            f"({r['experts_per_rank']}, {r['expert_replicas']}) | {r['dense_shard_size']} x {r['dense_replicas']} | "
+            f"{_ms(o['seconds'])} | {_ms(o['tokens']['seconds'])} / {_ms(o['dense_fsdp']['seconds'])} / "
+            f"{_ms(o['expert_fsdp']['seconds'])} / {_ms(o['optim']['seconds'])} | {_ms(d['seconds'])} | "
+            f"{_ms(d['optim']['seconds'])} | {_ms(f['seconds'])} | {_ms(f['optim']['seconds'])} | {_gb(o['bytes'])} | "
+            f"{_gb(d['bytes'])} | {_gb(f['bytes'])} | {o['max_rank_elems'] / 1e6:.0f} / {d['max_rank_elems'] / 1e6:.0f} / "
+            f"{f['max_rank_elems'] / 1e6:.0f} | {r['time_ratio_ep_distmuon_over_ours']:.2f} | "
+            f"{r['time_ratio_fsdp2_no_ep_over_ours']:.2f} | {r['why'] or '-'} |"
+        )
+    slower = [r for r in data["rows"] if r["why"]]
+    beaten = [r for r in data["rows"] if r["ep_distmuon_best_seconds"] < r["ours"]["seconds"]]
+    out += ["", f"Rows where ours is slower than a peer: {len(slower)} of {len(data['rows'])}. "
+            "Each scheme's time by EP degree is in the JSON (`ours_seconds_by_ep`, `ep_distmuon_seconds_by_ep`): "
+            f"rows where EP + DistMuon at its own best `ep` beats ours at ours': {len(beaten)}. "
+            "Where `ours: optim` is not 0, the expert plan split matrices (1-3 experts per rank over 64-128 "
+            "replicas: their 3-9 matrices cannot cover the ranks whole), costing the split pieces' 2 all-to-alls; "
+            "no-EP's larger `M elems/rank` at W = 16384 is FSDP2's dim-0 padding of each expert matrix's rows "
+            "to a multiple of W."]  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
+def ep_rows(models, world_sizes, *, link: LinkConfig, tokens_per_step: int, act_bytes: int, ep: int | None,
+            memory_per_rank: float) -> list[dict]:  # fmt: skip
+    rows = []
+    for model in models:
+        if not PRESETS[model].is_moe:
+            continue
+        for w in world_sizes:
+            r = ep_step(model, w, link=link, tokens_per_step=tokens_per_step, act_bytes=act_bytes, ep=ep,
+                        memory_per_rank=memory_per_rank)  # fmt: skip
+            rows.append(r)
+            print(f"{model:16s} W={w:<6d} ep={r['ep']:<4d} dense {r['dense_shard_size']}x{r['dense_replicas']} ours "
+                  f"{r['ours']['seconds'] * 1e3:9.1f} ms | DistMuon x{r['time_ratio_ep_distmuon_over_ours']:6.2f} | "
+                  f"no-EP x{r['time_ratio_fsdp2_no_ep_over_ours']:8.2f} {r['why']}", flush=True)  # fmt: skip
+    return rows
+
+
 # ---- outputs -------------------------------------------------------------------------------
 def _gb(x: float) -> str:
     return f"{x / 1e9:.2f}"
@@ -554,12 +879,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--balanced", action="store_true",
                     help="issue 27 table: W in {64, 1024, 16384} (or --world-sizes), pure FSDP and suggest_mesh's "
                     "shape at --memory-per-rank, -> <out>/comm_model_balanced.{json,md}")
-    ap.add_argument("--memory-per-rank", type=float, default=80e9, help="--balanced: bytes per rank (default 80e9)")
+    ap.add_argument("--memory-per-rank", type=float, default=80e9,
+                    help="--balanced / --ep: bytes per rank (default 80e9)")
+    ap.add_argument("--ep", action="store_true",
+                    help="issue 26: expert parallelism on the MoE presets, W in {1024, 16384} (or --world-sizes): ours vs "
+                    "EP + FSDP2 + DistMuon vs FSDP2 + gather-based Muon without EP -> <out>/comm_model_ep.{json,md}")
+    ap.add_argument("--tokens-per-step", type=int, default=EP_TOKENS_PER_STEP,
+                    help="--ep: global batch in tokens per step (default 16M = 2^24)")
+    ap.add_argument("--act-bytes", type=int, default=2, help="--ep: bytes per activation element (bf16: 2)")
+    ap.add_argument("--ep-size", type=int, default=None, help="--ep: force this EP degree (default: the best for ours)")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     ap.add_argument("--out", default=None, help="output folder (default: benchmarks/results/ for the full run with "
                     "default assumptions, runs/bench-quick/ when any other flag is changed)")
     args = ap.parse_args(argv)
-    results = out_dir(ap, args, keep=("shard_size", "out_name", "no_write", "balanced"))
+    results = out_dir(ap, args, keep=("shard_size", "out_name", "no_write", "balanced", "ep"))
     link = LinkConfig(
         bandwidth_gbps=args.bandwidth_gbps, alpha_us=args.alpha_us, param_bytes=args.param_bytes,
         grad_bytes=args.grad_bytes, optim_bytes=args.optim_bytes, latency=args.latency, ragged_model=args.ragged_model,
@@ -579,6 +912,22 @@ def main(argv: list[str] | None = None) -> int:
         (results / "comm_model_balanced.json").write_text(json.dumps(data, indent=1))
         (results / "comm_model_balanced.md").write_text(md)
         print(f"wrote {results}/comm_model_balanced.{{json,md}} in {data['seconds']:.0f} s")
+        return 0
+    if args.ep:
+        ws = args.world_sizes if args.world_sizes != list(WORLD_SIZES) else list(EP_WORLD_SIZES)
+        rows = ep_rows(args.models, ws, link=link, tokens_per_step=args.tokens_per_step, act_bytes=args.act_bytes,
+                       ep=args.ep_size, memory_per_rank=args.memory_per_rank)  # fmt: skip
+        data = {"command": command, "assumptions": asdict(link), "memory_per_rank": args.memory_per_rank,
+                "tokens_per_step": args.tokens_per_step, "act_bytes": args.act_bytes, "top_k": TOP_K,
+                "seconds": time.perf_counter() - t0, "python": platform.python_version(), "rows": rows}  # fmt: skip
+        md = ep_markdown(data)
+        if args.no_write:
+            print(md)
+            return 0
+        results.mkdir(parents=True, exist_ok=True)
+        (results / "comm_model_ep.json").write_text(json.dumps(data, indent=1))
+        (results / "comm_model_ep.md").write_text(md)
+        print(f"wrote {results}/comm_model_ep.{{json,md}} in {data['seconds']:.0f} s")
         return 0
     rows = []
     for model in args.models:

@@ -197,3 +197,26 @@ def test_moe_ep_quick(tmp_path):
         assert r["slots_equal_routed_rows"] and r["slots_per_step_total"] == r["routed_rows_per_step"] == routed
         assert r["padded_bmm_slots_per_step_total"] > r["slots_per_step_total"]
         assert r["max_rel_loss_diff_vs_ep1"] < 1e-3 and r["tokens_per_s"] > 0
+
+
+def test_expert_parallel_rows_on_one_preset():
+    """comm_model --ep on gpt-oss-120b at W = 64, ep = 8: the token all-to-alls follow their formula
+    and are the same for both EP schemes, none without EP; ours has no optimizer collective where its
+    plans split no matrix, and is no slower than either peer (no reason named)."""
+    link = cm.LinkConfig()
+    tokens = 2**20
+    r = cm.ep_step("gpt-oss-120b", 64, link=link, tokens_per_step=tokens, ep=8)
+    assert (r["ep"], r["experts_per_rank"], r["expert_replicas"], r["top_k"]) == (8, 16, 8, 4)
+    per = tokens / 64 * 4 * 2880 * 2 * 7 / 8  # T x top_k x hidden x bf16 x (ep-1)/ep
+    counts = 128 * 8 * 7 / 8
+    assert r["ours"]["tokens"]["bytes"] == pytest.approx(36 * (4 * per + counts))
+    assert r["ours"]["tokens"] == r["ep_distmuon"]["tokens"] and r["fsdp2_no_ep"]["tokens"]["seconds"] == 0
+    assert r["ours"]["tokens"]["collectives"] == 36 * 5
+    if r["ours"]["expert_plan"]["num_split_blocks"] == 0 and r["ours"]["dense_plan"]["num_split_blocks"] == 0:
+        assert r["ours"]["optim"]["collectives"] == 0 and r["ours"]["optim"]["seconds"] == 0
+    assert r["ep_distmuon"]["expert_optim"]["collectives"] == 2 * 36  # two all-to-alls per expert bucket
+    assert r["ours"]["seconds"] <= min(r["ep_distmuon"]["seconds"], r["fsdp2_no_ep"]["seconds"]) and not r["why"]
+    assert cm._ep_candidates(384, 1024) == [2, 4, 8, 16, 32, 64, 128]
+    md = cm.ep_markdown({"command": "x", "assumptions": vars(link), "memory_per_rank": 80e9, "tokens_per_step": tokens,
+                         "act_bytes": 2, "rows": [r]})  # fmt: skip
+    assert "| gpt-oss-120b | 64 | 16,384 | 4 | 8 (16, 8) |" in md and "slower than a peer: 0 of 1" in md
