@@ -296,3 +296,40 @@ def test_full_state_dict_round_trip_gives_and_takes_whole_experts():
         for k, v in reference.items():
             assert torch.equal(sd[k], v) and torch.equal(back[k], v), k
             assert not zeros[k].any(), k
+
+
+def test_export_hf_and_load_hf_give_and_take_whole_experts(tmp_path):
+    # export_hf at (ep = 2, W = 4) writes whole [E, ...] experts (safetensors read back: the unsharded
+    # model's tensors); load_hf at (ep = 4, W = 4) takes them back.
+    transformers = pytest.importorskip("transformers")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    reference = _Net(6).state_dict()
+    path = tmp_path / "hf"
+
+    def export():
+        model = _Net(6)
+        _shard(model, 2)
+        fsdp_optim.export_hf(model, path, config=transformers.PretrainedConfig())
+        del model
+
+    def load():
+        model = _Net(6)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        _shard(model, 4)
+        fsdp_optim.load_hf(model, path)
+        out = fsdp_optim.full_state_dict(model)
+        del model
+        return out
+
+    run_distributed(export, world_size=4)
+    written = {}
+    for f in sorted(path.glob("*.safetensors")):
+        written.update(safetensors_torch.load_file(str(f)))
+    assert set(written) == set(reference)
+    for k, v in reference.items():
+        assert torch.equal(written[k], v), k
+    for sd in run_distributed(load, world_size=4):
+        for k, v in reference.items():
+            assert torch.equal(sd[k], v), k
