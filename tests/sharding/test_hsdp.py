@@ -536,13 +536,13 @@ def test_hsdp_muon_one_step_matches_torch_muon_and_adamw(shape, split):
     bf16 (8 significant bits), so such a perturbation flips the bf16 rounding of a few inputs by one
     ulp, and the five bf16 iterations spread that to a few ulps of the output: each matrix's update
     ``lr * adjust * NS(G)`` may differ by some bf16 ulps of its largest element (an ulp is 2^-8..2^-7 of
-    it). Asserted per matrix: max |diff| <= max |update| / 16 (8-16 ulps); measured <= 2.5% (3-6 ulps)
+    it). Asserted per matrix: max |diff| <= max |update| / 16 (8-16 ulps); measured <= 2.4% (3-6 ulps)
     on 3x1, 1x3 and 2x2. Caught: a wrong shape-based lr (sqrt(200/72) on w1/w2 moves the update by 40%),
     a halved decay (``0.01 |p|`` per step at wd 0.5: the parameters alone then miss by 5.9e-4 against a
     tolerance of 5.1e-4; the second loss by far more). Both breaks pass test_hsdp_training_parity,
-    whose reference is our own W = 1 run. AdamW's first update is ``lr * g / (|g| + eps)``: an element with |g| ~ eps may
-    move differently by up to lr, so the AdamW parameters use the library-wide AdamW tolerance (max
-    lr/10, 99.5% within 1e-5; measured max 1.2e-7). Over more steps the bf16 flips compound (0.5-1.6 lr
+    whose reference is our own W = 1 run. AdamW's first update is ``lr * g / (|g| + eps)``: an element
+    with |g| ~ eps may move differently by up to lr, so the AdamW parameters use the library-wide AdamW
+    tolerance (max lr/10, 99.5% within 1e-5; measured max 1.2e-7). Over more steps the bf16 flips compound (0.5-1.6 lr
     after 5 steps, see the module docstring), so only the second step's loss (the model after one step)
     is compared further: rtol 1e-5, measured <= 1e-6."""
     ref_losses, init, ref_state, hidden = _torch_muon_reference()
