@@ -1,9 +1,13 @@
 """Block-wise FP8 parameter all-gather (``fully_shard(..., fp8_all_gather=Float8AllGather(...))``).
 
-Reference for every distributed check: quantizing the *full* tensor unsharded with the same tiles
-(``quantize_blockwise`` then ``dequantize_blockwise``), which the gathered parameters must equal
-bitwise, for W = 1..4, both tile modes, every optimizer's block rule, even and ragged layouts, and
-shapes that divide nothing (edge tiles partial). Also: one collective per bucket, the bytes per
+Reference for every distributed check: an independent transcription, written here, of block-wise
+e4m3 quantization of the *full* tensor unsharded (``_blockwise_e4m3``: tile by tile, scale = amax /
+448 in fp32, an all-zero tile scale 1, codes = clamp(x / scale, -448, 448) cast to ``float8_e4m3fn``,
+dequantized = codes.float() * scale cast to the compute dtype, as [Note: FP8 all-gather invariant]
+states), which the gathered parameters must equal bitwise, for W = 1..4, both tile modes, every
+optimizer's block rule, even and ragged layouts, and shapes that divide nothing (edge tiles partial).
+The library's own ``quantize_blockwise`` is checked against the same transcription (codes and scales,
+bitwise). Also: one collective per bucket, the bytes per
 step against a bf16 gather, a short training run against the bf16 run, every optimizer and a
 checkpoint round trip.
 """
@@ -33,8 +37,45 @@ TILES = {"128x128": (128, 128), "1x128": (1, 128)}
 SHAPES = {"a": (300, 200), "b": (129, 77), "c": (77,), "d": (64, 40), "e": (256, 128), "f": (5, 3)}
 
 
-def _reference(full: torch.Tensor, tile: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    return dequantize_blockwise(*quantize_blockwise(full, tile), tile, dtype=dtype)
+E4M3_FN_MAX = 448.0  # float8_e4m3fn's largest finite value (torch.finfo)
+assert torch.finfo(torch.float8_e4m3fn).max == E4M3_FN_MAX
+
+
+def _blockwise_e4m3(full: torch.Tensor, tile: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block-wise e4m3 quantization of a whole 2-D tensor, one tile at a time (edge tiles partial), as
+    the docs of ``Float8AllGather`` state it, written without the library: per tile ``scale = amax /
+    448`` (fp32; 1 where the tile is all zero: the brief's bare ``amax / 448`` would give 0 and NaN
+    codes there), ``codes = clamp(x / scale, -448, 448).to(float8_e4m3fn)`` (round to nearest even;
+    torch's cast saturates finite values at 448 anyway, so the clamp changes no bit here) and
+    ``dequantized = codes.float() * scale`` (fp32). Returns (codes, scales [tiles], dequantized)."""
+    th, tw = tile
+    x = full.detach().float()
+    rows, cols = x.shape
+    codes = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    deq = torch.empty(rows, cols, dtype=torch.float32)
+    scales = torch.empty(-(-rows // th), -(-cols // tw), dtype=torch.float32)
+    for i in range(0, rows, th):
+        for j in range(0, cols, tw):
+            t = x[i : i + th, j : j + tw]
+            amax = t.abs().max()
+            scale = amax / E4M3_FN_MAX if amax > 0 else torch.tensor(1.0)
+            c = torch.clamp(t / scale, -E4M3_FN_MAX, E4M3_FN_MAX).to(torch.float8_e4m3fn)
+            codes[i : i + th, j : j + tw] = c
+            deq[i : i + th, j : j + tw] = c.float() * scale
+            scales[i // th, j // tw] = scale
+    return codes, scales, deq
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(key: str, full: torch.Tensor, tile: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The gathered value of an FP8-eligible parameter: the transcription on the full tensor, in the
+    compute dtype (cached per process: the same ``_Params`` in every configuration)."""
+    k = (key, tile, dtype)
+    if k not in _REFERENCES:
+        _REFERENCES[k] = _blockwise_e4m3(full, tile)[2].to(dtype)
+    return _REFERENCES[k]
 
 
 # ---- pure quantization ------------------------------------------------------------------------
@@ -57,6 +98,22 @@ def test_quantize_blockwise_tiles_scales_and_zero_tiles():
     assert (y - x).abs().max() <= x.abs().max() * 2**-3  # e4m3: 3 mantissa bits
     c1, s1 = quantize_blockwise(x, (1, 128))
     assert s1.shape == (300, 2)
+
+
+@pytest.mark.parametrize("tile", sorted(TILES))
+def test_quantize_blockwise_equals_the_transcription(tile):
+    """The library's quantizer against ``_blockwise_e4m3``: codes, scales and dequantized values
+    bitwise, on shapes with partial edge tiles, rows of very different magnitudes and a zero tile."""
+    g = torch.Generator().manual_seed(1)
+    for shape in [(300, 200), (129, 77), (256, 128), (5, 3)]:
+        x = torch.randn(shape, generator=g) * 10 ** torch.randn(shape[0], 1, generator=g)
+        x[: min(128, shape[0]), : min(128, shape[1])] = 0
+        codes, scales = quantize_blockwise(x, TILES[tile])
+        want_codes, want_scales, want = _blockwise_e4m3(x, TILES[tile])
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), shape
+        assert scales.dtype == torch.float32 and torch.equal(scales, want_scales), shape
+        got = dequantize_blockwise(codes, scales, TILES[tile], dtype=torch.float32)
+        assert torch.equal(got, want), shape
 
 
 def test_bad_config():
@@ -145,7 +202,7 @@ def _gather_parity() -> dict:
                         for k, s in SHAPES.items():
                             full = getattr(ref, k).detach()
                             fp8 = len(s) == 2 and full.numel() >= 1000
-                            want = _reference(full, th, dtype) if fp8 else full.to(dtype)
+                            want = _reference(k, full, th, dtype) if fp8 else full.to(dtype)
                             got = getattr(m, k)
                             assert got.shape == full.shape and got.dtype == dtype
                             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (tile, rule, layout, k)

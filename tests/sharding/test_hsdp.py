@@ -19,6 +19,10 @@ same TinyTransformer trained in one process on the global batch is the reference
   On the 2x2 mesh Muon also runs with per-MLP buckets on an even layout without padding, which splits
   each ``w1`` across the shard group (Muon's one exchange per bucket, in ``ShardInfo.group``): bitwise
   too.
+- Muon against a reference nobody here wrote: ``torch.optim.Muon`` (hidden matrices) +
+  ``torch.optim.AdamW`` (the rest) in one process on the global batch, each rank on its slice, on 3x1,
+  1x3, 2x2 and 2x2 with split matrices: one step's parameters (tolerance from the bf16 Newton–Schulz,
+  see test_hsdp_muon_one_step_matches_torch_muon_and_adamw) and two steps' losses.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import Muon, adamw_rule, muon_rule
 from fsdp_optim.sharding import PlanConfig
 from fsdp_optim.sharding._fully_shard import _STATE
-from tests._models import TinyTransformer
+from tests._models import TinyTransformer, assert_close_after_adamw
 from tests.sharding.test_fully_shard import (
     LR,
     _accum_batch,
@@ -484,3 +488,92 @@ def test_hsdp_bad_input_raises_on_every_rank():
         assert "3-D mesh of shape (1, 1, 2)" in msgs[0] and "mesh['replicate', 'shard']" in msgs[0]
         assert "2 replicas" in msgs[1] and "same mesh" in msgs[1]
         assert "differ from replica" in msgs[2] and "planned layout" in msgs[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Muon against torch.optim.Muon + torch.optim.AdamW (a reference nobody here wrote)
+# ---------------------------------------------------------------------------------------------
+REF_WD = 0.5  # Muon's decoupled decay: 0.01 |p| per step, large enough to be seen in one step
+REF_ADAMW_WD = 0.01  # fsdp_optim Muon's adamw_weight_decay default (torch.optim.AdamW's)
+
+
+@functools.cache
+def _torch_muon_reference():
+    """One process, the global batch, two steps: ``torch.optim.Muon`` on the hidden matrices (every
+    2-D parameter of the transformer blocks), ``torch.optim.AdamW`` on the rest (the tied embedding /
+    head, norms, biases). The losses, and the parameters after the first step."""
+    model = _new_model()
+    named = dict(model.named_parameters())  # the tied head is embed.weight
+    hidden = sorted(n for n, p in named.items() if p.ndim == 2 and n.startswith("layers."))
+    rest = [p for n, p in named.items() if n not in hidden and p.requires_grad]
+    muon = torch.optim.Muon([named[n] for n in hidden], lr=MUON_LR, weight_decay=REF_WD)
+    adamw = torch.optim.AdamW(rest, lr=LR, weight_decay=REF_ADAMW_WD)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    losses, after_one = [], None
+    for x, y in _batches(2):
+        loss = _loss(model, x, y)
+        loss.backward()
+        muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+        losses.append(loss.item())
+        if after_one is None:
+            after_one = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, init, after_one, hidden
+
+
+@pytest.mark.parametrize(
+    "shape,split", [((3, 1), False), ((1, 3), False), ((2, 2), False), ((2, 2), True)],
+    ids=["3x1", "1x3", "2x2", "2x2-split"],
+)
+def test_hsdp_muon_one_step_matches_torch_muon_and_adamw(shape, split):
+    """HSDP + fsdp_optim Muon, each of the W ranks on its slice of the global batch (by global rank),
+    against ``torch.optim.Muon`` + ``torch.optim.AdamW`` in one process on the global batch.
+
+    Tolerance, from the math of one step. The sharded gradients are the single-process ones up to fp32
+    summation order (~1e-7 relative; the losses agree to 1.2e-7). Newton–Schulz casts ``G / ||G||`` to
+    bf16 (8 significant bits), so such a perturbation flips the bf16 rounding of a few inputs by one
+    ulp, and the five bf16 iterations spread that to a few ulps of the output: each matrix's update
+    ``lr * adjust * NS(G)`` may differ by some bf16 ulps of its largest element (an ulp is 2^-8..2^-7 of
+    it). Asserted per matrix: max |diff| <= max |update| / 16 (8-16 ulps); measured <= 2.4% (3-6 ulps)
+    on 3x1, 1x3 and 2x2. Caught: a wrong shape-based lr (sqrt(200/72) on w1/w2 moves the update by 40%),
+    a halved decay (``0.01 |p|`` per step at wd 0.5: the parameters alone then miss by 5.9e-4 against a
+    tolerance of 5.1e-4; the second loss by far more). Both breaks pass test_hsdp_training_parity,
+    whose reference is our own W = 1 run. AdamW's first update is ``lr * g / (|g| + eps)``: an element
+    with |g| ~ eps may move differently by up to lr, so the AdamW parameters use the library-wide AdamW
+    tolerance (max lr/10, 99.5% within 1e-5; measured max 1.2e-7). Over more steps the bf16 flips compound (0.5-1.6 lr
+    after 5 steps, see the module docstring), so only the second step's loss (the model after one step)
+    is compared further: rtol 1e-5, measured <= 1e-6."""
+    ref_losses, init, ref_state, hidden = _torch_muon_reference()
+    world_size = shape[0] * shape[1]
+
+    def fn():
+        mesh = _mesh(shape)
+        w, r = dist.get_world_size(), dist.get_rank()
+        cfg = {"padding_cap": 0.0, "mlp_buckets": True} if split else {}
+        model = _shard(_new_model(), muon_rule(), mesh, layout="even" if split else "ragged", **cfg)
+        if split:
+            assert any(pl.split for b in fsdp_optim.sharded_plan(model).buckets for pl in b.placements)
+        opt = Muon(model.parameters(), lr=MUON_LR, adamw_lr=LR, weight_decay=REF_WD)
+        losses, state = [], None
+        for x, y in _batches(2):
+            loss = _loss(model, _local(x, w, r), _local(y, w, r))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(_mean_over_ranks(loss))
+            if state is None:
+                state = fsdp_optim.full_state_dict(model)
+        return losses, state
+
+    out = run_distributed(fn, world_size=world_size, timeout=240)
+    losses, state = out[0]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert set(state) == set(ref_state)
+    for k in hidden:
+        update = (ref_state[k] - init[k]).abs().max().item()
+        diff = (state[k] - ref_state[k]).abs().max().item()
+        assert diff <= update / 16, (k, diff, update)
+    assert_close_after_adamw({k: state[k] for k in state if k not in hidden},
+                             {k: v for k, v in ref_state.items() if k not in hidden}, lr=LR)

@@ -195,6 +195,43 @@ def test_optimizer_built_before_the_root_call_raises_at_its_first_step(optimizer
     assert run_distributed(fn, world_size=2) == [True, True]
 
 
+@pytest.mark.parametrize("optimizer", ["torch", "ours"])
+def test_a_replaced_parameter_added_by_add_param_group_after_the_first_step_raises(optimizer):
+    """The guard checks an optimizer at its first step and again whenever its parameter count
+    changed (``_optimizer_pre_step``): a parameter object that fully_shard replaced (``stale``, taken
+    from the model before the calls), added with ``add_param_group`` after a clean first step, must
+    raise at the next step, naming it; a fresh parameter added the same way does not. Without the
+    re-check the stale parameter would be skipped silently (its ``.grad`` is never set)."""
+
+    def fn():
+        model = _model()
+        stale = model.layers[1].mlp.w1.weight  # replaced by the layer's fully_shard call
+        _shard(model)
+        make = torch.optim.AdamW if optimizer == "torch" else AdamW
+        opt = make(model.parameters(), lr=LR)
+        x, y = _batch(0)
+        _loss(model, _local(x), _local(y)).backward()
+        opt.step()  # first step: every parameter is the sharded one, no error
+        opt.zero_grad()
+        # a fresh (never replaced) parameter: the re-check passes
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "lr": LR})
+        _loss(model, _local(x), _local(y)).backward()
+        opt.step()
+        opt.zero_grad()
+        if optimizer == "ours":  # our AdamW refuses replaced parameters as soon as they are added
+            with pytest.raises(ValueError, match=r"parameter layers\.1\.mlp\.w1\.weight .*fully_shard replaced"):
+                opt.add_param_group({"params": [stale], "lr": LR})
+            return True
+        opt.add_param_group({"params": [stale], "lr": LR})
+        _loss(model, _local(x), _local(y)).backward()
+        stale_msg = r"parameter layers\.1\.mlp\.w1\.weight \(shape \(40, 24\)\) that fully_shard replaced"
+        with pytest.raises(ValueError, match=stale_msg):
+            opt.step()
+        return True
+
+    assert run_distributed(fn, world_size=2) == [True, True]
+
+
 def test_ours_built_from_parameters_replaced_earlier_raises_at_construction():
     model = _model()
     params = list(model.parameters())

@@ -2,7 +2,12 @@
 the same bits on gloo at W = 1..4 (3 divides nothing), fp32 and bf16, with empty segments, casts and
 accumulation, for the all-gather at every W and the reduction at W <= 2 (at W >= 3 gloo's tensor and list
 reduce-scatters add the ranks in different orders: equal to the last bit of a 3-term sum); the cost model's choice follows its formulas; a whole training run in padded mode equals
-the grouped one and the single-process reference."""
+the grouped one and the single-process reference.
+
+At W = 3 and 4 every mode's reduction (grouped, padded, per-owner reduces; even and ragged buckets, an
+empty rank; SUM, AVG, accumulated) also equals exactly (``torch.equal``) the plain sum / average over
+ranks computed in the test, on integer-valued gradients whose every partial sum is exact; and an all-ones
+average is exactly 1, which fails if the average divides by anything but the group size."""
 
 from __future__ import annotations
 
@@ -154,3 +159,119 @@ def test_owner_reduces_skip_empty_segments_and_keep_the_input():
 
     for count, kept, same in run_distributed(fn, world_size=4):
         assert count == 3 and kept and same
+
+
+# ---- exact reductions at W >= 3 against the plain sum / average -----------------------------
+# Integer-valued gradients, |x| <= 8 per rank: every partial sum of W <= 4 terms is an integer of
+# magnitude <= 32, exact in fp32 and in bf16 (8 significant bits), so the reduction order (which gloo's
+# tensor and list forms do differently at W >= 3, see test_padded_equals_grouped_bitwise) cannot change
+# a bit, and every mode must equal the plain sum over ranks computed here. The average is that exact
+# sum divided once by W: computed here in float64 and cast to the dtype (n / 3 never lies on a
+# rounding midpoint, so the double rounding of float64 -> dtype equals one correctly rounded division).
+NONEMPTY_SIZES = {3: [20, 9, 13], 4: [11, 10, 15, 6]}
+
+
+def _even_bucket(world_size: int) -> BucketPlan:
+    """The same three tensors in an even bucket: W segments of ceil(42 / W) elements, padding at the end."""
+    shapes = [(7, 3), (5,), (4, 4)]
+    seg = -(-42 // world_size)
+    bounds = tuple(r * seg for r in range(world_size + 1))
+    placements, offset = [], 0
+    for i, shape in enumerate(shapes):
+        numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
+        local = tuple(min(max(b - offset, 0), numel) for b in bounds)
+        placements.append(Placement(name=f"t{i}", shape=shape, spec=elements(1), offset=offset,
+                                    shard=RaggedShard(shape, local), split=False))  # fmt: skip
+        offset += numel
+    return BucketPlan(name="even", layout=Layout.EVEN, placements=tuple(placements), rank_bounds=bounds, itemsize=4)
+
+
+def _buckets(world_size: int) -> dict[str, BucketPlan]:
+    return {
+        "ragged_empty_rank": _ragged_plan(world_size, SIZES[world_size]),
+        "ragged": _ragged_plan(world_size, NONEMPTY_SIZES[world_size]),
+        "even": _even_bucket(world_size),
+    }
+
+
+def _padding(plan: BucketPlan) -> torch.Tensor:
+    """True where the bucket's global flat buffer holds no tensor element."""
+    pad = torch.ones(plan.total_numel, dtype=torch.bool)
+    for p in plan.placements:
+        pad[p.offset : p.offset + p.numel] = False
+    return pad
+
+
+def _int_grad(numel: int, rank: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
+
+
+def _wire_buffers(plan: BucketPlan):
+    for mode in (WireMode.GROUPED, WireMode.PADDED, "owners"):
+        yield getattr(mode, "value", mode), DistributedBuffer(
+            plan, dtype=torch.float32, wire=WireMode.GROUPED if mode == "owners" else mode,
+            uneven_reduce="reduce" if mode == "owners" else "reduce_scatter",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reductions_equal_the_plain_sum_and_average_exactly(world_size, dtype):
+    """Every wire mode (grouped list reduce-scatter, padded tensor reduce-scatter, per-owner reduces),
+    even and ragged buckets (with and without an empty rank), SUM and AVG, plain and accumulated into
+    an fp32 segment: ``torch.equal`` with the sum / average over ranks computed here."""
+
+    def fn():
+        rank, out = dist.get_rank(), {}
+        for seed, (bname, plan) in enumerate(_buckets(world_size).items()):
+            pad = _padding(plan)
+            for mode, buf in _wire_buffers(plan):
+                grad = _int_grad(plan.total_numel, rank, seed, dtype)
+                grad[pad] = float("nan")  # the caller's padding must not leak into the result
+                got = {}
+                for op in ("sum", "avg"):
+                    red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.AVG
+                    got[op] = buf.reduce_scatter(grad.clone(), out=torch.empty(buf.segment_numel, dtype=dtype), op=red)
+                    acc = torch.ones(buf.segment_numel)  # fp32 segment the reduction adds into
+                    got[op + "_acc"] = buf.reduce_scatter(grad.clone(), out=acc, op=red, accumulate=True)
+                out[bname, mode] = got, plan.segment(rank)
+        return out
+
+    results = run_distributed(fn, world_size=world_size)
+    for seed, (bname, plan) in enumerate(_buckets(world_size).items()):
+        total = sum(_int_grad(plan.total_numel, r, seed, torch.float64) for r in range(world_size))
+        total[_padding(plan)] = 0  # the segment's padding reads zero
+        want_full = {"sum": total.to(dtype), "avg": (total / world_size).to(dtype)}
+        for rank, out in enumerate(results):
+            for mode in ("grouped", "padded", "owners"):
+                got, (a, b) = out[bname, mode]
+                for op in ("sum", "avg"):
+                    want = want_full[op][a:b]
+                    assert got[op].dtype == dtype and torch.equal(got[op], want), (bname, mode, op, rank)
+                    acc = torch.ones(b - a) + want.float()
+                    acc[_padding(plan)[a:b]] = 0  # padding is zeroed after the add too
+                    assert torch.equal(got[op + "_acc"], acc), (bname, mode, op, "accumulate", rank)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_the_average_divides_by_the_group_size_in_every_mode(world_size):
+    """Every rank sends all ones: the average is exactly 1 everywhere, whichever ranks own a segment.
+    Dividing by the number of owning ranks (2 of 3 at W = 3, 3 of 4 at W = 4: a rank is empty) gives
+    1.5 or 1.33; not dividing gives W."""
+
+    def fn():
+        out = {}
+        for bname, plan in _buckets(world_size).items():
+            for mode, buf in _wire_buffers(plan):
+                got = buf.reduce_scatter(torch.ones(plan.total_numel), op=dist.ReduceOp.AVG)
+                a, b = plan.segment(dist.get_rank())
+                out[bname, mode] = got, ~_padding(plan)[a:b], len(buf.owners)
+        return out
+
+    results = run_distributed(fn, world_size=world_size)
+    assert results[0]["ragged_empty_rank", "grouped"][2] == world_size - 1  # one rank owns nothing
+    for out in results:
+        for (bname, mode), (got, real, _) in out.items():
+            assert torch.equal(got[real], torch.ones(int(real.sum()))), (bname, mode, got)
+            assert not got[~real].any(), (bname, mode, got)
