@@ -304,7 +304,9 @@ class _Runtime:
         parameter it has no gradient for waits for it and reads the sums on the host; the others
         never wait (the common step, where every parameter gets one, reads nothing), and the
         collective is waited for at the next backward's end. An empty piece (the parameter lies on
-        other ranks) has nothing to attach."""
+        other ranks) gets its (empty) ``.grad`` by the same agreement, so every rank's optimizer
+        steps the same parameters (per-parameter step counts stay equal across ranks and replicas,
+        which a checkpoint's scalar state relies on)."""
         arrivals, self.ctx.arrivals = self.ctx.arrivals, []
         pending, self.ctx.unarrived = self.ctx.unarrived, []
         if self._arrival_work is not None:  # the previous backward's agreement: long done
@@ -326,8 +328,7 @@ class _Runtime:
                 work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=replicas, async_op=True)
             self._arrival_work = (work, flags)
             counts = flags
-        nonempty = [x for x in pending if x[2].numel() > 0]
-        if not nonempty or counts is None:
+        if not pending or counts is None:
             return  # (no other rank: nobody else could have reached them)
         self._arrival_work[0].wait()
         self._arrival_work = None
@@ -339,7 +340,7 @@ class _Runtime:
                 at.setdefault((id(b), i), []).append(pos)
                 pos += 1
         received = []
-        for b, i, view in nonempty:
+        for b, i, view in pending:
             if any(summed[q] > 0 for q in at.get((id(b), i), ())):
                 b.sharded[i].grad = view
                 received.append(b.sharded[i])

@@ -533,13 +533,12 @@ def _log_plan(root: _ModuleState, plan, buckets: list[_Bucket], *, absorbed: int
     logger.info(
         "fully_shard(%s): %d buckets (%d even, %d ragged), %d tensors, %s parameters over %d ranks%s; "
         "padding %.3f%%, per-rank bytes max/mean %.3f, optimizer cost max/mean %.3f; planned in %.3f s; "
-        "absorbed %d earlier root(s); %d bucket(s) left unallocated until first use (meta-built)",
+        "absorbed %d earlier root(s); %d bucket(s) left unallocated until first use (meta-built)%s",
         name, st.num_buckets, st.num_even_buckets, st.num_ragged_buckets, st.num_tensors,
         f"{st.param_numel:,}", root.world_size, f" x {root.num_replicas} replicas" if root.num_replicas > 1 else "",
         100 * st.padding_ratio, st.bytes_max_over_mean, st.cost_max_over_mean, st.plan_seconds, absorbed,
-        sum(not b.is_materialized for b in buckets),
+        sum(not b.is_materialized for b in buckets), f"; balance: {plan.balance_note}" if plan.balance_note else "",
     )  # fmt: skip
-    logger.info("fully_shard(%s): balance: %s", name, plan.balance_note)
     if logger.isEnabledFor(logging.DEBUG):
         for b in buckets:
             sizes = b.plan.segment_sizes

@@ -135,11 +135,11 @@ class _Geom:
         if ts.align_rows is not None and self.numel:
             # Also a multiple of ``align_rows`` rows: the common coarsening of the two specs.
             row = math.prod(shape[1:]) if len(shape) >= 1 else 1
-            quantum = ts.align_rows * row
+            tile = ts.align_rows * row  # (not ``quantum``: the piece alignment below pads by that alone)
             if self.starts is not None:
-                self.starts = [s for s in self.starts if s % quantum == 0 or s == self.numel]
+                self.starts = [s for s in self.starts if s % tile == 0 or s == self.numel]
             elif self.unit < self.numel:
-                self.unit = math.lcm(self.unit, quantum)
+                self.unit = math.lcm(self.unit, tile)
         if quantum > 1 and self.numel:
             span = -(-self.numel // quantum) * quantum
             if self.starts is not None:
