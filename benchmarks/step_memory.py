@@ -27,6 +27,20 @@ moment (the root's bucket plus two layer buckets, current and prefetched, in the
 layer's flat reduction buffer (reduce dtype), and the rest of the peak (activations, autograd
 temporaries, the loss, allocator slack): ``peak - (the others)``.
 
+Live tensor bytes beside RSS: one more step per runtime under a dispatch counter
+(``fsdp_optim._testing.LiveBytes``, weak references, so frees on gloo's threads are seen), the
+forward+backward and the optimizer step apart, plus the persistent sharded parameters and optimizer
+state; gathered buffers grown again in place (``storage.resize_``, both runtimes) are added while
+allocated. At each new peak the live storages are split by purpose: gathered parameters, gradients
+(sharded and unsharded), reduction buffers, and the rest, by what the runtime's attributes point to,
+else by size (FSDP2 keeps its unsharded gradients and reduce-scatter input in locals). The counter
+does not see allocations inside a collective (gloo's staging copies) nor DTensor's own temporaries
+(FSDP2's optimizer-step temporaries): RSS does.
+
+``--recipe``: the recipe's setting only, bf16 compute, fp32 reduction and per-layer activation
+checkpointing (``checkpoint_wrapper`` on every layer before sharding, as torchtitan), W = 4 and 8;
+writes ``step_memory_recipe.json``.
+
 Where each runtime peaks: ``--trace`` runs one step per runtime with RSS read at every module's
 forward pre/post hook and at the start of its backward (a hook on its output's gradient), and prints,
 per event, RSS now and the peak since the previous event, both runtimes side by side (rank 0). It
@@ -36,6 +50,7 @@ figures (the trace's absolute values run a few MiB higher: one step, the hooks' 
     python benchmarks/step_memory.py                   # W = 2 and 4, both precisions
     python benchmarks/step_memory.py --quick           # W = 2, a smaller model; writes runs/bench-quick/
     python benchmarks/step_memory.py --trace           # W = 2, both precisions: the per-event trace
+    python benchmarks/step_memory.py --recipe          # bf16 / fp32 reduce / activation checkpointing, W = 4 and 8
 """
 
 from __future__ import annotations
@@ -57,11 +72,23 @@ from _out import RESULTS, SCRATCH, out_dir  # noqa: E402
 from bench_fsdp_adamw import _settle  # noqa: E402
 
 import fsdp_optim  # noqa: E402
-from fsdp_optim._testing import run_distributed  # noqa: E402
+from fsdp_optim._testing import LiveBytes, run_distributed  # noqa: E402
 from tests._models import TinyConfig, TinyTransformer, make_batch  # noqa: E402
 
 MIB = 2**20
 PRECISIONS = ("fp32", "bf16_fp32_reduce")
+
+
+RECIPE = "bf16_fp32_reduce_ac"
+"""The recipe's setting (``--recipe``): bf16 compute, fp32 reduction, per-layer activation checkpointing."""
+
+
+def _wrapped_name(model, name: str) -> str:
+    """``layers.0.x`` -> ``layers.0._checkpoint_wrapped_module.x`` where the layer is wrapped."""
+    parts = name.split(".")
+    if parts[0] == "layers" and hasattr(model.layers[int(parts[1])], "_checkpoint_wrapped_module"):
+        return ".".join([*parts[:2], "_checkpoint_wrapped_module", *parts[2:]])
+    return name
 
 
 def _policies(precision: str):
@@ -76,6 +103,12 @@ def _policies(precision: str):
 def _build(runtime: str, cfg: TinyConfig, full_sd: dict, precision: str, mesh):
     ours_mp, torch_mp = _policies(precision)
     model = TinyTransformer(cfg)
+    if precision == RECIPE:  # per-layer activation checkpointing, applied before sharding (as torchtitan)
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer)
+        full_sd = {_wrapped_name(model, k): v for k, v in full_sd.items()}
     if runtime == "fsdp_optim":
         for layer in model.layers:
             fsdp_optim.fully_shard(layer, mp_policy=ours_mp)
@@ -118,6 +151,118 @@ def _breakdown(model, runtime: str, precision: str, peak: int) -> dict:
     }
     out["activations_and_rest"] = peak - sum(out.values())
     return out
+
+
+def _storage_key(t) -> int | None:
+    if t is None:
+        return None
+    t = getattr(t, "_local_tensor", t)  # a DTensor: its local tensor
+    try:
+        s = t.untyped_storage()
+    except RuntimeError:
+        return None
+    return s.data_ptr() if s.nbytes() else None
+
+
+def _persistent_keys(model, opt) -> tuple[set, set]:
+    """Storages alive between steps: sharded parameters, and optimizer state."""
+    params = {_storage_key(p) for p in model.parameters()}
+    state = {_storage_key(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v)}
+    return params - {None}, state - {None}
+
+
+def _gathered_and_grads(model) -> tuple[set, set]:
+    """Storages of gathered (unsharded) parameters and of gradients now, in either runtime: the
+    parameters the modules show (gathered ones during their forward and backward), the runtime's
+    own gathered buffers (prefetched ones too), and every ``.grad`` (sharded and unsharded)."""
+    gathered, grads = set(), set()
+    tensors = [t for m in model.modules() for t in m._parameters.values() if t is not None]
+    for m in model.modules():
+        st = getattr(m, "_fsdp_optim_state", None)  # ours: the root's buckets
+        rt = getattr(st, "runtime", None)
+        for b in getattr(rt, "buckets", ()) or ():
+            if b.gathered is not None:
+                gathered.add(_storage_key(b.gathered))
+            tensors += list(b.unsharded or ()) + list(b.sharded)
+        get = getattr(m, "_get_fsdp_state", None)  # FSDP2: each group's all-gather outputs
+        pg = getattr(get(), "_fsdp_param_group", None) if get is not None else None
+        for fp in getattr(pg, "fsdp_params", ()) or ():
+            for t in getattr(fp, "all_gather_outputs", ()) or ():
+                gathered.add(_storage_key(t))
+            up = getattr(fp, "_unsharded_param", None)
+            if up is not None:
+                gathered.add(_storage_key(up))
+                tensors.append(up)
+            tensors.append(fp.sharded_param)
+        res = getattr(pg, "_all_gather_result", None)
+        if res is not None:
+            gathered.add(_storage_key(getattr(res, "all_gather_output", None)))
+    for t in tensors:
+        grads.add(_storage_key(t.grad))
+    return gathered, grads
+
+
+def _global_shape(p) -> tuple:
+    return tuple(fsdp_optim.global_shape(p)) if not hasattr(p, "_local_tensor") else tuple(p.shape)
+
+
+class _LivePeak(LiveBytes):
+    """LiveBytes over one step that, at each new peak, splits what is live by purpose."""
+
+    def __init__(self, model, persistent: set) -> None:
+        super().__init__()
+        self.model, self.persistent, self.at_peak, self._seen = model, persistent, {}, -1
+        # Storages no attribute points to at the peak (FSDP2 keeps its unsharded gradients and its
+        # reduce-scatter input in locals) are told by size: one sharding unit's flat reduction buffer
+        # (fp32: the root's parameters outside ``layers``, or one layer's), or one parameter's gradient.
+        numels = {n: math.prod(_global_shape(p)) for n, p in model.named_parameters()}
+        units = [sum(v for n, v in numels.items() if not n.startswith("layers."))]
+        units += [sum(v for n, v in numels.items() if n.startswith(f"layers.{i}.")) for i in range(len(model.layers))]
+        self.reduce_sizes = {4 * u for u in units}
+        self.by_size = True  # off in the optimizer step, whose per-parameter temporaries have those sizes too
+        self.grad_sizes = {k * v for v in numels.values() for k in (2, 4)}
+        # Gathered buffers made in an earlier step and grown again in place (``storage.resize_``: ours'
+        # flat gathered buffers, FSDP2's per-parameter all-gather outputs) are no op's new output, so
+        # the counter alone misses them: they are added while their storage is allocated.
+        self.regrown = []
+        for m in model.modules():
+            rt = getattr(getattr(m, "_fsdp_optim_state", None), "runtime", None)
+            self.regrown += [b.gathered for b in getattr(rt, "buckets", ()) or () if b.gathered is not None]
+            get = getattr(m, "_get_fsdp_state", None)
+            pg = getattr(get(), "_fsdp_param_group", None) if get is not None else None
+            for fp in getattr(pg, "fsdp_params", ()) or ():
+                self.regrown += list(getattr(fp, "all_gather_outputs", ()) or ())
+
+    def _regrown_bytes(self) -> int:
+        seen = {}
+        for t in self.regrown:
+            st = t.untyped_storage()
+            if st.nbytes() and st.data_ptr() not in self._live:
+                seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
+
+    def _total(self) -> int:
+        return super()._total() + self._regrown_bytes()
+
+    def _track(self, out, inputs=()) -> None:
+        super()._track(out, inputs)
+        if self.peak > self._seen:
+            self._seen = self.peak
+            gathered, grads = _gathered_and_grads(self.model)
+            cats = {"gathered_params": self._regrown_bytes(), "grads": 0, "reduction_buffers": 0, "activations_and_rest": 0}
+            for key, ref in list(self._live.items()):
+                st = ref()
+                if st is None or key in self.persistent:
+                    continue
+                n = st.nbytes()
+                cat = (
+                    "grads" if key in grads else "gathered_params" if key in gathered
+                    else "reduction_buffers" if self.by_size and n in self.reduce_sizes
+                    else "grads" if self.by_size and n in self.grad_sizes
+                    else "activations_and_rest"
+                )  # fmt: skip
+                cats[cat] += n
+            self.at_peak = cats
 
 
 def _rss_mib() -> tuple[float, float]:
@@ -224,9 +369,37 @@ def _print_trace(trace: dict, w: int) -> None:
               f"ours just before {top[0]!r}, FSDP2 just before {top2[0]!r})")  # fmt: skip
 
 
-def _run(a):
+def _unique_bytes(keys_and_tensors) -> int:
+    seen = {}
+    for t in keys_and_tensors:
+        t = getattr(t, "_local_tensor", t)
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _live_step(model, opt, batch) -> dict:
+    """One step under a live-bytes counter: the total peak (the persistent sharded parameters and
+    optimizer state, plus the step's largest live total) and, at that moment, its split by purpose."""
+    params, state = _persistent_keys(model, opt)
+    p_bytes = _unique_bytes(model.parameters())
+    s_bytes = _unique_bytes(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.numel())
+    const = {"sharded_params": p_bytes, "optimizer_state": s_bytes}
+    x, y = batch
+    with _LivePeak(model, params | state) as live:
+        F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+        fb_peak, fb_at = live.peak, live.at_peak
+        live.peak, live._seen, live.by_size = live._total(), -1, False  # the optimizer step's own peak
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"peak": p_bytes + s_bytes + max(fb_peak, live.peak),
+            "forward_backward_peak": p_bytes + s_bytes + fb_peak, "at_forward_backward_peak": {**const, **fb_at},
+            "optimizer_step_peak": p_bytes + s_bytes + live.peak, "at_optimizer_step_peak": {**const, **live.at_peak}}
+
+
+def _run(a, precisions=PRECISIONS):
     cfg, full_sd, mesh, data = _setup(a)
-    for precision in PRECISIONS:  # warm-up: first-use costs (libraries, gloo, autograd threads) leave RSS
+    for precision in precisions:  # warm-up: first-use costs (libraries, gloo, autograd threads) leave RSS
         for runtime in ("fsdp_optim", "fsdp2"):
             model = _build(runtime, cfg, full_sd, precision, mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -234,7 +407,7 @@ def _run(a):
                 _train_step(model, opt, batch)
             del model, opt
     out = {}
-    for n, precision in enumerate(PRECISIONS):
+    for n, precision in enumerate(precisions):
         order = ("fsdp_optim", "fsdp2") if n % 2 == 0 else ("fsdp2", "fsdp_optim")  # neither always first
         for runtime in order:
             _settle()
@@ -252,9 +425,11 @@ def _run(a):
                     peaks.append(_rss_mib()[1] - base)
             peak = int(statistics.median(peaks) * MIB)
             breakdown = _breakdown(model, runtime, precision, peak)
+            _settle()
+            live = _live_step(model, opt, data[0])
             out[(precision, runtime)] = {
                 "persistent": int(statistics.median(before) * MIB), "peak": peak, "peaks_mib": peaks,
-                "breakdown": breakdown,
+                "breakdown": breakdown, "live_peak": live["peak"], "live": live,
             }
             del model, opt
     return {f"{p}|{rt}": v for (p, rt), v in out.items()}
@@ -288,9 +463,15 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="W = 2, dim 256, 2 layers, 2 measured steps")
     ap.add_argument("--trace", action="store_true",
                     help="per-event RSS of one step, both runtimes (W = the first of --world-sizes)")
+    ap.add_argument("--recipe", action="store_true",
+                    help="the recipe's setting only (bf16 compute, fp32 reduction, per-layer activation "
+                    "checkpointing), W = 4 and 8 unless --world-sizes is given; writes step_memory_recipe.json")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    dest = out_dir(ap, a)
+    recipe_default = a.recipe and a.world_sizes == [2, 4]
+    if recipe_default:
+        a.world_sizes = [4, 8]
+    dest = out_dir(ap, a, keep=("recipe", "world_sizes") if recipe_default else ("recipe",))
     if a.quick:
         a.world_sizes, a.dim, a.heads, a.layers, a.mlp, a.vocab, a.steps = [2], 256, 4, 2, 1024, 4096, 2
     if a.trace:
@@ -302,24 +483,34 @@ def main(argv=None) -> None:
         (dest / "step_memory_trace.json").write_text(json.dumps({"config": vars(a), "trace": trace}, indent=1))
         print(f"wrote {dest / 'step_memory_trace.json'}")
         return
+    precisions = (RECIPE,) if a.recipe else PRECISIONS
     rows = []
-    print(f"{'W':>2} {'precision':<17} {'runtime':<10} {'persist MiB':>11} {'peak MiB':>9}  breakdown of the peak (MiB)")
+    print(f"{'W':>2} {'precision':<19} {'runtime':<10} {'persist MiB':>11} {'peak MiB':>9}  breakdown of the peak (MiB)")
     for w in a.world_sizes:
-        per_rank = run_distributed(lambda: _run(a), world_size=w, timeout=1800)
+        per_rank = run_distributed(lambda: _run(a, precisions), world_size=w, timeout=1800)
         for key in per_rank[0]:
             precision, runtime = key.split("|")
             worst = max(per_rank, key=lambda o: o[key]["peak"])[key]  # the largest rank
             rows.append({"world_size": w, "precision": precision, "runtime": runtime, **worst})
             bd = " ".join(f"{k}={v / MIB:.1f}" for k, v in worst["breakdown"].items())
-            print(f"{w:>2} {precision:<17} {runtime:<10} {worst['persistent'] / MIB:>11.1f} {worst['peak'] / MIB:>9.1f}  {bd}")
-        for precision in PRECISIONS:
+            print(f"{w:>2} {precision:<19} {runtime:<10} {worst['persistent'] / MIB:>11.1f} {worst['peak'] / MIB:>9.1f}  {bd}")
+            top = max(per_rank, key=lambda o: o[key]["live_peak"])[key]
+            rows[-1].update(live_peak=top["live_peak"], live=top["live"])
+            for where in ("forward_backward", "optimizer_step"):
+                cats = " ".join(f"{k}={v / MIB:.1f}" for k, v in top["live"][f"at_{where}_peak"].items())
+                print(f"{'':>2} {'':<19} {'':<10} {'live ' + where[:8]:>20} {top['live'][where + '_peak'] / MIB:>9.1f}  "
+                      f"at its peak: {cats}")
+        for precision in precisions:
             ours = next(r for r in rows if (r["world_size"], r["precision"], r["runtime"]) == (w, precision, "fsdp_optim"))
             peer = next(r for r in rows if (r["world_size"], r["precision"], r["runtime"]) == (w, precision, "fsdp2"))
-            print(f"   W={w} {precision}: peak ours / FSDP2 = {_ratio(ours['peak'], peer['peak'])}, "
+            print(f"   W={w} {precision}: peak ours / FSDP2 = RSS {_ratio(ours['peak'], peer['peak'])}, "
+                  f"live bytes {_ratio(ours['live_peak'], peer['live_peak'])} (forward+backward "
+                  f"{_ratio(ours['live']['forward_backward_peak'], peer['live']['forward_backward_peak'])}); "
                   f"persistent {_ratio(ours['persistent'], peer['persistent'])}")
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "step_memory.json").write_text(json.dumps({"config": vars(a), "rows": rows}, indent=1))
-    print(f"wrote {dest / 'step_memory.json'}")
+    name = "step_memory_recipe.json" if a.recipe else "step_memory.json"
+    (dest / name).write_text(json.dumps({"config": vars(a), "rows": rows}, indent=1))
+    print(f"wrote {dest / name}")
 
 
 if __name__ == "__main__":
