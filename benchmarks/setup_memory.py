@@ -33,7 +33,6 @@ if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "131072":  # glibc reads it at st
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -294,7 +294,7 @@ class SOAP(BlockPreconditioner):
             r = geom.strip_rows(i)
             return sum(self._unit_factor_numel((r, *(n for _, n in t)), group) for t in tails)
 
-        s0, s1 = geom.strip_at(info.start), geom.strip_at(info.end)
+        s0 = geom.strip_at(info.start)
         before = sum(strip_numel(i) for i in range(s0))
         total = before + sum(strip_numel(i) for i in range(s0, geom.num_strips))
         local_shape = (info.local_numel // geom.cols, *geom.dims[1:])

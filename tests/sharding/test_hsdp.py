@@ -42,7 +42,7 @@ from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import Muon, adamw_rule, muon_rule
 from fsdp_optim.sharding import PlanConfig
 from fsdp_optim.sharding._fully_shard import _STATE
-from tests._models import TinyTransformer, assert_close_after_adamw
+from tests._models import assert_close_after_adamw
 from tests.sharding.test_fully_shard import (
     LR,
     _accum_batch,
