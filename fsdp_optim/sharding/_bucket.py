@@ -486,6 +486,9 @@ class _Bucket:
         # gradients, so the two buffers are never alive together.
         self.reshard()
         fresh = self.flat_grad is None  # else it holds earlier micro-batches' sum (no sync)
+        if fresh and self.requires_sync and self._owner_chunks():
+            self._reduce_by_owner()
+            return
         self._ensure_flat_grad()
         flat = self.flat_grad
         self._copy_in_grads(accumulate=not fresh)
@@ -513,6 +516,43 @@ class _Bucket:
                 consume=True,
             )
         self._replica_out = (out, accumulate) if self.replicate_group is not None else None
+        self.where = BucketState.REDUCING
+        self.ctx.issue_reduce(self)
+
+    def _owner_chunks(self) -> bool:
+        """Whether this synced, fresh reduction goes one owner segment at a time
+        ([Note: per-owner reduction under mixed precision] in ``_buffer.py``): the gradients are in
+        another dtype than the reduction's (the cast needs a new buffer anyway), there are no replicas
+        (HSDP keeps the flat buffer) and more than one rank."""
+        if self.replicate_group is not None or self.buffer.world_size < 2 or self.buffer.backend is None:
+            return False
+        return any(up.grad is not None and up.grad.dtype != self.reduce_dtype for up in self.unsharded or ())
+
+    def _reduce_by_owner(self) -> None:
+        """``post_backward``'s synced path without the flat buffer: each owner's segment is cast into
+        ``reduce_dtype`` and reduced on its own, and each unsharded gradient is dropped once cast."""
+        if self._arrived is None:
+            self._arrived = [False] * len(self.sharded)
+        grads: list[torch.Tensor | None] = []
+        for i, up in enumerate(self.unsharded or ()):
+            g = up.grad
+            if g is not None:
+                self._arrived[i] = True
+                up.grad = None
+            grads.append(g)
+            del g
+        self._reduced_arrived, self._arrived = self._arrived, None
+        self.settle()  # a second synced backward before the previous reduction was waited for
+        self.ctx.check_collective(self.plan.name, "reduce_scatter")
+        accumulate = self._prepare_grad_segment()
+        out = self.grad_seg
+        streams = self.ctx.streams
+        with record_function(f"fsdp_optim::reduce_scatter({self._range_name})"):
+            self.reduce_handle = self.buffer.reduce_scatter_owners(
+                grads, dtype=self.reduce_dtype, out=out, op=dist.ReduceOp.AVG, scale=self.grad_premul,
+                accumulate=accumulate, streams=streams,
+            )
+        self._replica_out = None
         self.where = BucketState.REDUCING
         self.ctx.issue_reduce(self)
 

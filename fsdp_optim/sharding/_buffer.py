@@ -65,6 +65,23 @@ transient copy of the full bucket (24 MiB for the root bucket of ``benchmarks/st
 in about half the time (five reductions of 2M float32 at W = 2: ``all_reduce`` 0.09 s,
 ``reduce_scatter_single`` 0.17 s). NCCL reduce-scatters natively and is not affected.
 
+[Note: per-owner reduction under mixed precision]
+When the gradients are in another dtype than the reduction (bf16 compute, fp32 reduce), the runtime
+does not build the whole bucket in ``reduce_dtype`` before one collective: ``reduce_scatter_owners``
+casts one owner's segment at a time into a ``reduce_dtype`` chunk, reduces it to its owner with one
+``dist.reduce``, waits and drops it, and drops each unsharded gradient once its last piece is cast.
+The transient is the bf16 gradients plus one segment in fp32 instead of the bf16 gradients plus a
+full fp32 copy: in the recipe's setting of ``benchmarks/step_memory.py --recipe`` (root bucket:
+embedding and head, 24 MiB in fp32) it removes the 24 MiB buffer from the peak at the end of backward
+(live bytes 81.0 -> 76.0 MiB at W=4, 58.5 -> 56.8 at W=8; the peak is now at the loss, where both
+runtimes hold the root's gathered parameters and the fp32 logits' temporaries). The cost: one
+collective per non-empty segment instead of one per bucket, waited for in turn (the runtime waits for
+each non-HSDP reduction as it is issued anyway, see ``CommContext.issue_reduce``), and the wire mode
+does not apply. Sums: at W <= 2 the same bits (an addition of two is commutative); at W >= 3 gloo's
+``reduce`` may add in another order than its all-reduce / reduce-scatter (close to fp32 rounding;
+``tests/sharding/test_bucket.py`` compares both paths). Not used for HSDP, at W = 1, without a
+process group, or when micro-batches were summed without sync (the flat buffer already exists).
+
 [Note: padding]
 Padding elements of a bucket (between tensors of an EVEN bucket) are zero in whatever this
 module returns: ``new_full`` and the segments start as zeros, and after every collective the
@@ -82,6 +99,7 @@ group a world-size-1 plan works locally (the collectives become copies).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -354,6 +372,75 @@ class DistributedBuffer:
 
         handle = CollectiveHandle(works, finish, keep=(full_grad, recv, stage, recv_padded))
         return handle if async_op else handle.wait()
+
+    def reduce_scatter_owners(
+        self,
+        grads: list[torch.Tensor | None],
+        *,
+        dtype: torch.dtype,
+        out: torch.Tensor,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        scale: float | None = None,
+        accumulate: bool = False,
+        streams=None,
+    ) -> CollectiveHandle:
+        """Reduce the bucket's gradients in ``dtype`` one owner segment at a time, never building the
+        full flat buffer: per non-empty segment ``r`` the pieces of ``grads`` (per placement, its
+        full-shape gradient or ``None`` for zeros, any dtype) that fall in ``r``'s range are cast
+        into a ``dtype`` chunk of ``r``'s size (times ``scale``), which one ``dist.reduce`` sums on
+        ``r``; the chunk is waited for and dropped before the next is made, and each entry of
+        ``grads`` is set to ``None`` once its last piece is cast, so the transient is the gradients
+        still held plus one chunk (see [Note: per-owner reduction under mixed precision]).
+        ``out`` (this rank's segment, ``segment_numel``) is overwritten, or added to when
+        ``accumulate``. ``streams`` (the runtime's
+        ``Streams``): chunks are filled on the current stream and reduced on its reduce-scatter
+        stream. Returns a completed handle whose ``wait()`` returns ``out``."""
+        self._check_flat(out, self.segment_numel, "out")
+        emulate_avg = op == dist.ReduceOp.AVG and not self._native_avg
+        red_op = dist.ReduceOp.SUM if emulate_avg else op
+        collective = self.backend is not None and self.world_size > 1
+        side = streams.reduce_scatter if streams is not None else None
+        order = sorted(range(len(self.plan.placements)), key=lambda i: self.plan.placements[i].offset)
+        mine: torch.Tensor | None = None
+        for r in self.owners:
+            lo, hi = self.plan.segment(r)
+            direct = r == self.rank and out.dtype == dtype and not accumulate
+            chunk = out.zero_() if direct else torch.zeros(hi - lo, dtype=dtype, device=self.device)
+            dst, src = [], []
+            for i in order:
+                p = self.plan.placements[i]
+                a, b = max(p.offset, lo), min(p.offset + p.numel, hi)
+                g = grads[i]
+                if g is not None and b > a:
+                    dst.append(chunk[a - lo : b - lo])
+                    src.append(g.reshape(-1)[a - p.offset : b - p.offset])
+                if g is not None and p.offset + p.numel <= hi:
+                    grads[i] = None  # its last piece is (being) cast: the caller's reference is the last
+            with torch.no_grad():
+                if dst:
+                    torch._foreach_copy_(dst, src)
+                del dst, src
+                if scale is not None:
+                    chunk.mul_(scale)
+            if collective:
+                if streams is not None:
+                    streams.record(chunk, side)
+                with streams.on(side) if streams is not None else contextlib.nullcontext():
+                    dist.reduce(chunk, group_dst=r, op=red_op, group=self.group, async_op=True).wait()
+            if r == self.rank:
+                mine = chunk
+            del chunk
+        if mine is None:  # this rank's segment is empty
+            return CollectiveHandle([], lambda: out)
+        with streams.on(side) if streams is not None else contextlib.nullcontext():
+            if emulate_avg and self.world_size > 1:
+                mine.div_(self.world_size)
+            if accumulate:
+                out.add_(mine)
+            elif mine is not out:
+                out.copy_(mine)
+            zero_ranges(out, self._seg_padding)
+        return CollectiveHandle([], lambda: out)
 
     # ---- internals --------------------------------------------------------------------
     @property

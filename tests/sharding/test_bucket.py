@@ -343,3 +343,58 @@ def test_setup_decisions_are_logged_under_the_fsdp_optim_logger(caplog):
     assert len(info) == 3, info  # two layers (provisional roots), then the root
     assert info[-1].startswith("fully_shard(TinyTransformer): 3 buckets") and "absorbed 2 earlier root(s)" in info[-1]
     assert [m.split(":")[0] for m in debug[-3:]] == ["bucket 0 '<root>'", "bucket 1 'layers.0'", "bucket 2 'layers.1'"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_per_owner_reduction_under_mixed_precision_matches_the_flat_buffer(world_size):
+    """bf16 gradients reduced in fp32 go one owner segment at a time ([Note: per-owner reduction under
+    mixed precision] in ``_buffer.py``). Against the flat-buffer path (forced): bitwise at W = 2 (a sum
+    of two is commutative); at W >= 3 gloo's reduce may add in another order than its all-reduce /
+    reduce-scatter, so close to fp32 rounding. Covered: a fresh reduction, one added to ``.grad`` kept
+    by ``zero_grad(set_to_none=False)``, micro-batches accumulated without sync then synced (the flat
+    buffer path), and a gradient divide factor (the chunks are pre-multiplied)."""
+    from fsdp_optim.sharding._bucket import _Bucket
+
+    def fn():
+        results = []
+        for per_owner in (True, False):
+            saved = _Bucket._owner_chunks
+            if not per_owner:
+                _Bucket._owner_chunks = lambda self: False
+            try:
+                mp = fsdp_optim.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                model = _shard(_model(), mp_policy=mp)
+                got = []
+                x, y = _batch(0)
+                _loss(model, _local(x), _local(y)).backward()  # fresh
+                got.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+                x, y = _batch(1)
+                _loss(model, _local(x), _local(y)).backward()  # added to the kept .grad
+                got.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+                for p in model.parameters():
+                    p.grad = None
+                model.set_requires_gradient_sync(False)
+                _loss(model, _local(x), _local(y)).backward()
+                model.set_requires_gradient_sync(True)
+                x, y = _batch(2)
+                _loss(model, _local(x), _local(y)).backward()  # no sync, then sync: the flat buffer
+                got.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+                for p in model.parameters():
+                    p.grad = None
+                model.set_gradient_divide_factor(3.0)
+                _loss(model, _local(x), _local(y)).backward()
+                got.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+                results.append(got)
+            finally:
+                _Bucket._owner_chunks = saved
+        return results
+
+    for new, old in run_distributed(fn, world_size=world_size):
+        for case, (a, b) in enumerate(zip(new, old)):
+            assert set(a) == set(b) and a, case
+            for n in a:
+                assert a[n].dtype == torch.float32, (case, n)
+                if world_size <= 2:
+                    assert torch.equal(a[n], b[n]), (case, n)
+                else:
+                    torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-7, msg=f"case {case}, {n}")
