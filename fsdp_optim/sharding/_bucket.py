@@ -539,6 +539,8 @@ class _Bucket:
             if g is not None:
                 self._arrived[i] = True
                 up.grad = None
+                if not g.is_contiguous():  # read per owner through a flat view: one copy, not one per owner
+                    g = g.contiguous()
             grads.append(g)
             del g
         self._reduced_arrived, self._arrived = self._arrived, None

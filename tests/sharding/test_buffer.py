@@ -413,3 +413,45 @@ def test_device_mismatch_is_a_user_error():
     buf = DistributedBuffer(_even_plan(TENSORS, 1))
     with pytest.raises(ValueError, match="is on meta but the buffer lives on cpu"):
         buf.all_gather(out=torch.empty(buf.total_numel, device="meta"))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_reduce_scatter_owners_matches_the_flat_reduce_scatter(world_size):
+    """``reduce_scatter_owners`` ([Note: per-owner reduction under mixed precision]) on every plan (even,
+    ragged, empty ranks): bf16 gradients (some missing) cast to fp32 per owner segment, premultiplied,
+    averaged, written or added into ``out``; against ``reduce_scatter`` of the fp32 flat buffer: bitwise at
+    W <= 2, close at W >= 3 (gloo's reduce may sum in another order). The gradient list is consumed."""
+
+    def fn():
+        r = dist.get_rank()
+        out = []
+        for plan in _plans(world_size):
+            buf = DistributedBuffer(plan)
+            torch.manual_seed(10 + r)
+            grads = [None if i == 1 else torch.randn(p.shape).to(torch.bfloat16) for i, p in enumerate(plan.placements)]
+            flat = buf.new_full(torch.float32)
+            for v, g in zip(buf.full_views(flat), grads):
+                if g is not None:
+                    v.copy_(g)
+            flat.mul_(0.5)
+            base = torch.randn(buf.segment_numel)
+            want_w = buf.reduce_scatter(flat.clone(), out=torch.empty(buf.segment_numel), op=dist.ReduceOp.AVG)
+            want_a = buf.reduce_scatter(flat.clone(), out=base.clone(), op=dist.ReduceOp.AVG, accumulate=True)
+            held = list(grads)
+            got_w = buf.reduce_scatter_owners(
+                held, dtype=torch.float32, out=torch.empty(buf.segment_numel), op=dist.ReduceOp.AVG, scale=0.5
+            ).wait()
+            assert all(g is None for g in held), plan.name
+            got_a = buf.reduce_scatter_owners(
+                list(grads), dtype=torch.float32, out=base.clone(), op=dist.ReduceOp.AVG, scale=0.5, accumulate=True
+            ).wait()
+            out.append((plan.name, want_w, got_w, want_a, got_a))
+        return out
+
+    for rank_out in run_distributed(fn, world_size=world_size):
+        for name, want_w, got_w, want_a, got_a in rank_out:
+            for want, got in ((want_w, got_w), (want_a, got_a)):
+                if world_size <= 2:
+                    assert torch.equal(got, want), name
+                else:
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
