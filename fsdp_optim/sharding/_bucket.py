@@ -76,7 +76,7 @@ from ._expert_parallel import expert_shard
 from ._float8 import Float8AllGather, Float8Gather, tile_aligned
 from ._mixed_precision import MixedPrecisionPolicy
 from ._shard_info import ShardInfo, mark_replaced, set_shard_info, shard_info
-from .plan import BucketPlan, choose_wire_mode
+from .plan import BucketPlan, WireMode, choose_wire_mode
 
 __all__ = ["BucketConfig", "BucketEntry", "BucketPhase", "BucketState", "run_post_accumulate_grad_hooks"]
 
@@ -523,8 +523,12 @@ class _Bucket:
         """Whether this synced, fresh reduction goes one owner segment at a time
         ([Note: per-owner reduction under mixed precision] in ``_buffer.py``): the gradients are in
         another dtype than the reduction's (the cast needs a new buffer anyway), there are no replicas
-        (HSDP keeps the flat buffer) and more than one rank."""
+        (HSDP keeps the flat buffer) and more than one rank. On NCCL only where the bucket moves per
+        owner anyway (a ragged bucket on the ``grouped`` wire): an even or padded bucket keeps its one
+        reduce-scatter, since W reduces would cost W latencies per bucket at scale."""
         if self.replicate_group is not None or self.buffer.world_size < 2 or self.buffer.backend is None:
+            return False
+        if "nccl" in self.buffer.backend and (self.buffer.is_even or self.buffer.wire is not WireMode.GROUPED):
             return False
         return any(up.grad is not None and up.grad.dtype != self.reduce_dtype for up in self.unsharded or ())
 

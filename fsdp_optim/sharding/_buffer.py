@@ -80,7 +80,9 @@ each non-HSDP reduction as it is issued anyway, see ``CommContext.issue_reduce``
 does not apply. Sums: at W <= 2 the same bits (an addition of two is commutative); at W >= 3 gloo's
 ``reduce`` may add in another order than its all-reduce / reduce-scatter (close to fp32 rounding;
 ``tests/sharding/test_bucket.py`` compares both paths). Not used for HSDP, at W = 1, without a
-process group, or when micro-batches were summed without sync (the flat buffer already exists).
+process group, or when micro-batches were summed without sync (the flat buffer already exists); on
+NCCL only for ragged buckets on the ``grouped`` wire (already one collective per owner): an even or
+padded bucket keeps its one reduce-scatter (W reduces would cost W latencies per bucket at scale).
 
 [Note: padding]
 Padding elements of a bucket (between tensors of an EVEN bucket) are zero in whatever this
