@@ -245,6 +245,8 @@ def _broadcast_full_state(
     model: nn.Module, full: Mapping[str, torch.Tensor], pair_keys: list[str], targets: dict[str, torch.Tensor], rank: int
 ) -> None:
     """``load_full_state_dict(broadcast_from_rank0=True)``: one broadcast per bucket from global rank 0.
+    (81 lines: its inner functions share the agreed keys and the count of loaded tensors that every
+    failure message reports; see [Note: broadcasting from rank 0].)
 
     Which keys rank 0 sends is agreed first (strict=False may skip some), so every rank joins the
     same broadcasts in the same order; each broadcast is preceded by rank 0's ok (see the Note).

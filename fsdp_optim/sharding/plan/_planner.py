@@ -473,7 +473,9 @@ def _fit(g: _Geom, prof, a: int, budget_e: int, budget_c: float) -> int:
 
 
 def _ragged_capacity(rag, total_b: int, w: int, cap: int, cost_cap: float = math.inf):
-    """Fill ranks in order up to ``cap`` bytes and ``cost_cap`` optimizer cost each (cuts snap down
+    """(90 lines: one greedy pass whose loop state, the current rank's bytes and cost, crosses bucket and
+    tensor boundaries; split into functions it would pass that state around for nothing.)
+    Fill ranks in order up to ``cap`` bytes and ``cost_cap`` optimizer cost each (cuts snap down
     to block boundaries; a rank takes at least one block; the tensor order per bucket is chosen as
     in ``_order_and_cut``). Returns ``(global cuts, offsets per bucket, largest rank cost)``, or None
     if W ranks do not suffice."""
