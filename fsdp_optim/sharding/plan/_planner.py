@@ -473,12 +473,11 @@ def _fit(g: _Geom, prof, a: int, budget_e: int, budget_c: float) -> int:
 
 
 def _ragged_capacity(rag, total_b: int, w: int, cap: int, cost_cap: float = math.inf):
-    """(90 lines: one greedy pass whose loop state, the current rank's bytes and cost, crosses bucket and
-    tensor boundaries; split into functions it would pass that state around for nothing.)
-    Fill ranks in order up to ``cap`` bytes and ``cost_cap`` optimizer cost each (cuts snap down
+    """Fill ranks in order up to ``cap`` bytes and ``cost_cap`` optimizer cost each (cuts snap down
     to block boundaries; a rank takes at least one block; the tensor order per bucket is chosen as
     in ``_order_and_cut``). Returns ``(global cuts, offsets per bucket, largest rank cost)``, or None
-    if W ranks do not suffice."""
+    if W ranks do not suffice. (90 lines: one greedy pass whose loop state, the open rank's bytes and
+    cost, crosses bucket and tensor boundaries; split up, it would pass that state around for nothing.)"""
     cuts_b: list[int] = []
     offs_list = []
     cur_b, cur_c, max_c = 0, 0.0, 0.0  # bytes and cost of the open rank; largest closed rank cost
