@@ -148,7 +148,7 @@ def render_comm_model(d: dict) -> list[str]:
     from comm_model import to_markdown
 
     md = to_markdown(d).splitlines()  # title, blank, "Made by", blank, assumptions, blank, table
-    return [f"Command: `{d['command']}`", "", *md[4:], "", "Plot: `benchmarks/results/comm_model.png`."]
+    return [f"Command: `{d['command']}`", "", *md[4:], "", "Plot: `benchmarks/results/comm_model.png` (written by the run; not tracked)."]
 
 
 def render_gpu_check(d: dict) -> list[str]:
