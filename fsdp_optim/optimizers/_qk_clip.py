@@ -110,13 +110,13 @@ def measure_max_logits(
     No-op when grad is disabled (evaluation forwards are not recorded, as ``record_max_logits``)."""
     if not torch.is_grad_enabled():
         return
-    b, hq, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    if q.dim() != 4 or k.dim() != 4 or hkv == 0 or hq % hkv or k.shape[0] != b or k.shape[3] != d:
+    if q.dim() != 4 or k.dim() != 4 or k.shape[1] == 0 or q.shape[1] % k.shape[1] or k.shape[::3] != q.shape[::3]:
         raise ValueError(
             f"measure_max_logits({type(module).__name__}): need q [batch, n_heads, q_len, head_dim] and k [batch, "
             f"n_kv_heads, k_len, head_dim] with n_heads a multiple of n_kv_heads, got {tuple(q.shape)}, {tuple(k.shape)}"
         )
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
     g = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     rows = max(1, max_chunk_elements // max(1, b * hq * s))

@@ -363,14 +363,7 @@ class DistributedBuffer:
         def finish() -> torch.Tensor:
             if recv_padded is not None:
                 recv.copy_(recv_padded[: self.segment_numel])
-            if divide:
-                recv.div_(self.world_size)
-            if accumulate:
-                out.add_(recv)
-            elif recv is not out:
-                out.copy_(recv)
-            zero_ranges(out, self._seg_padding)
-            return out
+            return self._finish_segment(recv, out, divide=divide, accumulate=accumulate)
 
         handle = CollectiveHandle(works, finish, keep=(full_grad, recv, stage, recv_padded))
         return handle if async_op else handle.wait()
@@ -435,14 +428,20 @@ class DistributedBuffer:
         if mine is None:  # this rank's segment is empty
             return CollectiveHandle([], lambda: out)
         with streams.on(side) if streams is not None else contextlib.nullcontext():
-            if emulate_avg and self.world_size > 1:
-                mine.div_(self.world_size)
-            if accumulate:
-                out.add_(mine)
-            elif mine is not out:
-                out.copy_(mine)
-            zero_ranges(out, self._seg_padding)
+            self._finish_segment(mine, out, divide=emulate_avg and self.world_size > 1, accumulate=accumulate)
         return CollectiveHandle([], lambda: out)
+
+    def _finish_segment(self, reduced: torch.Tensor, out: torch.Tensor, *, divide: bool, accumulate: bool) -> torch.Tensor:
+        """This rank's reduced segment into ``out``: averaged over the group (``divide``), added to or
+        copied into ``out``, padding zeroed ([Note: padding])."""
+        if divide:
+            reduced.div_(self.world_size)
+        if accumulate:
+            out.add_(reduced)
+        elif reduced is not out:
+            out.copy_(reduced)
+        zero_ranges(out, self._seg_padding)
+        return out
 
     # ---- internals --------------------------------------------------------------------
     @property

@@ -23,22 +23,28 @@ from fsdp_optim.sharding.plan import LinkModel, WireMode, choose_wire_mode, grou
 from tests._models import TinyConfig, TinyTransformer, assert_close_after_adamw, make_batch
 
 
-def _ragged_plan(world_size: int, sizes: list[int]) -> BucketPlan:
-    """One ragged bucket of three tensors cut at the given per-rank segment sizes (some may be 0)."""
-    shapes = [(7, 3), (5,), (4, 4)]
-    total = sum(a * (b if len(s) > 1 else 1) for s in shapes for a, b in [(s[0], s[1] if len(s) > 1 else 1)])
-    assert sum(sizes) == total
-    bounds = [0]
-    for n in sizes:
-        bounds.append(bounds[-1] + n)
+def _three_tensors(bounds: tuple[int, ...], layout: Layout, name: str) -> BucketPlan:
+    """A bucket of three tensors (42 elements) cut at the global ``bounds``."""
     placements, offset = [], 0
-    for i, shape in enumerate(shapes):
+    for i, shape in enumerate(_SHAPES):
         numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
         local = tuple(min(max(b - offset, 0), numel) for b in bounds)
         placements.append(Placement(name=f"t{i}", shape=shape, spec=elements(1), offset=offset,
                                     shard=RaggedShard(shape, local), split=False))  # fmt: skip
         offset += numel
-    return BucketPlan(name="b", layout=Layout.RAGGED, placements=tuple(placements), rank_bounds=tuple(bounds), itemsize=4)
+    return BucketPlan(name=name, layout=layout, placements=tuple(placements), rank_bounds=tuple(bounds), itemsize=4)
+
+
+_SHAPES = [(7, 3), (5,), (4, 4)]
+
+
+def _ragged_plan(world_size: int, sizes: list[int]) -> BucketPlan:
+    """One ragged bucket of three tensors cut at the given per-rank segment sizes (some may be 0)."""
+    assert sum(sizes) == 42
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    return _three_tensors(tuple(bounds), Layout.RAGGED, "b")
 
 
 SIZES = {1: [42], 2: [30, 12], 3: [0, 29, 13], 4: [11, 0, 25, 6]}
@@ -173,17 +179,8 @@ NONEMPTY_SIZES = {3: [20, 9, 13], 4: [11, 10, 15, 6]}
 
 def _even_bucket(world_size: int) -> BucketPlan:
     """The same three tensors in an even bucket: W segments of ceil(42 / W) elements, padding at the end."""
-    shapes = [(7, 3), (5,), (4, 4)]
     seg = -(-42 // world_size)
-    bounds = tuple(r * seg for r in range(world_size + 1))
-    placements, offset = [], 0
-    for i, shape in enumerate(shapes):
-        numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
-        local = tuple(min(max(b - offset, 0), numel) for b in bounds)
-        placements.append(Placement(name=f"t{i}", shape=shape, spec=elements(1), offset=offset,
-                                    shard=RaggedShard(shape, local), split=False))  # fmt: skip
-        offset += numel
-    return BucketPlan(name="even", layout=Layout.EVEN, placements=tuple(placements), rank_bounds=bounds, itemsize=4)
+    return _three_tensors(tuple(r * seg for r in range(world_size + 1)), Layout.EVEN, "even")
 
 
 def _buckets(world_size: int) -> dict[str, BucketPlan]:

@@ -48,16 +48,20 @@ def _snapshot(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("integrity")
+def _save(root, world_size: int):
+    """A checkpoint of ``_trained(seed=0)`` saved at ``world_size`` under ``root``."""
 
     def fn():
         model, opt = _trained(seed=0)
         fsdp_optim.save_checkpoint(root / "ckpt", model=model, optimizer=opt, extra={"step": 1})
 
-    run_distributed(fn, world_size=2)
+    run_distributed(fn, world_size=world_size, timeout=60)
     return root / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return _save(tmp_path_factory.mktemp("integrity"), 2)
 
 
 def test_manifest_records_every_file(saved):
@@ -190,14 +194,7 @@ def test_a_manifest_listing_an_outside_file_discloses_nothing_of_it(saved, tmp_p
 # ---- W = 3: each rank verifies every third file ([Note: checkpoint checksums]) ----------------------
 @pytest.fixture(scope="module")
 def saved3(tmp_path_factory):
-    root = tmp_path_factory.mktemp("integrity3")
-
-    def fn():
-        model, opt = _trained(seed=0)
-        fsdp_optim.save_checkpoint(root / "ckpt", model=model, optimizer=opt, extra={"step": 1})
-
-    run_distributed(fn, world_size=3, timeout=60)
-    return root / "ckpt"
+    return _save(tmp_path_factory.mktemp("integrity3"), 3)
 
 
 def test_w3_manifest_records_every_file(saved3):
