@@ -168,7 +168,7 @@ class BlockPreconditioner(torch.optim.Optimizer):
     @profiled_step
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch.optim signature
-        """One step on every local block; no communication."""
+        """One step on every local block (Shampoo's split strips: one exchange pair per shard group)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -179,15 +179,19 @@ class BlockPreconditioner(torch.optim.Optimizer):
                 raise RuntimeError(f"{self._name} does not support sparse gradients or complex parameters")
         self._check_finite([p for p, _ in todo])
         batched = self._batched if self._batched is not None else self._batched_default([p for p, _ in todo])
+        self._step_all(todo, batched)
+        return loss
+
+    def _step_all(self, todo: list[tuple[torch.Tensor, dict[str, Any]]], batched: bool) -> None:
+        """Step every ``(parameter, group)`` of ``todo``: one parameter at a time, or per group batched."""
         if not batched:
             for p, group in todo:
                 self._step_param(p, group)
-            return loss
+            return
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
                 self._step_group_batched(params, group)
-        return loss
 
     def _batched_default(self, params: list[Tensor]) -> bool:
         """The mode of ``batched=None``."""

@@ -162,4 +162,5 @@ def shampoo_rule(max_preconditioner_dim: int = 1024, *, per_expert: bool = False
             return rows(k)
         return elements(unit_merged)
 
+    rule.splits_blocks = True  # type: ignore[attr-defined]  # Shampoo exchanges split strips (PlanConfig.balance)
     return rule

@@ -87,6 +87,7 @@ run bitwise. The step issues no collectives.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import warnings
@@ -94,6 +95,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..sharding import BlockKind, BlockRule, BlockSpec, merge_small_dims
@@ -159,6 +161,15 @@ class BlockGeometry(NamedTuple):
         e, rem = divmod(offset, mat)
         return e * self.strips_per_matrix + -(-rem // (self.k * self.cols))
 
+    def strip_end(self, i: int) -> int:
+        """Flat end of strip ``i`` (its start is ``strip_start_row(i) * cols``)."""
+        return (self.strip_start_row(i) + self.strip_rows(i)) * self.cols
+
+    def strip_containing(self, offset: int) -> int:
+        """Index of the strip holding flat element ``offset`` (``offset < numel``)."""
+        e, rem = divmod(offset, self.rows * self.cols)
+        return e * self.strips_per_matrix + rem // (self.k * self.cols)
+
     def is_strip_boundary(self, offset: int) -> bool:
         mat = self.rows * self.cols
         return offset >= self.num_matrices * mat or (offset % mat) % (self.k * self.cols) == 0
@@ -182,11 +193,15 @@ class BlockGeometry(NamedTuple):
         """``(shape, index)`` of every block of the strips held by a shard of flat range ``[start, end)``
         (whole strips), in global block order, ``index`` into its local ``[rows, *dims[1:]]`` view."""
         row_base = start // self.cols
-        tails = self.tail_chunks
         for i in range(self.strip_at(start), self.strip_at(end)):
-            r, row0 = self.strip_rows(i), self.strip_start_row(i) - row_base
-            for t in tails:
-                yield (r, *(n for _, n in t)), (slice(row0, row0 + r), *(slice(s, s + n) for s, n in t))
+            yield from self.strip_blocks(i, self.strip_start_row(i) - row_base)
+
+    def strip_blocks(self, i: int, row0: int) -> Iterator[tuple[tuple[int, ...], tuple[slice, ...]]]:
+        """``(shape, index)`` of every block of strip ``i``, in order, ``index`` into a ``[rows, *dims[1:]]``
+        view in which the strip starts at row ``row0``."""
+        r = self.strip_rows(i)
+        for t in self.tail_chunks:
+            yield (r, *(n for _, n in t)), (slice(row0, row0 + r), *(slice(s, s + n) for s, n in t))
 
 
 def shampoo_blocks(shape: tuple[int, ...], k: int, spec: BlockSpec | None = None) -> BlockGeometry:
@@ -201,9 +216,31 @@ def shampoo_blocks(shape: tuple[int, ...], k: int, spec: BlockSpec | None = None
 class _Block(NamedTuple):
     shape: tuple[int, ...]
     index: tuple[slice, ...]
-    """The block in that local view."""
+    """The block in its unit's view (this rank's ``[rows, *dims[1:]]`` piece, or an owned split strip)."""
     factor: int
     """Offset of the block's first factor in this rank's flat factor state."""
+
+
+class _StripPiece(NamedTuple):
+    """This rank's part of a split strip: ``n`` elements at ``local`` of its flat piece, whose
+    strip's factors live on ``owner``."""
+
+    strip: int
+    local: int
+    n: int
+    owner: int
+
+
+class _OwnedStrip(NamedTuple):
+    """A split strip whose first element (hence whose factors) this rank holds."""
+
+    strip: int
+    shape: tuple[int, ...]
+    """``(rows, *dims[1:])``: the strip's view."""
+    blocks: tuple[_Block, ...]
+    """Its blocks, indexed in that view, with their factors in this rank's flat factor state."""
+    pieces: tuple[tuple[int, int, int], ...]
+    """``(rank, a, b)``: every rank's part ``[a, b)`` of the strip (strip-local flat offsets)."""
 
 
 class _ParamPlan(NamedTuple):
@@ -211,13 +248,44 @@ class _ParamPlan(NamedTuple):
     info: ShardInfo
     geom: BlockGeometry
     strips: tuple[int, int]
-    """This rank's strips ``[s0, s1)``."""
+    """The strips ``[s0, s1)`` whose first element this rank holds: their factors live here."""
     blocks: tuple[_Block, ...]
+    """The blocks of the strips lying wholly in this rank's range, indexed in its local view."""
+    owned: _OwnedStrip | None = None
+    """The last of ``strips`` when it ends past this rank's range (a split strip)."""
+    pieces: tuple[_StripPiece, ...] = ()
+    """This rank's parts of split strips (at most two: the first and the last strip it touches)."""
+    cut: bool = False
+    """Some rank boundary falls inside a strip of this parameter (on any rank)."""
 
     @property
     def local_shape(self) -> tuple[int, ...]:
         g = self.geom
         return (self.info.local_numel // g.cols if g.cols else 0, *g.dims[1:])
+
+
+class _Unit(NamedTuple):
+    """Blocks stepped together with their data ([Note: Shampoo step] 1, 2 and 4): the strips lying
+    wholly in a rank's piece of a parameter, or one split strip its owner assembled."""
+
+    shape: tuple[int, ...]
+    """The view of the flat data below that ``blocks`` index."""
+    blocks: tuple[_Block, ...]
+    state: dict[str, Tensor]
+    """The parameter's state (``factor_matrices``, ``inv_factor_matrices``)."""
+    order: int
+    t: int
+    roots: bool
+    """Whether the inverse roots are recomputed this step."""
+    bc2: float
+    """The factors' bias correction ``1 - beta2^t`` (1 without)."""
+    g: Tensor
+    """The raw gradient, flat, fp32."""
+    gbar: Tensor
+    """The filtered gradient (bias-corrected)."""
+    graft_dir: Tensor | None
+    direction: Tensor
+    """The search direction, filled from ``start_preconditioning_step`` on."""
 
 
 class _Ctx(NamedTuple):
@@ -238,16 +306,95 @@ class _Ctx(NamedTuple):
     """The factors' bias correction ``1 - beta2^t`` (1 without)."""
     direction: Tensor
     """The search direction, filled by the step (the grafting one before ``start_preconditioning_step``)."""
+    precondition: bool
+    """``t >= start_preconditioning_step``: Shampoo's direction (else the grafting one)."""
+
+    def unit(self) -> _Unit:
+        """The strips lying wholly in this rank's piece."""
+        return _Unit(self.plan.local_shape, self.plan.blocks, self.state, self.plan.geom.order, self.t, self.roots,
+                     self.bc2, self.g, self.gbar, self.graft_dir, self.direction)  # fmt: skip
+
+    def fields(self) -> tuple[str, ...]:
+        """What a piece of a split strip carries to its owner this step ([Note: Shampoo split strips])."""
+        if not self.precondition:
+            return ("g",)
+        return ("g",) + (("gbar",) if self.gbar is not self.g else ()) + (("graft_dir",) if self.graft_dir is not None else ())
+
+
+class _Send(NamedTuple):
+    param: Tensor
+    local: int
+    n: int
+    owner: int
+
+
+class _Recv(NamedTuple):
+    param: Tensor
+    owned: int
+    """Index into ``_Exchange.owned``."""
+    a: int
+    """Offset of the piece in the strip."""
+    n: int
+    source: int
+
+
+class _Exchange(NamedTuple):
+    """The split strips of one shard group: one all_to_all_single pair per step. Out: ``sends``
+    ordered by owner, then (parameter, strip); in: ``recvs`` ordered by source rank, then (parameter,
+    strip), the senders' order; back: the same orders reversed in role. Per step each piece carries
+    ``n`` elements per field of ``_Ctx.fields`` out and ``n`` back (from ``start_preconditioning_step``
+    on), so the sizes are summed per step from these lists."""
+
+    group: Any
+    world_size: int
+    device: torch.device
+    sends: tuple[_Send, ...]
+    recvs: tuple[_Recv, ...]
+    owned: tuple[tuple[Tensor, _OwnedStrip], ...]
+    params: tuple[tuple[Tensor, torch.dtype, torch.device], ...]
+    """The split parameters with the dtype and device the exchange was planned for."""
+
+
+def _pieces(bounds: Any, offset: int, numel: int) -> tuple[tuple[int, int, int], ...]:
+    """``(rank, a, b)`` for every rank holding a non-empty part ``[a, b)`` (local to the range) of
+    ``[offset, offset + numel)``."""
+    out = []
+    q = bisect.bisect_right(bounds, offset) - 1
+    while q < len(bounds) - 1 and bounds[q] < offset + numel:
+        a, b = max(bounds[q], offset) - offset, min(bounds[q + 1], offset + numel) - offset
+        if b > a:
+            out.append((q, a, b))
+        q += 1
+    return tuple(out)
 
 
 def _plan_param(name: str, info: ShardInfo, geom: BlockGeometry) -> _ParamPlan:
     if info.numel == 0:
         return _ParamPlan(name, info, geom, (0, 0), ())
-    blocks, off = [], 0
-    for shape, index in geom.local_blocks(info.start, info.end):
-        blocks.append(_Block(shape, index, off))
-        off += sum(n * n for n in shape)
-    return _ParamPlan(name, info, geom, (geom.strip_at(info.start), geom.strip_at(info.end)), tuple(blocks))
+    start, end, bounds, cols = info.start, info.end, info.layout.bounds, geom.cols
+    s0, s1 = geom.strip_at(start), geom.strip_at(end)
+    blocks, owned, off = [], None, 0
+    for i in range(s0, s1):
+        row0 = geom.strip_start_row(i)
+        whole_here = geom.strip_end(i) <= end
+        sb = []
+        for shape, index in geom.strip_blocks(i, row0 - start // cols if whole_here else 0):
+            sb.append(_Block(shape, index, off))
+            off += sum(n * n for n in shape)
+        if whole_here:
+            blocks.extend(sb)
+        else:  # the last strip, cut by the next rank boundary
+            shape = (geom.strip_rows(i), *geom.dims[1:])
+            owned = _OwnedStrip(i, shape, tuple(sb), _pieces(bounds, row0 * cols, math.prod(shape)))
+    pieces = []
+    if start < end:
+        for i in sorted({geom.strip_containing(start), geom.strip_containing(end - 1)}):
+            a, b = geom.strip_start_row(i) * cols, geom.strip_end(i)
+            if a < start or b > end:
+                lo, hi = max(a, start), min(b, end)
+                pieces.append(_StripPiece(i, lo - start, hi - lo, bisect.bisect_right(bounds, a) - 1))
+    cut = info.split and not all(geom.is_strip_boundary(b) for b in bounds)
+    return _ParamPlan(name, info, geom, (s0, s1), tuple(blocks), owned, tuple(pieces), cut)
 
 
 def _factor_views(flat: Tensor, b: _Block) -> list[Tensor]:
@@ -437,6 +584,7 @@ class Shampoo(BlockPreconditioner):
         defaults = dict(resolved, start_preconditioning_step=start_preconditioning_step,
                         grafting_beta2=None if ignored else grafting_beta2)  # fmt: skip
         self._rule = blocks
+        self._exchanges: tuple[_Exchange, ...] | None = None
         super().__init__(params, defaults, batched=batched)
         if blocks is not None and self._plans and all(shard_info(t) is not None for t in self._plans):
             warnings.warn("Shampoo: blocks= is ignored: every parameter is sharded and its recorded spec is used",
@@ -464,14 +612,18 @@ class Shampoo(BlockPreconditioner):
                 blocks=f"Shampoo.rule(max_preconditioner_dim={k})",
             )  # fmt: skip
             geom = shampoo_blocks(info.shape, k, info.spec)
-            ok = info.numel == 0 or all(geom.is_strip_boundary(b) for b in info.layout.bounds)
-            require_spec(
-                info, ok, optimizer="Shampoo", need=f"whole strips of {k} slices of dim 0 of its merged shape "
-                f"{geom.dims} on one rank", blocks=f"Shampoo.rule(max_preconditioner_dim={k})",
-            )  # fmt: skip
+            if info.split:  # the plan recorded split strips: cut on rows of the merged view only
+                ok = info.numel == 0 or all(b % geom.cols == 0 for b in info.layout.bounds)
+                need = f"split strips cut on rows of its merged shape {geom.dims}"
+            else:
+                ok = info.numel == 0 or all(geom.is_strip_boundary(b) for b in info.layout.bounds)
+                need = (f"whole strips of {k} slices of dim 0 of its merged shape {geom.dims} on one rank (or a "
+                        "plan that records the split)")  # fmt: skip
+            require_spec(info, ok, optimizer="Shampoo", need=need, blocks=f"Shampoo.rule(max_preconditioner_dim={k})")
             plan = _plan_param(name or info.fqn or f"<param of shape {tuple(info.shape)}>", info, geom)
             self._plans[p] = plan
             self._init_state(p, plan, group)
+        self._exchanges = None  # re-planned at the next step
 
     def _init_state(self, p: Tensor, plan: _ParamPlan, group: dict[str, Any]) -> None:
         s0, s1 = plan.strips
@@ -482,7 +634,8 @@ class Shampoo(BlockPreconditioner):
         state.setdefault("factor_matrices", torch.zeros(n, dtype=group["factor_matrix_dtype"], device=p.device))
         if "inv_factor_matrices" not in state:
             inv = torch.zeros(n, **f32)
-            for b in plan.blocks:  # identity roots until the first computation (as DistributedShampoo)
+            owned = plan.owned.blocks if plan.owned is not None else ()
+            for b in (*plan.blocks, *owned):  # identity roots until the first computation (as DistributedShampoo)
                 for v in _factor_views(inv, b):
                     v.fill_diagonal_(1.0)
             state["inv_factor_matrices"] = inv
@@ -556,7 +709,7 @@ class Shampoo(BlockPreconditioner):
             d = graft_dir if graft_dir is not None else gbar.clone()
         else:
             d = torch.empty_like(g)
-        return _Ctx(p, plan, state, t, g, gbar, graft_dir, t == start or (t > start and t % freq == 0), bc2, d)
+        return _Ctx(p, plan, state, t, g, gbar, graft_dir, t == start or (t > start and t % freq == 0), bc2, d, t >= start)
 
     def _finish(self, c: _Ctx, group: dict[str, Any]) -> None:
         """Weight decay, momentum and the update ([Note: Shampoo step] 5)."""
@@ -572,43 +725,53 @@ class Shampoo(BlockPreconditioner):
 
     def _step_param(self, p: Tensor, group: dict[str, Any]) -> None:
         c = self._begin(p, group)
-        plan, state, fdt = c.plan, c.state, group["factor_matrix_dtype"]
-        gv = c.g.view(plan.local_shape)
-        for b in plan.blocks:  # 1. factors (raw gradient), one block's outer products at a time
+        self._step_unit(c.unit(), group)
+        self._finish(c, group)
+
+    def _step_unit(self, u: _Unit, group: dict[str, Any]) -> None:
+        """[Note: Shampoo step] 1 (factors), 2 and 4 of a unit's blocks, one block at a time."""
+        fdt = group["factor_matrix_dtype"]
+        gv = u.g.view(u.shape)
+        for b in u.blocks:  # 1. factors (raw gradient), one block's outer products at a time
             gb = gv[b.index].to(fdt).contiguous()  # float64 factors: the outer products in float64 too
-            factor_ema_(_factor_views(state["factor_matrices"], b), [outer(gb, d) for d in range(gb.ndim)],
+            factor_ema_(_factor_views(u.state["factor_matrices"], b), [outer(gb, d) for d in range(gb.ndim)],
                         group["betas"][1])  # fmt: skip
-        if c.roots:  # 2. inverse roots
-            root = group["exponent_override"] or 2 * plan.geom.order
-            factors, inv = state["factor_matrices"], state["inv_factor_matrices"]
-            for b in plan.blocks:
+        if u.roots:  # 2. inverse roots
+            root = group["exponent_override"] or 2 * u.order
+            factors, inv = u.state["factor_matrices"], u.state["inv_factor_matrices"]
+            for b in u.blocks:
                 for f, r in zip(_factor_views(factors, b), _factor_views(inv, b)):
-                    r.copy_(matrix_inverse_root(f / c.bc2, root, group["epsilon"]))
-        if c.t >= group["start_preconditioning_step"]:  # 4. Shampoo's direction, grafted per block
-            dv, gbarv = c.direction.view(plan.local_shape), c.gbar.view(plan.local_shape)
-            graftv = c.graft_dir.view(plan.local_shape) if c.graft_dir is not None else None
-            for b in plan.blocks:
-                pre = _precondition(gbarv[b.index].contiguous(), _factor_views(state["inv_factor_matrices"], b))
+                    r.copy_(matrix_inverse_root(f / u.bc2, root, group["epsilon"]))
+        if u.t >= group["start_preconditioning_step"]:  # 4. Shampoo's direction, grafted per block
+            dv, gbarv = u.direction.view(u.shape), u.gbar.view(u.shape)
+            graftv = u.graft_dir.view(u.shape) if u.graft_dir is not None else None
+            for b in u.blocks:
+                pre = _precondition(gbarv[b.index].contiguous(), _factor_views(u.state["inv_factor_matrices"], b))
                 if graftv is not None:
                     pre = graft_rescale_(pre.unsqueeze(0), graftv[b.index].contiguous().unsqueeze(0))[0]
                 dv[b.index] = pre
-        self._finish(c, group)
 
     def _step_group_batched(self, params: list[Tensor], group: dict[str, Any]) -> None:
         """One step of every parameter of ``group`` with block work batched per block shape."""
-        start, fdt = group["start_preconditioning_step"], group["factor_matrix_dtype"]
         ctx = [self._begin(p, group) for p in params]
-        by_shape: dict[tuple[int, ...], list[tuple[_Ctx, _Block]]] = {}
-        fv: dict[tuple[int, int], list[Tensor]] = {}  # (context, factor offset) -> factor views
-        iv: dict[tuple[int, int], list[Tensor]] = {}  # ... -> inverse-root views
+        self._step_units_batched([c.unit() for c in ctx], group)
         for c in ctx:
-            for b in c.plan.blocks:
-                by_shape.setdefault(b.shape, []).append((c, b))
-                fv[id(c), b.factor] = _factor_views(c.state["factor_matrices"], b)
-                iv[id(c), b.factor] = _factor_views(c.state["inv_factor_matrices"], b)
+            self._finish(c, group)
 
-        def stack(key: str, items: list[tuple[_Ctx, _Block]]) -> Tensor:
-            return torch.stack([getattr(c, key).view(c.plan.local_shape)[b.index] for c, b in items])
+    def _step_units_batched(self, units: list[_Unit], group: dict[str, Any]) -> None:
+        """[Note: Shampoo step] 1, 2 and 4 of every unit's blocks, batched per block shape."""
+        start, fdt = group["start_preconditioning_step"], group["factor_matrix_dtype"]
+        by_shape: dict[tuple[int, ...], list[tuple[_Unit, _Block]]] = {}
+        fv: dict[tuple[int, int], list[Tensor]] = {}  # (unit, factor offset) -> factor views
+        iv: dict[tuple[int, int], list[Tensor]] = {}  # ... -> inverse-root views
+        for u in units:
+            for b in u.blocks:
+                by_shape.setdefault(b.shape, []).append((u, b))
+                fv[id(u), b.factor] = _factor_views(u.state["factor_matrices"], b)
+                iv[id(u), b.factor] = _factor_views(u.state["inv_factor_matrices"], b)
+
+        def stack(key: str, items: list[tuple[_Unit, _Block]]) -> Tensor:
+            return torch.stack([getattr(u, key).view(u.shape)[b.index] for u, b in items])
 
         # factors: batched outer products, then one foreach EMA over every factor of the group
         views, outers = [], []
@@ -616,28 +779,190 @@ class Shampoo(BlockPreconditioner):
             gs = stack("g", items).to(fdt)
             for dim in range(len(shape)):
                 outers.extend(outer_batched(gs, dim).unbind(0))
-                views.extend(fv[id(c), b.factor][dim] for c, b in items)
+                views.extend(fv[id(u), b.factor][dim] for u, b in items)
         factor_ema_(views, outers, group["betas"][1])
 
         for shape, items in by_shape.items():
             order = len(shape)
             root = group["exponent_override"] or 2 * order
             # inverse roots: one batched eigh per factor dim
-            sel = [(c, b) for c, b in items if c.roots]
+            sel = [(u, b) for u, b in items if u.roots]
             for dim in range(order) if sel else ():
-                fs = torch.stack([fv[id(c), b.factor][dim] / c.bc2 for c, b in sel])
-                out = [iv[id(c), b.factor][dim] for c, b in sel]
+                fs = torch.stack([fv[id(u), b.factor][dim] / u.bc2 for u, b in sel])
+                out = [iv[id(u), b.factor][dim] for u, b in sel]
                 torch._foreach_copy_(out, list(matrix_inverse_root(fs, root, group["epsilon"]).unbind(0)))
             # preconditioning (and grafting norms) batched
-            sel = [(c, b) for c, b in items if c.t >= start]
+            sel = [(u, b) for u, b in items if u.t >= start]
             if not sel:
                 continue
-            rs = [torch.stack([iv[id(c), b.factor][dim] for c, b in sel]) for dim in range(order)]
+            rs = [torch.stack([iv[id(u), b.factor][dim] for u, b in sel]) for dim in range(order)]
             pre = _precondition_batched(stack("gbar", sel), rs)
             if group["grafting"] != Grafting.NONE.value:
                 graft_rescale_(pre, stack("graft_dir", sel))
-            for i, (c, b) in enumerate(sel):
-                c.direction.view(c.plan.local_shape)[b.index] = pre[i]
+            for i, (u, b) in enumerate(sel):
+                u.direction.view(u.shape)[b.index] = pre[i]
 
-        for c in ctx:
-            self._finish(c, group)
+    # ---- split strips ([Note: Shampoo split strips]) -----------------------------------------
+    def _step_all(self, todo: list[tuple[Tensor, dict[str, Any]]], batched: bool) -> None:
+        """As the base class's, with one exchange pair per shard group holding split strips: every
+        split parameter's per-element work first, then the pieces out to the strips' owners, the block
+        work (local and owned strips), the direction pieces back, and the update."""
+        exchanges = self._split_exchanges()
+        if not exchanges:
+            return super()._step_all(todo, batched)
+        split = {p for ex in exchanges for p, _, _ in ex.params}
+        group_of = {p: g for p, g in todo}
+        ctx: dict[Tensor, _Ctx] = {}
+        for p, group in todo:
+            if batched or p in split:
+                ctx[p] = self._begin(p, group)
+            else:  # not split, one at a time: only its transients alive
+                self._step_param(p, group)
+        owned = [self._exchange_out(ex, ctx) for ex in exchanges]
+        if batched:
+            for group in self.param_groups:
+                units = [ctx[p].unit() for p in group["params"] if p in ctx]
+                units += [u for ex, us in zip(exchanges, owned) for (p, _), u in zip(ex.owned, us)
+                          if u is not None and group_of[p] is group]  # fmt: skip
+                if units:
+                    self._step_units_batched(units, group)
+        else:
+            for p, c in ctx.items():
+                self._step_unit(c.unit(), group_of[p])
+            for ex, us in zip(exchanges, owned):
+                for (p, _), u in zip(ex.owned, us):
+                    if u is not None:
+                        self._step_unit(u, group_of[p])
+        for ex, us in zip(exchanges, owned):
+            self._exchange_back(ex, ctx, us)
+        for p, c in ctx.items():
+            self._finish(c, group_of[p])
+
+    def _split_exchanges(self) -> tuple[_Exchange, ...]:
+        """The exchanges of split strips, planned at the first step and again when a split
+        parameter's dtype or device changed (every rank sees the same split parameters: all re-plan)."""
+        if self._exchanges is None or any(
+            p.dtype != d or p.device != dev for ex in self._exchanges for p, d, dev in ex.params
+        ):
+            by_group: dict[Any, list[Tensor]] = {}
+            for group in self.param_groups:
+                for p in group["params"]:
+                    plan = self._plans[p]
+                    if plan.cut and plan.info.world_size > 1:
+                        by_group.setdefault(plan.info.group, []).append(p)
+            self._exchanges = tuple(self._plan_exchange(ps) for ps in by_group.values())
+        return self._exchanges
+
+    def _plan_exchange(self, params: list[Tensor]) -> _Exchange:
+        """One shard group's exchange: this rank's pieces to their owners, and the pieces of the split
+        strips it owns from every rank, both in (rank, parameter, strip) order."""
+        info0 = self._plans[params[0]].info
+        w = info0.world_size
+        sends, recvs, owned = [], [], []
+        for i, p in enumerate(params):
+            plan = self._plans[p]
+            if plan.info.world_size != w:
+                raise ValueError(
+                    f"Shampoo: {plan.name} is sharded over {plan.info.world_size} ranks and {self._plans[params[0]].name} "
+                    f"over {w} in the same process group; one group has one world size"
+                )
+            sends.extend(((x.owner, i, x.strip), _Send(p, x.local, x.n, x.owner)) for x in plan.pieces)
+            if plan.owned is not None:
+                j = len(owned)
+                owned.append((p, plan.owned))
+                recvs.extend(((q, i, plan.owned.strip), _Recv(p, j, a, b - a, q)) for q, a, b in plan.owned.pieces)
+        return _Exchange(
+            info0.group, w, params[0].device, tuple(x for _, x in sorted(sends, key=lambda t: t[0])),
+            tuple(x for _, x in sorted(recvs, key=lambda t: t[0])), tuple(owned),
+            tuple((p, p.dtype, p.device) for p in params),
+        )  # fmt: skip
+
+    def _exchange_out(self, ex: _Exchange, ctx: dict[Tensor, _Ctx]) -> list[_Unit | None]:
+        """First all_to_all_single: each piece's fields (``_Ctx.fields``: the raw gradient, from
+        ``start_preconditioning_step`` on also the filtered gradient and the grafting direction, fp32)
+        to its strip's owner. Returns one unit per owned strip, assembled (None: no gradient)."""
+        send_sizes, recv_sizes = [0] * ex.world_size, [0] * ex.world_size
+        for s in ex.sends:
+            if s.param in ctx:
+                send_sizes[s.owner] += len(ctx[s.param].fields()) * s.n
+        for r in ex.recvs:
+            if r.param in ctx:
+                recv_sizes[r.source] += len(ctx[r.param].fields()) * r.n
+        send = torch.empty(sum(send_sizes), dtype=torch.float32, device=ex.device)
+        at = 0
+        for s in ex.sends:
+            c = ctx.get(s.param)
+            for key in c.fields() if c is not None else ():
+                send[at : at + s.n].copy_(getattr(c, key)[s.local : s.local + s.n])
+                at += s.n
+        recv = torch.empty(sum(recv_sizes), dtype=torch.float32, device=ex.device)
+        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=ex.group)
+        units: list[_Unit | None] = []
+        for p, os in ex.owned:
+            c = ctx.get(p)
+            if c is None:
+                units.append(None)
+                continue
+            numel, f32 = math.prod(os.shape), dict(dtype=torch.float32, device=ex.device)
+            data = {key: torch.empty(numel, **f32) for key in c.fields()}
+            g = data["g"]
+            gbar = data.get("gbar", g)  # beta1 == 0 (or before start: unused): the raw gradient
+            direction = torch.empty(numel, **f32) if c.precondition else g
+            units.append(_Unit(os.shape, os.blocks, c.state, c.plan.geom.order, c.t, c.roots, c.bc2, g, gbar,
+                               data.get("graft_dir"), direction))  # fmt: skip
+        at = 0
+        for r in ex.recvs:
+            u = units[r.owned]
+            if u is None:
+                continue
+            for key in ctx[r.param].fields():
+                getattr(u, key)[r.a : r.a + r.n].copy_(recv[at : at + r.n])
+                at += r.n
+        return units
+
+    def _exchange_back(self, ex: _Exchange, ctx: dict[Tensor, _Ctx], units: list[_Unit | None]) -> None:
+        """Second all_to_all_single (from ``start_preconditioning_step`` on: the owners' search
+        direction pieces, fp32, into each rank's direction; before it, every piece is empty)."""
+        send_sizes, recv_sizes = [0] * ex.world_size, [0] * ex.world_size
+        for r in ex.recvs:
+            if r.param in ctx and ctx[r.param].precondition:
+                send_sizes[r.source] += r.n
+        for s in ex.sends:
+            if s.param in ctx and ctx[s.param].precondition:
+                recv_sizes[s.owner] += s.n
+        back = torch.empty(sum(send_sizes), dtype=torch.float32, device=ex.device)
+        at = 0
+        for r in ex.recvs:
+            if r.param in ctx and ctx[r.param].precondition:
+                back[at : at + r.n].copy_(units[r.owned].direction[r.a : r.a + r.n])
+                at += r.n
+        mine = torch.empty(sum(recv_sizes), dtype=torch.float32, device=ex.device)
+        dist.all_to_all_single(mine, back, recv_sizes, send_sizes, group=ex.group)
+        at = 0
+        for s in ex.sends:
+            c = ctx.get(s.param)
+            if c is not None and c.precondition:
+                c.direction[s.local : s.local + s.n].copy_(mine[at : at + s.n])
+                at += s.n
+
+    def _check_finite(self, params: list[Tensor]) -> None:
+        """As the base class's; with split strips the flags are agreed over each shard group holding
+        them (one all_reduce), so that every rank raises, before any state changes or exchange."""
+        exchanges = self._split_exchanges()
+        if not exchanges:
+            return super()._check_finite(params)
+        allp = [p for g in self.param_groups for p in g["params"]]
+        rank = dist.get_rank()
+        flags = torch.stack([
+            torch.isfinite(p.grad).all().logical_not() if p.grad is not None else torch.tensor(False, device=p.device)
+            for p in allp
+        ]).int() * (rank + 1)  # fmt: skip
+        for ex in exchanges:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ex.group)
+        bad = [(p, r - 1) for p, r in zip(allp, flags.tolist()) if r]
+        if bad:
+            names = ", ".join(f"{self._plans[p].name} (shape {tuple(self._plans[p].info.shape)}, rank {r})" for p, r in bad)
+            raise FloatingPointError(
+                f"{self._name}: non-finite gradient (NaN or Inf) in {names}; every rank raises this and no state "
+                "was changed. Find its source (loss scale, learning rate, data) or skip this step"
+            )

@@ -97,9 +97,15 @@ def reference_merge_dims(shape: tuple[int, ...], max_dim: int) -> tuple[int, ...
 
 
 def soap_rule(block_size: int | None = None) -> BlockRule:
-    """``block_size=None``: every tensor whole on one rank (``whole()``); ``k``: Shampoo's strips."""
+    """``block_size=None``: every tensor whole on one rank (``whole()``); ``k``: Shampoo's strips, kept
+    whole (unlike Shampoo's rule this one does not declare ``splits_blocks``: SOAP refuses split strips)."""
     if block_size is not None:
-        return shampoo_rule(block_size)
+        strips = shampoo_rule(block_size)
+
+        def strip_rule(fqn: str, param: Tensor, module: nn.Module | None) -> BlockSpec:
+            return strips(fqn, param, module)
+
+        return strip_rule
 
     def rule(fqn: str, param: Tensor, module: nn.Module | None) -> BlockSpec:
         return elements(1) if param.ndim == 0 else whole()

@@ -1,0 +1,113 @@
+"""Shampoo with split strips (a strip cut across ranks on rows of its merged view; [Note: Shampoo
+split strips]) equals the single-process Shampoo bitwise, with one all_to_all_single pair per step."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+
+from fsdp_optim._testing import make_sharded_param, run_distributed
+from fsdp_optim.optimizers import Shampoo
+from fsdp_optim.optimizers._shampoo import shampoo_blocks
+from fsdp_optim.sharding import RaggedShard
+from tests.optimizers.test_shampoo import K, OPT, SHAPES, _grads, _init, _spec
+
+STEPS = 5
+SPLIT = ("w1", "w2", "experts", "bias", "w3", "row", "w4")  # shapes with more than one merged row
+CONFIGS = {
+    "adam_nesterov_wd": dict(OPT, precondition_frequency=2, start_preconditioning_step=3),
+    "none_beta1_0_f64": dict(OPT, betas=(0.0, 0.99), grafting=None, grafting_beta2=None, momentum=0.0,
+                             nesterov=False, weight_decay=0.0, factor_matrix_dtype=torch.float64),
+    "adagrad_momentum": dict(OPT, grafting="adagrad", grafting_beta2=None, nesterov=False, betas=(0.5, 1.0)),
+}  # fmt: skip
+
+
+def row_layout(shape, spec, world_size: int, seed: int) -> RaggedShard:
+    """Random ranges of ``shape`` cut on rows of the merged view (some empty), at least one boundary
+    inside a strip when there is more than one row."""
+    geom = shampoo_blocks(tuple(shape), K, spec)
+    numel, cols = math.prod(shape), geom.cols
+    rows = numel // cols if cols else 0
+    rng = random.Random(seed)
+    cuts = sorted(rng.randint(0, rows) for _ in range(world_size - 1))
+    if rows > 1 and all(geom.is_strip_boundary(c * cols) for c in cuts):
+        cuts[-1] = next(r for r in range(1, rows) if not geom.is_strip_boundary(r * cols))  # cut inside a strip
+        cuts.sort()
+    return RaggedShard(tuple(shape), (0, *(c * cols for c in cuts), numel))
+
+
+def run(world_size: int, opt_kw, *, split: bool = True, steps: int = STEPS, seed: int = 0):
+    """Params per SHAPES, ``split``: row layouts recorded as split; else one rank (rank 0) holds all."""
+    init, specs = _init(), {k: _spec(k, s) for k, s in SHAPES.items()}
+    if world_size == 1 or not split:
+        layouts = {k: RaggedShard(s, (0, *[math.prod(s)] * world_size)) for k, s in SHAPES.items()}
+    else:
+        layouts = {k: row_layout(s, specs[k], world_size, seed + i) for i, (k, s) in enumerate(SHAPES.items())}
+
+    def fn():
+        rank = dist.get_rank()
+        params = {k: make_sharded_param(init[k], spec=specs[k], layout=layouts[k], fqn=k, split=split) for k in SHAPES}
+        opt = Shampoo(list(params.values()), **opt_kw)
+        comms = []
+        for s in range(steps):
+            g = _grads(s)
+            for k, p in params.items():
+                p.grad = layouts[k].shard(g[k], rank).clone()
+            with CommDebugMode() as mode:
+                opt.step()
+            comms.append({str(op): n for op, n in mode.get_comm_counts().items() if n})
+        state = {k: {key: (opt.state_shards(p)[key], opt.state[p][key].clone()) for key in opt.state_shards(p)}
+                 for k, p in params.items()}  # fmt: skip
+        return {k: p.detach().clone() for k, p in params.items()}, state, comms
+
+    outs = run_distributed(fn, world_size=world_size)
+    result = {k: layouts[k].unshard([o[0][k] for o in outs]) for k in SHAPES}
+    state = {}
+    for k in SHAPES:
+        for key in outs[0][1][k]:
+            full = torch.full((outs[0][1][k][key][0].global_numel,), float("nan"), dtype=torch.float64)
+            for o in outs:
+                sh, t = o[1][k][key]
+                full[sh.start : sh.end] = t.reshape(-1).double()
+            assert not full.isnan().any(), (k, key)  # the ranks' factor ranges tile the global vector
+            state[k, key] = full
+    return result, state, [o[2] for o in outs], layouts
+
+
+_REF: dict = {}
+
+
+def reference(name: str, batched: bool):
+    if (name, batched) not in _REF:
+        _REF[name, batched] = run(1, dict(CONFIGS[name], batched=batched))
+    return _REF[name, batched]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_split_strips_equal_single_process_bitwise_with_one_exchange_pair(world_size, batched):
+    for i, name in enumerate(CONFIGS):
+        ref, ref_state, _, _ = reference(name, batched)
+        ours, state, comms, layouts = run(world_size, dict(CONFIGS[name], batched=batched), seed=10 * world_size + i)
+        cut = [k for k in SPLIT if not all(shampoo_blocks(SHAPES[k], K, _spec(k, SHAPES[k])).is_strip_boundary(b)
+                                           for b in layouts[k].bounds)]  # fmt: skip
+        assert len(cut) >= 3, cut  # really split strips
+        for k in SHAPES:
+            assert torch.equal(ours[k], ref[k]), f"{name} {k}: max |diff| {(ours[k] - ref[k]).abs().max():.3e}"
+        assert state.keys() == ref_state.keys()
+        for key in ref_state:
+            assert torch.equal(state[key], ref_state[key]), (name, key)
+        want = {"c10d.alltoall_base_": 2, "c10d.allreduce_": 1}  # the pair, and the agreed finite check
+        assert all(c == want for per_rank in comms for c in per_rank), comms
+
+
+def test_no_split_strip_no_collective():
+    """Layouts recorded as split but holding whole strips (all on rank 0): no exchange at all."""
+    _, _, comms, _ = run(2, dict(CONFIGS["adam_nesterov_wd"]), split=False, steps=2)
+    assert all(c == {} for per_rank in comms for c in per_rank), comms
