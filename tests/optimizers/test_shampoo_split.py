@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import warnings
 
 import pytest
 import torch
@@ -111,3 +112,76 @@ def test_no_split_strip_no_collective():
     """Layouts recorded as split but holding whole strips (all on rank 0): no exchange at all."""
     _, _, comms, _ = run(2, dict(CONFIGS["adam_nesterov_wd"]), split=False, steps=2)
     assert all(c == {} for per_rank in comms for c in per_rank), comms
+
+
+# ---- fully_shard plans with split strips, checkpoints across world sizes ---------------------------
+SPLIT_PLAN = dict(layout="ragged", balance="auto", balance_cap=1.0, piece_align_bytes=1)
+MODEL_OPT = dict(OPT, precondition_frequency=2, start_preconditioning_step=2, batched=False)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(9, 23), torch.nn.Tanh(), torch.nn.Linear(23, 7))
+
+
+def _batch(s: int) -> torch.Tensor:
+    return torch.randn(5, 9, generator=torch.Generator().manual_seed(s))
+
+
+def _train(model, opt, steps) -> None:
+    for s in steps:
+        model(_batch(s)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _sharded():
+    from fsdp_optim import fully_shard
+    from fsdp_optim.sharding import PlanConfig
+
+    model = _model()
+    fully_shard(model, blocks=Shampoo.rule(max_preconditioner_dim=K), plan_config=PlanConfig(**SPLIT_PLAN))
+    return model
+
+
+def test_fully_shard_plan_splits_strips_and_checkpoint_reshards_w2_to_w4_and_w1(tmp_path):
+    """fully_shard's planner (balance="auto", a cap whole strips miss) cuts strips on rows; Shampoo
+    takes them; a checkpoint saved at W=2 loads at W=4 (another plan) and W=1 and the next step equals the
+    uninterrupted single-process run. (W=4, not 3: fully_shard averages the ranks' equal gradients,
+    and ``(g + g + g) / 3`` is not always ``g``.)"""
+    import fsdp_optim
+    from fsdp_optim.sharding._shard_info import shard_info
+
+    def uninterrupted():  # in a rank too: the ranks' thread settings decide the gradients' bits
+        ref = _model()
+        _train(ref, Shampoo(ref.parameters(), **MODEL_OPT), range(3))
+        return {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+    (want,) = run_distributed(uninterrupted, world_size=1)
+
+    def save():
+        model = _sharded()
+        opt = Shampoo(model.parameters(), **MODEL_OPT)
+        _train(model, opt, range(2))
+        fsdp_optim.save_checkpoint(tmp_path / "ck", model=model, optimizer=opt)
+        return [n for n, p in model.named_parameters() if shard_info(p).split]
+
+    def load():
+        model = _sharded()
+        opt = Shampoo(model.parameters(), **MODEL_OPT)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "checkpoint saved at world size", UserWarning)  # RNG states
+            fsdp_optim.load_checkpoint(tmp_path / "ck", model=model, optimizer=opt)
+        _train(model, opt, range(2, 3))
+        split = [n for n, p in model.named_parameters() if shard_info(p).split]
+        return split, {n: (shard_info(p).start, p.detach().clone()) for n, p in model.named_parameters()}
+
+    assert all(run_distributed(save, world_size=2))  # some parameter has split strips at W=2
+    for world_size in (4, 1):
+        outs = run_distributed(load, world_size=world_size)
+        assert bool(outs[0][0]) == (world_size > 1), outs[0][0]  # W=4: split strips again (another plan)
+        for n, w in want.items():
+            flat = w.reshape(-1)
+            for _, got in outs:
+                start, piece = got[n]
+                assert torch.equal(piece, flat[start : start + piece.numel()]), (world_size, n, start)

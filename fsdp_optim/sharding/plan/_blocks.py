@@ -89,6 +89,13 @@ class BlockSpec:
         return self.kind in (BlockKind.WHOLE, BlockKind.EXPERT)
 
     @property
+    def splits_on_rows(self) -> bool:
+        """A planner may cut its blocks on rows (``split_unit``) when the balance needs it and every
+        optimizer takes split blocks (``PlanConfig.balance="auto"``): matrix blocks (Muon) and
+        ``rows(k)`` strips (Shampoo; their row is a multiple of a row of Shampoo's merged view)."""
+        return self.is_matrix or self.kind is BlockKind.ROWS
+
+    @property
     def is_uniform(self) -> bool:
         """Blocks are equal-sized (but for a partial last one)."""
         return self.row_splits is None
@@ -170,10 +177,21 @@ class BlockSpec:
         return self.unit(shape), None
 
     def split_unit(self, shape: Sequence[int]) -> int:
-        """Granularity (elements) at which a planner may cut a matrix block: one row."""
+        """Granularity (elements) at which a planner may cut a matrix block or a ``rows(k)`` strip: one
+        row (of an expert's matrix; of dim 0 otherwise)."""
         if self.kind is BlockKind.EXPERT:
             return shape[2]
         return _row_numel(shape)
+
+    def row_blocks(self, shape: Sequence[int]) -> list[tuple[int, int, int]]:
+        """The blocks a planner may cut on rows (``splits_on_rows``) as ``(flat_offset, rows, cols)``:
+        ``matrices`` or the ``rows(k)`` strips; empty for the others."""
+        if self.kind is not BlockKind.ROWS:
+            return self.matrices(shape)
+        n, cols = math.prod(shape), _row_numel(shape)
+        if n == 0:
+            return []
+        return [(r * cols, min(self.size, shape[0] - r), cols) for r in range(0, shape[0], self.size)]
 
     def matrices(self, shape: Sequence[int]) -> list[tuple[int, int, int]]:
         """Matrix blocks as ``(flat_offset, rows, cols)``; empty for non-matrix specs."""

@@ -152,7 +152,7 @@ class Placement:
         return math.prod(self.shape)
 
     def split_matrices(self) -> list[tuple[int, int, int]]:
-        """The matrix blocks ``(flat_offset, rows, cols)`` that some rank boundary cuts."""
+        """The matrix blocks (or ``rows(k)`` strips) ``(flat_offset, rows, cols)`` that some rank boundary cuts."""
         if not self.split:
             return []
         bounds = self.shard.bounds
@@ -160,7 +160,7 @@ class Placement:
         # the distinct rank bounds strictly inside the tensor (lazy bounds answer without O(W) work)
         inner = bounds.inner() if hasattr(bounds, "inner") else sorted({b for b in bounds if 0 < b < n})
         out = []
-        for m in self.spec.matrices(self.shape):
+        for m in self.spec.row_blocks(self.shape):
             i = bisect.bisect_right(inner, m[0])
             if i < len(inner) and inner[i] < m[0] + m[1] * m[2]:
                 out.append(m)
@@ -240,7 +240,7 @@ class BucketPlan:
             if not p.split:
                 assert p.shard.is_aligned(p.spec), f"{p.name}: a rank boundary cuts a {p.spec} block"
             else:
-                assert p.spec.is_matrix
+                assert p.spec.splits_on_rows
                 assert all(b % p.spec.split_unit(p.shape) == 0 for b in p.shard.bounds), p.name
 
 

@@ -725,7 +725,7 @@ def _busiest(bucket_plans: Sequence[BucketPlan]) -> int:
 
 
 def _has_matrix(items) -> bool:
-    return any(ts.spec.is_matrix and ts.numel for _, specs, _ in items for ts in specs)
+    return any(ts.spec.splits_on_rows and ts.numel for _, specs, _ in items for ts in specs)
 
 
 def _sizes(items) -> dict[int, int]:
@@ -780,7 +780,7 @@ def _split_for_balance(items, w: int, config: PlanConfig, mean: float, why: str,
         threshold //= 4
     n_split = sum(len(p.split_matrices()) for b in best for p in b.placements if p.split)
     return best, (
-        f"split {n_split} matrix blocks on rows (Muon exchanges them: one all_to_all pair per step): busiest rank "
+        f"split {n_split} matrix blocks on rows (Muon and Shampoo exchange them: one all_to_all pair per step): busiest rank "
         f"{best_ratio:.3f} x the mean (cap {cap:.2f}); {why}; PlanConfig(balance='whole') keeps blocks whole"
     )
 
@@ -848,7 +848,7 @@ def _ragged_item(item, start_b: int, split_above: int | None, quantum: int):
     geoms, profs = [], []
     for ts in specs:
         g = _Geom(ts, quantum=quantum)
-        if split_above is not None and ts.spec.is_matrix and ts.numel and g.max_block * isz > split_above:
+        if split_above is not None and ts.spec.splits_on_rows and ts.numel and g.max_block * isz > split_above:
             g = _Geom(ts, split=True, quantum=quantum)
             rows_ = g.numel // g.unit
             c = tensor_cost(ts.shape, ts.spec) / max(rows_, 1)

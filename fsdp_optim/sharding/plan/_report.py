@@ -74,7 +74,7 @@ def _per_rank(plan: PlanLike) -> tuple[np.ndarray, np.ndarray, list[dict]]:
         split_blocks, split_bytes, matrix_bytes = 0, 0, 0
         for p in b.placements:
             numel = p.numel
-            mats = p.spec.matrices(p.shape) if p.spec.is_matrix else []
+            mats = p.spec.row_blocks(p.shape)  # matrix blocks and rows(k) strips: what a split may cut
             matrix_bytes += sum(r * c for _, r, c in mats) * b.itemsize
             if numel == 0:
                 continue
