@@ -43,10 +43,9 @@ def optimizer_rule(name: str):
 
 
 def optimizer_balance(name: str) -> str:
-    """``PlanConfig.balance`` for ``--optimizer name``: ``"auto"`` where the optimizer accepts matrix
-    blocks split on rows (Muon; AdamW and 8-bit AdamW have none), ``"whole"`` where it refuses them
-    (Shampoo, like SOAP: a rank boundary inside a preconditioner block is a ValueError); the rule
-    decides, as in ``fully_shard`` (``config_for_rules``)."""
+    """``PlanConfig.balance`` for ``--optimizer name``: ``"auto"`` where the optimizer accepts blocks
+    split on rows (Muon's matrices, Shampoo's strips; AdamW and 8-bit AdamW have none), ``"whole"``
+    where it refuses them; the rule decides, as in ``fully_shard`` (``config_for_rules``)."""
     from .sharding.plan import PlanConfig, config_for_rules
 
     return config_for_rules(PlanConfig(), [optimizer_rule(name)]).balance

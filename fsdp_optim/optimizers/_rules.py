@@ -146,6 +146,12 @@ def shampoo_rule(max_preconditioner_dim: int = 1024, *, per_expert: bool = False
     ``per_expert`` (opt-in, not DistributedShampoo's blocking): a 3-D ``[E, r, c]`` weight gets one
     ``expert()`` block per expert matrix, each merged and blocked on its own, instead of blocking
     the 3-D tensor, whose dim-0 strips for ``E <= k`` make it one block (unbalanceable at scale).
+
+    The rule declares ``splits_blocks``: Shampoo exchanges strips the planner cut for balance
+    (``PlanConfig(balance="auto")``; [Note: Shampoo split strips]). A planner cuts ``rows(k)`` strips
+    on rows of dim 0 and ``expert()`` matrices on rows of ``c`` elements (``BlockSpec.split_unit``),
+    both rows of the merged view as well (a merged row is a product of trailing dims);
+    ``elements(k * rest)`` strips are never cut. SOAP's strip rule wraps this one without the flag.
     """
     k = max_preconditioner_dim
 

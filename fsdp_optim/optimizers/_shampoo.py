@@ -1,4 +1,4 @@
-"""Blocked Shampoo on block-aligned shards: every preconditioner block lives on one rank.
+"""Blocked Shampoo on shards: every preconditioner block's factors live on one rank.
 
 Follows facebookresearch/optimizers' ``DistributedShampoo`` (arXiv:2309.06497) by default: the same
 blocking, defaults, grafting, epsilon and bias-correction definitions (files cited below; no code
@@ -17,7 +17,8 @@ is preconditioned as ``G x_0 F_0^{-1/2N} x_1 ... x_{N-1} F_{N-1}^{-1/2N}`` (matr
 R^{-1/4}``; vector: ``L^{-1/2} g``). ``exponent_override = p`` uses ``-1/p`` for every factor.
 
 A *strip* is one ``k``-chunk of the merged dim 0 (all its blocks): it is contiguous in the flat
-tensor, so the planner keeps strips whole (``Shampoo.rule``) and a rank holds whole blocks. With
+tensor, so the planner keeps strips whole (``Shampoo.rule``) and a rank holds whole blocks, unless
+the balance needs a strip cut on rows ([Note: Shampoo split strips]). With
 ``Shampoo.rule(per_expert=True)`` (opt-in) a 3-D ``[E, r, c]`` weight is E tensors ``[r, c]``, each
 merged and blocked as above.
 
@@ -82,7 +83,35 @@ bitwise (``bmm`` vs ``mm`` kernels).
 
 Every per-block computation runs on contiguous copies of the block, with the same ops whatever
 the shard, and the per-element ones are element-wise, so a sharded run equals the single-process
-run bitwise. The step issues no collectives.
+run bitwise. Without split strips the step issues no collectives.
+
+[Note: Shampoo split strips]
+With ``PlanConfig(balance="auto")`` (``Shampoo.rule`` declares ``splits_blocks``) the planner may cut
+a strip across ranks on rows of the merged view (the plan records it: ``ShardInfo.split``; any row of
+dim 0 is one, a merged row being a product of trailing dims). Such a *split strip*:
+- has its factors (every block's ``factor_matrices`` and ``inv_factor_matrices``) on one *owner*, the
+  rank holding its first element. A rank's factors are the strips whose first element it holds
+  (``_ParamPlan.strips``: the whole ones in its range, then at most one split one, ``owned``), a
+  contiguous range of the global flat factor vector in strip order, so ``state_shards`` and
+  checkpoints are unchanged and reshard across world sizes and plans;
+- keeps its per-element state and work (step 1's grafting state, 3, the grafting direction, 5) on the
+  ranks holding the elements;
+- is exchanged per step over its shard group, all split parameters of the optimizer together, every
+  rank taking part (empty pieces included): one ``all_to_all_single`` out carries each piece's raw
+  gradient (fp32: the factors), and from ``start_preconditioning_step`` on its filtered gradient
+  (unless ``betas[0] == 0``: then it is the raw one) and grafting direction (with grafting)
+  (``_Ctx.fields``); the owner assembles the strip into a ``_Unit`` and runs steps 1 (factors), 2
+  and 4 on it with the functions a whole strip's blocks go through (``_step_unit`` /
+  ``_step_units_batched``), so the same bits; one ``all_to_all_single`` back returns the search
+  direction's pieces (empty before ``start_preconditioning_step``, where each rank's direction is its
+  own grafting direction). Each rank then applies step 5 to its pieces, element-wise.
+The piece lists are planned at the first step (``_plan_exchange``: sends ordered by owner, receives by
+source rank, both then by parameter and strip) and again when a split parameter's dtype or device
+changes; a step sums the sizes from them (the fields depend on ``t``, equal on every rank). Bytes: a
+strip of ``N`` elements, ``N_o`` on its owner, moves ``4 (N - N_o)`` per field out and, from the
+start on, ``4 (N - N_o)`` back. The non-finite check is agreed first (one ``all_reduce`` of a flag
+per parameter over each such shard group), so every rank raises before any exchange. A split
+parameter must have a gradient on every rank of its group or on none.
 """
 
 from __future__ import annotations
@@ -517,8 +546,9 @@ class Shampoo(BlockPreconditioner):
 
     Shard with ``Shampoo.blocks`` (``Shampoo.rule(max_preconditioner_dim=1024)``) or
     ``Shampoo.rule(max_preconditioner_dim=k)`` with the same ``k`` as here: a rank boundary inside a
-    strip raises ``ValueError``. Blocks are the same for every world size, so a sharded run equals
-    the single-process run. Plain (unsharded) parameters get their spec from ``blocks`` (default:
+    strip raises ``ValueError`` unless the plan recorded the split (then it must fall on a row of the
+    merged view; [Note: Shampoo split strips]). Blocks are the same for every world size, so a
+    sharded run equals the single-process run. Plain (unsharded) parameters get their spec from ``blocks`` (default:
     ``Shampoo.rule`` with the group's ``max_preconditioner_dim``).
 
     ``betas``: (beta1 of the filtered gradient, 0 to disable; beta2 of the factor EMA, 1 for an

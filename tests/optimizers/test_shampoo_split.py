@@ -185,3 +185,83 @@ def test_fully_shard_plan_splits_strips_and_checkpoint_reshards_w2_to_w4_and_w1(
             for _, got in outs:
                 start, piece = got[n]
                 assert torch.equal(piece, flat[start : start + piece.numel()]), (world_size, n, start)
+
+
+# ---- the rule, the planner, refusals -----------------------------------------------------------
+@pytest.mark.parametrize(
+    ("shape", "k"),
+    [((11, 9), 4), ((5, 3, 2), 4), ((4, 6), 1024), ((37, 13), 8), ((3, 1, 2, 2), 4), ((9, 300, 4), 1024), ((7,), 4)],
+)
+def test_planner_cuts_shampoo_strips_on_rows_of_the_merged_view(shape, k):
+    """The planner's row unit for a Shampoo spec is a multiple of a row of the merged view, and a
+    plan that must cut a strip (balance_cap 1.0, W=3) records it and cuts only there."""
+    from fsdp_optim.sharding import PlanConfig
+    from fsdp_optim.sharding.plan import TensorSpec, config_for_rules, plan_model
+
+    rule = Shampoo.rule(max_preconditioner_dim=k)
+    spec = rule("w", torch.empty(shape), None)
+    geom = shampoo_blocks(shape, k, spec)
+    assert spec.splits_on_rows and spec.split_unit(shape) % geom.cols == 0
+    config = config_for_rules(PlanConfig(layout="ragged", balance_cap=1.0, piece_align_bytes=1), [rule])
+    assert config.balance == "auto"
+    plan = plan_model([("b", [TensorSpec(name="w", shape=shape, spec=spec)])], world_size=3, config=config)
+    (p,) = plan.buckets[0].placements
+    assert all(b % geom.cols == 0 for b in p.shard.bounds)
+    assert p.split == (not all(geom.is_strip_boundary(b) for b in p.shard.bounds))
+
+
+def test_soap_strip_rule_keeps_refusing_split_strips():
+    from fsdp_optim.optimizers import SOAP
+    from fsdp_optim.sharding import PlanConfig
+    from fsdp_optim.sharding.plan import config_for_rules
+
+    rule = SOAP.rule(block_size=4)
+    assert not getattr(rule, "splits_blocks", False)
+    assert config_for_rules(PlanConfig(), [rule]).balance == "whole"
+    assert config_for_rules(PlanConfig(), [Shampoo.rule(max_preconditioner_dim=4)]).balance == "auto"
+    full = torch.randn(9, 4)
+
+    def fn():
+        p = make_sharded_param(full, spec=rule("w", full, None), layout=RaggedShard((9, 4), (0, 12, 36)), fqn="w",
+                               split=True)  # fmt: skip
+        with pytest.raises(ValueError, match="SOAP"):
+            SOAP([p], block_size=4)
+        Shampoo([p], max_preconditioner_dim=4)  # Shampoo takes it (recorded split, on a row)
+
+    run_distributed(fn, world_size=2)
+
+
+def test_split_strip_cut_off_a_merged_row_is_refused():
+    """A recorded split must still fall on rows of the merged view ((3, 5, 2): rows of 10 elements)."""
+    full = torch.randn(3, 5, 2)
+
+    def fn():
+        spec = Shampoo.rule(max_preconditioner_dim=K)("w", full, None)  # rows(4): one strip, rows of 10
+        p = make_sharded_param(full, spec=spec, layout=RaggedShard((3, 5, 2), (0, 4, 30)), fqn="w", split=True)
+        with pytest.raises(ValueError, match=r"split strips cut on rows of its merged shape \(3, 5, 2\)"):
+            Shampoo([p], max_preconditioner_dim=K)
+
+    run_distributed(fn, world_size=2)
+
+
+def test_non_finite_gradient_with_split_strips_raises_on_every_rank_changing_nothing():
+    init, specs = _init(), {k: _spec(k, s) for k, s in SHAPES.items()}
+    layouts = {k: row_layout(s, specs[k], 3, i) for i, (k, s) in enumerate(SHAPES.items())}
+    b = layouts["w1"].bounds
+    bad = max(r for r in range(3) if b[r] < b[r + 1])  # a rank holding part of w1
+
+    def fn():
+        rank = dist.get_rank()
+        params = {k: make_sharded_param(init[k], spec=specs[k], layout=layouts[k], fqn=k, split=True) for k in SHAPES}
+        opt = Shampoo(list(params.values()), **CONFIGS["adam_nesterov_wd"])
+        g = _grads(0)
+        if rank == bad:
+            g["w1"].view(-1)[b[bad]] = float("nan")  # its first element
+        for k, p in params.items():
+            p.grad = layouts[k].shard(g[k], rank).clone()
+        before = {k: {key: v.clone() for key, v in opt.state[p].items()} for k, p in params.items()}
+        with pytest.raises(FloatingPointError, match=rf"w1 \(shape \(11, 9\), rank {bad}\)"):
+            opt.step()
+        assert all(torch.equal(v, opt.state[p][key]) for k, p in params.items() for key, v in before[k].items())
+
+    run_distributed(fn, world_size=3)

@@ -60,9 +60,10 @@ class TensorSpec:
 class PlanConfig:
     """Knobs of the planner (see docs/architecture.md, Planner, and [Note: balance cap] in ``_planner.py``).
 
-    Which optimizers accept split matrix blocks (``Placement.split``): Muon does (one
-    ``all_to_all`` pair per step exchanges them). Shampoo, SOAP and ``WholeTensorOptimizer``
-    refuse a rank boundary inside their blocks: plan them with ``balance="whole"`` (their plans
+    Which optimizers accept split blocks (``Placement.split``): Muon (matrix blocks) and Shampoo
+    (``rows(k)`` strips) do (one ``all_to_all`` pair per step exchanges them). SOAP and
+    ``WholeTensorOptimizer`` refuse a rank boundary inside their blocks: plan them with
+    ``balance="whole"`` (their plans
     then keep every block whole and warn when the cap is missed, naming the HSDP shard size that
     would balance). Element-wise optimizers (AdamW, 8-bit AdamW) have no matrix blocks to split.
     """
@@ -80,7 +81,7 @@ class PlanConfig:
     alpha-beta model on NCCL, grouped elsewhere; see [Note: wire format] in ``_wire.py``)."""
     balance: str = "auto"
     """``"auto"``: when whole blocks leave the busiest rank above ``balance_cap`` times the mean,
-    matrix blocks are cut on rows where the balance needs it (Muon only; see the class docstring).
+    matrix blocks and ``rows(k)`` strips are cut on rows where the balance needs it (Muon, Shampoo; see the class docstring).
     ``"whole"``: never cut a block for balance; warn when the cap is missed, naming the HSDP shard
     size that would balance."""
     piece_align_bytes: int = 64
@@ -272,8 +273,8 @@ class Plan:
 
 def config_for_rules(config: PlanConfig, rules: Iterable[Callable]) -> PlanConfig:
     """``config`` with ``balance="auto"`` kept only where every block rule says its optimizer takes
-    matrices split across ranks (``rule.splits_blocks``: Muon's) or has no blocks to split (the
-    default element rule): Shampoo, SOAP, ``WholeTensorOptimizer`` and unknown rules get ``"whole"``,
+    blocks split across ranks (``rule.splits_blocks``: Muon's and Shampoo's) or has no blocks to split
+    (the default element rule): SOAP, ``WholeTensorOptimizer`` and unknown rules get ``"whole"``,
     since a split would be refused at the optimizer's first step (the planner warns instead when whole
     blocks miss the cap, naming the HSDP shard size that would balance)."""
     if config.balance == "auto" and not all(getattr(r, "splits_blocks", False) or r is default_rule for r in rules):

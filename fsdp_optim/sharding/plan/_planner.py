@@ -60,10 +60,11 @@ ranks. ``plan_model`` then works in three steps, each only when the previous mis
    some bucket is EVEN, the all-ragged whole-block plan too (elementwise embeddings can then fill
    the ranks that big matrices leave light), the better one kept;
 2. if the busiest rank is still above ``balance_cap`` (or the bound already is: step 1 skipped),
-   ``balance="auto"`` gives ragged buckets row geometries for every matrix whose largest block
+   ``balance="auto"`` gives ragged buckets row geometries for every matrix (or ``rows(k)`` strip
+   tensor: ``BlockSpec.splits_on_rows``) whose largest block
    exceeds ``(cap - 1) / 2`` of the mean (divided by 4 while the cap is missed, 3 tries): the
    ragged balance then cuts those on rows, at most ``W - 1`` cuts, so at most ``W - 1`` split
-   matrices, recorded as ``Placement.split`` (Muon: one all_to_all pair per step). Ragged, not
+   blocks, recorded as ``Placement.split`` (Muon, Shampoo: one all_to_all pair per step). Ragged, not
    even: an even segment must be a multiple of every row length a tensor crossing two boundaries
    has (Llama 3 8B at W = 16384: padding 100%), a ragged cut needs only one row;
 3. ``balance="whole"`` (optimizers that refuse split blocks) keeps step 1's plan and warns with the
