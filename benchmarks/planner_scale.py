@@ -1,7 +1,6 @@
 """Planner at scale, simulated: every preset x optimizer x world size x layout.
 
-The default plan table (issue 27; Muon with ``balance="auto"``, Shampoo with ``balance="whole"``,
-``optimizer_balance``): per preset and W in {64, 256, 1024, 4096, 16384}, the busiest rank's bytes
+The default plan table (issue 27; Muon and Shampoo with ``balance="auto"``, ``optimizer_balance``): per preset and W in {64, 256, 1024, 4096, 16384}, the busiest rank's bytes
 over the mean, the whole-block lower bound, split blocks, plan seconds, and for a Shampoo cell above
 the cap the HSDP shard size the plan names and that shard group's figure.
 
@@ -109,11 +108,12 @@ def _table_md(rows: list[dict]) -> list[str]:
     out = [
         "## Default plan (issue 27): busiest rank's bytes over the mean",
         "",
-        "`PlanConfig()` defaults, Muon with `balance='auto'` (matrix blocks split on rows where whole ones miss the "
-        "1.10 cap), Shampoo with `balance='whole'` (it refuses split blocks). Cell: `balance_ratio` (busiest rank's "
+        "`PlanConfig()` defaults, Muon and Shampoo with `balance='auto'` (matrix blocks / strips split on rows where "
+        "whole ones miss the 1.10 cap). Cell: `balance_ratio` (busiest rank's "
         "bytes, padding included, over the mean parameter bytes) / whole-block lower bound / split matrix blocks / "
-        "plan seconds. Shampoo above the cap: `-> N: x` = the HSDP shard size N the plan names and the ratio of "
-        "the plan over N ranks (replicated W / N times).",
+        "plan seconds (split blocks: Muon matrices, Shampoo strips). A cell above the cap with whole blocks: "
+        "`-> N: x` = the HSDP shard size N the plan names and the ratio of the plan over N ranks (replicated W / N "
+        "times).",
         "",
         "| preset / rule | " + " | ".join(f"W = {w}" for w in ws) + " |",
         "|---|" + "---|" * len(ws),
@@ -201,8 +201,8 @@ def _md(data: dict, command: str) -> str:
         "cut across ranks / bytes of all matrix blocks. fp32 (4-byte) parameters, one bucket per layer. "
         "`plan s`: wall time of `plan_model` (best of up to 3 when over 0.5 s: the machine is shared). "
         "Shampoo plans with `shampoo_rule(1024, per_expert=True)` (one block per routed expert). "
-        "Balance: Muon `balance='auto'` (the default: blocks split where whole ones miss the 1.10 cap), Shampoo "
-        "`balance='whole'`; the largest-W summary keeps blocks whole (`balance='whole'`).",
+        "Balance: Muon and Shampoo `balance='auto'` (the default: blocks split where whole ones miss the 1.10 "
+        "cap); the largest-W summary keeps blocks whole (`balance='whole'`).",
     ]
     if data.get("shard_size"):
         out += ["", f"HSDP: every W is planned over a shard group of min(W, {data['shard_size']}) ranks and replicated "

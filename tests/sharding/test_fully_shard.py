@@ -676,16 +676,16 @@ def test_errors_raise_on_every_rank_without_hanging():
 
 
 def test_balance_splits_matrices_only_for_rules_that_take_them():
-    # One large matrix among small ones at W = 4: whole blocks cannot balance. Muon's rule (it
-    # exchanges split matrices) gets the balanced plan with a split; Shampoo's (it refuses a rank
-    # boundary inside a block) keeps blocks whole and the planner warns, naming HSDP.
+    # One large matrix among small ones at W = 4: whole blocks cannot balance. Muon's and Shampoo's
+    # rules (they exchange split matrices / strips) get the balanced plan with a split; SOAP's strips
+    # (it refuses a rank boundary inside a block) stay whole and the planner warns, naming HSDP.
     import warnings
 
-    from fsdp_optim.optimizers import Muon, Shampoo
+    from fsdp_optim.optimizers import SOAP, Muon, Shampoo
 
     def fn():
         out = {}
-        for name, rule in (("muon", Muon.blocks), ("shampoo", Shampoo.blocks)):
+        for name, rule in (("muon", Muon.blocks), ("shampoo", Shampoo.blocks), ("soap", SOAP.rule(block_size=1024))):
             torch.manual_seed(0)
             model = torch.nn.Sequential(*(torch.nn.Linear(n, n, bias=False) for n in (96, 8, 8)))
             with warnings.catch_warnings(record=True) as caught:
@@ -698,4 +698,5 @@ def test_balance_splits_matrices_only_for_rules_that_take_them():
 
     for out in run_distributed(fn, world_size=4):
         assert out["muon"][0] and not out["muon"][1]
-        assert not out["shampoo"][0] and out["shampoo"][1], out
+        assert out["shampoo"][0] and not out["shampoo"][1], out
+        assert not out["soap"][0] and out["soap"][1], out

@@ -73,7 +73,7 @@ def _check_plan(buckets, plan, config: PlanConfig):
             ts = by_name[p.name]
             inner = [x for x in p.shard.bounds if 0 < x < p.numel]
             if p.split:
-                assert ts.spec.is_matrix
+                assert ts.spec.splits_on_rows  # matrix blocks (Muon) or rows(k) strips (Shampoo)
                 assert set(inner) <= _boundaries(ts, split=True)
                 assert not set(inner) <= _boundaries(ts), "split recorded although no block is cut"
             else:
