@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..sharding import BlockRule, BlockSpec, elements, expert, merge_small_dims, rows, whole
+from ._strips import shampoo_blocks
 
 __all__ = [
     "is_embedding_or_head",
@@ -168,5 +169,15 @@ def shampoo_rule(max_preconditioner_dim: int = 1024, *, per_expert: bool = False
             return rows(k)
         return elements(unit_merged)
 
+    def block_state_bytes(shape: Sequence[int], spec: BlockSpec) -> list[tuple[int, int]]:
+        """Per strip ``(flat offset of its first element, bytes)``: its blocks' factors and inverse roots
+        (fp32, the default ``factor_matrix_dtype``), which live on the rank holding that element."""
+        g = shampoo_blocks(tuple(shape), k, spec)
+        return [(g.strip_start_row(i) * g.cols, 8 * g.factor_numel(i, i + 1)) for i in range(g.num_strips)]
+
     rule.splits_blocks = True  # type: ignore[attr-defined]  # Shampoo exchanges split strips (PlanConfig.balance)
+    rule.block_state_bytes = block_state_bytes  # type: ignore[attr-defined]  # priced by suggest_mesh
+    # Bytes per element of a split strip off its owner, out and back per step, at the default settings
+    # (betas[0] > 0, no grafting: raw and filtered gradients out, the direction back; fp32).
+    rule.exchange_bytes = (8, 4)  # type: ignore[attr-defined]
     return rule

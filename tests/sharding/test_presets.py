@@ -223,3 +223,50 @@ def test_suggest_mesh_on_a_module_and_errors():
         suggest_mesh(model="llama9", world_size=8, rule=muon_rule(), memory_per_rank=1e9)
     with pytest.raises(ValueError, match="fits no HSDP shape of world size 8"):
         suggest_mesh(model=model, world_size=8, rule=muon_rule(), memory_per_rank=1e3)
+
+
+def test_suggest_mesh_prices_shampoo_factor_state():
+    """Shampoo's factors and inverse roots (4 bytes x 2 per factor element, per strip) count on the rank
+    holding the strip's first element: the total is what ``Shampoo`` itself allocates, and a budget that
+    fits the per-element state alone but not the factors rules the shape out."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from fsdp_optim.optimizers import Shampoo
+    from fsdp_optim.optimizers._rules import shampoo_rule
+    from fsdp_optim.sharding.plan import module_buckets, suggest_mesh
+    from fsdp_optim.sharding.plan._suggest import _block_state, _block_state_total
+
+    def build():
+        m = nn.Module()
+        m.embed = nn.Embedding(100, 48)
+        m.layers = nn.ModuleList(nn.Sequential(nn.Linear(48, 80), nn.Linear(80, 48)) for _ in range(3))
+        m.norm = nn.LayerNorm(48)
+        return m
+
+    rule = shampoo_rule(32)
+    opt = Shampoo(build().parameters(), lr=0.1, max_preconditioner_dim=32)
+    allocated = sum((st["factor_matrices"].numel() + st["inv_factor_matrices"].numel()) * 4 for st in opt.state.values())
+    with torch.device("meta"):
+        model = build()
+    assert _block_state_total(module_buckets(model, rule=rule), rule) == allocated > 0
+
+    def plain(fqn, param, module):  # the same blocks, no per-block state declared
+        return rule(fqn, param, module)
+
+    plain.splits_blocks = True
+    s = suggest_mesh(model=model, world_size=4, rule=rule, memory_per_rank=1e9)
+    t = suggest_mesh(model=model, world_size=4, rule=plain, memory_per_rank=1e9)
+    per_rank = _block_state(s.plan, rule)
+    assert per_rank.sum() == allocated
+    elems = sum(np.diff(np.asarray(b.rank_bounds)) for b in s.plan.buckets)
+    fsdp_s, fsdp_t = s.candidates[0], t.candidates[0]
+    assert fsdp_s.shard_size == 4 and fsdp_s.max_rank_bytes > fsdp_t.max_rank_bytes
+    if s.shard_size == 4:
+        assert s.max_rank_bytes - t.max_rank_bytes == int(max(elems * 16 + per_rank)) - int(max(elems * 16))
+    budget = (fsdp_s.max_rank_bytes + fsdp_t.max_rank_bytes) / 2
+    u = suggest_mesh(model=model, world_size=4, rule=plain, memory_per_rank=budget)
+    assert u.candidates[0].fits
+    with pytest.raises(ValueError, match="fits no HSDP shape of world size 4.*per-block state"):
+        suggest_mesh(model=model, world_size=4, rule=rule, memory_per_rank=budget)

@@ -8,16 +8,20 @@ priced per step on the busiest rank:
 
 - memory: its sharded elements x ``state_bytes`` (fp32 parameter, gradient and two optimizer
   moments: 16) plus two gathered buckets (the one in use and the prefetched one) x
-  ``gathered_bytes`` (a bf16 parameter and an fp32 gradient: 6). Activations are not modeled: pass
-  ``memory_per_rank`` net of them;
+  ``gathered_bytes`` (a bf16 parameter and an fp32 gradient: 6), plus the per-block state a rule
+  declares (``rule.block_state_bytes(shape, spec) -> [(flat offset, bytes)]``, on the rank holding
+  that element: Shampoo's factors and inverse roots, per strip, on the rank holding its first
+  element, as ``Shampoo`` keeps them). Activations are not modeled: pass ``memory_per_rank`` net of them;
 - time: per bucket two all-gathers (forward, backward) at ``param_bytes`` and one reduce-scatter at
   ``grad_bytes``, as the runtime moves them (even: one ring; ragged: grouped or padded, whichever
-  ``choose_wire_mode`` picks), Muon's two all-to-alls where the plan split a matrix, and with
+  ``choose_wire_mode`` picks), the two all-to-alls of split blocks where the plan split one
+  (``optim_bytes`` per element each way, or the rule's ``exchange_bytes = (out, back)``: Shampoo
+  sends raw and filtered gradients out and the direction back, fp32), and with
   ``R > 1`` an all-reduce of the rank's gradient segment over the replicas. The alpha-beta formulas
   are those of ``_wire.py`` (the model ``benchmarks/comm_model.py`` uses); no overlap with compute.
 
-Candidates whose memory lower bound (parameters x ``state_bytes`` / N) already exceeds the budget are
-not planned. The fitting candidate with the least time wins (ties: the larger shard size, less memory).
+Candidates whose memory lower bound (parameters x ``state_bytes`` / N, plus the rule's block state
+/ N) already exceeds the budget are not planned. The fitting candidate with the least time wins (ties: the larger shard size, less memory).
 """
 
 from __future__ import annotations
@@ -85,7 +89,36 @@ def module_buckets(module: nn.Module, *, rule: BlockRule, itemsize: int = 4) -> 
     return [(k or "root", v) for k, v in groups.items()]
 
 
-def _step_seconds(plan: Plan, replicas: int, *, link: LinkModel, param_bytes: int, grad_bytes: int, optim_bytes: int) -> float:
+def _block_state(plan: Plan, rule: BlockRule) -> np.ndarray:
+    """Per rank of ``plan``: bytes of the per-block state ``rule.block_state_bytes`` declares (zeros
+    for a rule without), each block's on the rank holding the element it names."""
+    out = np.zeros(plan.world_size)
+    fn = getattr(rule, "block_state_bytes", None)
+    if fn is None:
+        return out
+    cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+    for b in plan.buckets:
+        bounds = np.asarray(b.rank_bounds, dtype=np.int64)
+        for p in b.placements:
+            key = (tuple(p.shape), p.spec)
+            if key not in cache:
+                pairs = fn(p.shape, p.spec) if p.numel else []
+                cache[key] = (np.asarray([o for o, _ in pairs], dtype=np.int64), np.asarray([n for _, n in pairs], dtype=np.float64))
+            offs, nbytes = cache[key]
+            if len(offs):
+                np.add.at(out, np.searchsorted(bounds, p.offset + offs, side="right") - 1, nbytes)
+    return out
+
+
+def _block_state_total(buckets, rule: BlockRule) -> float:
+    fn = getattr(rule, "block_state_bytes", None)
+    if fn is None:
+        return 0.0
+    return float(sum(n for _, specs in buckets for ts in specs if ts.numel for _, n in fn(ts.shape, ts.spec)))
+
+
+def _step_seconds(plan: Plan, replicas: int, *, link: LinkModel, param_bytes: int, grad_bytes: int,
+                  exchange_bytes: tuple[int, int]) -> float:  # fmt: skip
     """Modeled collective seconds per step on the plan's busiest rank (see [Note: mesh suggestion model])."""
     total = 0.0
     w = plan.world_size
@@ -103,8 +136,8 @@ def _step_seconds(plan: Plan, replicas: int, *, link: LinkModel, param_bytes: in
                 total += n * grouped_seconds(sizes, element_size=isz, link=link)
         if b.num_split_blocks:
             send, recv = split_exchange(b)
-            total += all_to_all_seconds(send, recv, element_size=optim_bytes, link=link)
-            total += all_to_all_seconds(recv, send, element_size=optim_bytes, link=link)
+            total += all_to_all_seconds(send, recv, element_size=exchange_bytes[0], link=link)
+            total += all_to_all_seconds(recv, send, element_size=exchange_bytes[1], link=link)
     if replicas > 1:
         # each rank all-reduces its own segment of every bucket with its replicas: per bucket
         # ``all_reduce_seconds(seg)`` = latency + slope * seg (the same model, summed per rank)
@@ -148,16 +181,19 @@ def suggest_mesh(
     numel = sum(ts.numel for _, specs in buckets for ts in specs)
     biggest = max((sum(ts.numel for ts in specs) for _, specs in buckets), default=0)
     gathered = 2 * biggest * gathered_bytes
+    block_total = _block_state_total(buckets, rule)
+    exchange = tuple(getattr(rule, "exchange_bytes", (optim_bytes, optim_bytes)))
     cands, plans = [], {}
     for n in sorted((d for d in range(1, world_size + 1) if world_size % d == 0), reverse=True):
-        floor = int(numel * state_bytes / n + gathered)
+        floor = int((numel * state_bytes + block_total) / n + gathered)
         if floor > memory_per_rank:
             cands.append(MeshCandidate(n, world_size // n, floor, False, math.inf, 1.0, 0, False))
             continue
         plan = plan_model(buckets, world_size=n, config=config_for_rules(config, [rule]))
         elems = sum(np.diff(np.asarray(b.rank_bounds, dtype=np.int64)) for b in plan.buckets)
-        mem = int(float(np.max(elems)) * state_bytes + gathered)
-        secs = _step_seconds(plan, world_size // n, link=link, param_bytes=param_bytes, grad_bytes=grad_bytes, optim_bytes=optim_bytes)
+        mem = int(float(np.max(elems * state_bytes + _block_state(plan, rule))) + gathered)
+        secs = _step_seconds(plan, world_size // n, link=link, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                             exchange_bytes=exchange)  # fmt: skip
         st = plan.stats()
         cands.append(MeshCandidate(n, world_size // n, mem, mem <= memory_per_rank, secs, st.balance_ratio, st.num_split_blocks, True))
         plans[n] = plan
@@ -166,8 +202,8 @@ def suggest_mesh(
         least = min(c.max_rank_bytes for c in cands)
         raise ValueError(
             f"memory_per_rank={memory_per_rank:.4g} bytes fits no HSDP shape of world size {world_size}: even pure FSDP "
-            f"needs {least:.4g} bytes on the busiest rank ({state_bytes:g} bytes per sharded element + two gathered "
-            f"buckets); raise memory_per_rank or the world size"
+            f"needs {least:.4g} bytes on the busiest rank ({state_bytes:g} bytes per sharded element + the rule's "
+            f"per-block state + two gathered buckets); raise memory_per_rank or the world size"
         )
     best = min(fitting, key=lambda c: (c.collective_seconds, -c.shard_size))
     return MeshSuggestion(best.shard_size, best.num_replicas, best.max_rank_bytes, best.collective_seconds,
