@@ -129,8 +129,9 @@ def _run_suggest(args: argparse.Namespace, config, itemsize: int) -> int:
         ratio = f"{c.balance_ratio:>15.3f}" if c.planned else f"{'-':>15}"
         print(f"{c.shard_size:>7} {c.num_replicas:>8} {c.max_rank_bytes / 1e9:>9.2f} {'yes' if c.fits else 'no':>5} {secs} "
               f"{ratio} {c.num_split_blocks if c.planned else '-':>6}")  # fmt: skip
-    print("memory: 16 B per sharded element (fp32 parameter, gradient, 2 moments) + 2 gathered buckets (bf16 + fp32 "
-          "grad); time: all-gather x2 + reduce-scatter per bucket, Muon's split exchanges, HSDP all-reduce (alpha-beta, "
+    print("memory: 16 B per sharded element (fp32 parameter, gradient, 2 moments) + the rule's per-block state (Shampoo's "
+          "factors and roots) + 2 gathered buckets (bf16 + fp32 grad); time: all-gather x2 + reduce-scatter per bucket, "
+          "split-block exchanges, HSDP all-reduce (alpha-beta, "
           "5 us, 400 Gb/s, no overlap); '-': not planned, its memory lower bound does not fit")
     return 0
 
@@ -197,6 +198,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             "balance_cap": config.balance_cap,
             "balance_note": plan.balance_note,
             **plan.stats().as_dict(),
+            **_block_state_figures(plan, args.optimizer),
             "world_size": args.world_size,
             "shard_size": shard_size,
             "num_replicas": num_replicas,
@@ -215,7 +217,27 @@ def _run_plan(args: argparse.Namespace) -> int:
                 f"planned over the {shard_size} ranks of a shard group (the same layout on every replica)"
             )
         print(plan.report())
+        fig = _block_state_figures(plan, args.optimizer)
+        if fig:
+            print(f"per-block optimizer state (Shampoo's factors and inverse roots, fp32, on the rank holding each "
+                  f"strip's first element): busiest rank {fig['block_state_max_bytes'] / 2**20:.1f} MiB, "
+                  f"{fig['block_state_max_over_mean']:.3f} x the mean (not balanced by the plan, which balances "
+                  "parameter bytes; suggest_mesh prices it)")  # fmt: skip
     return 0
+
+
+def _block_state_figures(plan, optimizer: str) -> dict:
+    """The busiest rank's per-block optimizer state (a rule's ``block_state_bytes``: Shampoo's factors),
+    in bytes and over the mean; empty for rules without."""
+    from .sharding.plan import block_state_per_rank
+
+    rule = optimizer_rule(optimizer)
+    if getattr(rule, "block_state_bytes", None) is None:
+        return {}
+    per_rank = block_state_per_rank(plan, rule)
+    mean = float(per_rank.mean())
+    return {"block_state_max_bytes": int(per_rank.max()),
+            "block_state_max_over_mean": float(per_rank.max()) / mean if mean else 1.0}  # fmt: skip
 
 
 # ---- entry point ----------------------------------------------------------------------

@@ -164,3 +164,15 @@ def test_plan_suggest_errors(capsys):
     capsys.readouterr()
     with pytest.warns(UserWarning, match="--memory-per-rank is ignored without --suggest"):
         assert main([*base[:-1], "--memory-per-rank", "80GB", "--json"]) == 0
+
+
+def test_plan_reports_shampoo_factor_state(capsys):
+    """Shampoo's per-strip factors (not balanced by the plan, which balances parameter bytes) are reported;
+    a rule without per-block state reports none."""
+    out = _json(capsys, ["plan", "--model", "llama3-8b", "--world-size", "1024", "--optimizer", "shampoo", "--json"])
+    assert out["bytes_max_over_mean"] <= 1.10
+    assert out["block_state_max_over_mean"] > 1.5 and out["block_state_max_bytes"] >= 2**28
+    assert main(["plan", "--model", "llama3-8b", "--world-size", "1024", "--optimizer", "shampoo"]) == 0
+    assert "per-block optimizer state (Shampoo's factors" in capsys.readouterr().out
+    muon = _json(capsys, ["plan", "--model", "llama3-8b", "--world-size", "64", "--optimizer", "muon", "--json"])
+    assert not any(k.startswith("block_state") for k in muon)

@@ -236,7 +236,8 @@ def test_suggest_mesh_prices_shampoo_factor_state():
     from fsdp_optim.optimizers import Shampoo
     from fsdp_optim.optimizers._rules import shampoo_rule
     from fsdp_optim.sharding.plan import module_buckets, suggest_mesh
-    from fsdp_optim.sharding.plan._suggest import _block_state, _block_state_total
+    from fsdp_optim.sharding.plan import block_state_per_rank
+    from fsdp_optim.sharding.plan._suggest import _block_state_total
 
     def build():
         m = nn.Module()
@@ -258,7 +259,7 @@ def test_suggest_mesh_prices_shampoo_factor_state():
     plain.splits_blocks = True
     s = suggest_mesh(model=model, world_size=4, rule=rule, memory_per_rank=1e9)
     t = suggest_mesh(model=model, world_size=4, rule=plain, memory_per_rank=1e9)
-    per_rank = _block_state(s.plan, rule)
+    per_rank = block_state_per_rank(s.plan, rule)
     assert per_rank.sum() == allocated
     elems = sum(np.diff(np.asarray(b.rank_bounds)) for b in s.plan.buckets)
     fsdp_s, fsdp_t = s.candidates[0], t.candidates[0]

@@ -21,10 +21,11 @@ from ._wire import (
     padded_seconds,
     split_exchange,
 )
-from ._suggest import MeshCandidate, MeshSuggestion, module_buckets, suggest_mesh
+from ._suggest import MeshCandidate, MeshSuggestion, block_state_per_rank, module_buckets, suggest_mesh
 
 __all__ = [
     "BlockKind",
+    "block_state_per_rank",
     "BlockRule",
     "BlockSpec",
     "BucketPlan",

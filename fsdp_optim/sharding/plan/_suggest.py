@@ -41,7 +41,7 @@ from ._presets import PRESETS, preset_buckets
 from ._wire import LinkModel, WireMode, all_reduce_seconds, all_to_all_seconds, choose_wire_mode
 from ._wire import grouped_seconds, padded_seconds, split_exchange
 
-__all__ = ["MeshCandidate", "MeshSuggestion", "suggest_mesh", "module_buckets"]
+__all__ = ["MeshCandidate", "MeshSuggestion", "suggest_mesh", "module_buckets", "block_state_per_rank"]
 
 
 class MeshCandidate(NamedTuple):
@@ -89,7 +89,7 @@ def module_buckets(module: nn.Module, *, rule: BlockRule, itemsize: int = 4) -> 
     return [(k or "root", v) for k, v in groups.items()]
 
 
-def _block_state(plan: Plan, rule: BlockRule) -> np.ndarray:
+def block_state_per_rank(plan: Plan, rule: BlockRule) -> np.ndarray:
     """Per rank of ``plan``: bytes of the per-block state ``rule.block_state_bytes`` declares (zeros
     for a rule without), each block's on the rank holding the element it names."""
     out = np.zeros(plan.world_size)
@@ -191,7 +191,7 @@ def suggest_mesh(
             continue
         plan = plan_model(buckets, world_size=n, config=config_for_rules(config, [rule]))
         elems = sum(np.diff(np.asarray(b.rank_bounds, dtype=np.int64)) for b in plan.buckets)
-        mem = int(float(np.max(elems * state_bytes + _block_state(plan, rule))) + gathered)
+        mem = int(float(np.max(elems * state_bytes + block_state_per_rank(plan, rule))) + gathered)
         secs = _step_seconds(plan, world_size // n, link=link, param_bytes=param_bytes, grad_bytes=grad_bytes,
                              exchange_bytes=exchange)  # fmt: skip
         st = plan.stats()
