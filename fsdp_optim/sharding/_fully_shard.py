@@ -44,7 +44,7 @@ from .plan import BlockRule
 from ._float8 import Float8AllGather
 from ._mixed_precision import MixedPrecisionPolicy
 from .plan import Plan, PlanConfig
-from .checkpoint import register_state_dict_hooks
+from .checkpoint import install_dcp_ready_hook, register_state_dict_hooks
 from ._expert_parallel import expert_shard
 from ._runtime import _STATE, _buckets_under, _ModuleState, _runtime_of
 from ._setup import _is_managed_inside, _resolve_mesh, build_runtime
@@ -128,6 +128,7 @@ def fully_shard(
         module.__class__ = cls
         raise
     register_state_dict_hooks(module)  # DCP-ready model.state_dict() / load_state_dict()
+    install_dcp_ready_hook()  # ... and optimizer.state_dict() of any optimizer over sharded parameters
     if state.separate_root:
         # The experts' owners receive tokens from every rank of their EP group: their gradients are
         # averaged over the whole data-parallel world, not only over this call's mesh.

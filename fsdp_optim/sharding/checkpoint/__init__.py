@@ -16,7 +16,7 @@ from ._files import MANIFEST
 from ._flat_shard import Box, FlatShardTensor, flat_range_boxes
 from ._full_state import full_state_dict, load_full_state_dict
 from ._hf import export_hf, load_hf
-from ._hooks import register_optimizer_hooks, register_state_dict_hooks
+from ._hooks import install_dcp_ready_hook, register_optimizer_hooks, register_state_dict_hooks
 from ._load import load_checkpoint
 from ._save import save_checkpoint
 from ._state import OwnedState, ShardedState, StateKind, model_state_dict
@@ -37,5 +37,6 @@ __all__ = [
     "model_state_dict",
     "register_optimizer_hooks",
     "register_state_dict_hooks",
+    "install_dcp_ready_hook",
     "save_checkpoint",
 ]

@@ -9,6 +9,7 @@ Integration: ``fully_shard``'s root call runs ``register_state_dict_hooks(root)`
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 import warnings
@@ -21,7 +22,7 @@ from .._shard_info import shard_info
 from ._flat_shard import FlatShardTensor
 from ._state import ShardedState, StateKind, ensure_sharded, state_kinds, wrap_module_state, wrap_param
 
-__all__ = ["register_optimizer_hooks", "register_state_dict_hooks"]
+__all__ = ["install_dcp_ready_hook", "register_optimizer_hooks", "register_state_dict_hooks"]
 
 
 _HOOKED = "_fsdp_optim_ckpt_hooks"
@@ -129,14 +130,20 @@ def _inner_prefixes(mod: nn.Module) -> tuple[str, ...]:
 _DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
 
 
-def _full_state_requested() -> bool:
-    """Whether this ``state_dict()`` runs inside DCP's ``get_model_state_dict`` with ``full_state_dict=True``."""
+def _dcp_options(function: str) -> Any:
+    """The ``_StateDictInfo`` of an enclosing DCP ``function`` frame (``_get_model_state_dict`` or
+    ``_get_optim_state_dict``), or None outside one."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "_get_model_state_dict" and frame.f_globals.get("__name__") == _DCP_STATE_DICT:
-            return bool(getattr(frame.f_locals.get("info"), "full_state_dict", False))
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == _DCP_STATE_DICT:
+            return frame.f_locals.get("info")
         frame = frame.f_back
-    return False
+    return None
+
+
+def _full_state_requested() -> bool:
+    """Whether this ``state_dict()`` runs inside DCP's ``get_model_state_dict`` with ``full_state_dict=True``."""
+    return bool(getattr(_dcp_options("_get_model_state_dict"), "full_state_dict", False))
 
 
 def _gather_module_state(mod: nn.Module, sd: dict[str, Any], prefix: str) -> None:
@@ -162,7 +169,7 @@ def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
     if getattr(optimizer, _HOOKED, False):
         return
     setattr(optimizer, _HOOKED, True)
-    dtypes: dict[tuple[int, str], torch.dtype] = {}
+    dtypes: dict[tuple[torch.Tensor, str], torch.dtype] = {}
 
     def pre_hook(opt: torch.optim.Optimizer) -> None:
         if not opt.state and not isinstance(opt, ShardedState):
@@ -170,6 +177,10 @@ def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
 
     def post_hook(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
         params = [p for g in opt.param_groups for p in g["params"]]
+        # [Note: full optimizer state through DCP's state_dict API]
+        full = getattr(_dcp_options("_get_optim_state_dict"), "full_state_dict", False)
+        if full:
+            _check_same_state_everywhere(opt, params, sd)
         new_state = {}
         for i, p in enumerate(params):
             if i not in sd["state"]:
@@ -180,19 +191,27 @@ def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
                 if kind == StateKind.SHARDED:
                     shape, start = where
                     entry[key] = FlatShardTensor(entry[key].detach().reshape(-1), shape=shape, start=start)
+                    if full:
+                        entry[key] = entry[key].full_tensor(_gather_group(p))
             new_state[i] = entry
         return {**sd, "state": new_state}
 
     def unwrap(sd: dict[str, Any]) -> dict[str, Any]:
         dtypes.clear()
+        # the saved ids (ints from state_dict(); FQNs from DCP's set_optimizer_state_dict) -> parameters,
+        # matched by position in the groups, as torch's load_state_dict does
+        saved = sd.get("param_groups", [])
+        by_id = {i: p for sg, g in zip(saved, optimizer.param_groups) for i, p in zip(sg["params"], g["params"])}
         new_state = {}
         for i, entry in sd["state"].items():
             e = {}
             for k, v in entry.items():
                 if isinstance(v, FlatShardTensor):
                     v = v.to_local()
-                if torch.is_tensor(v):
-                    dtypes[(i, k)] = v.dtype
+                elif torch.is_tensor(v) and i in by_id:
+                    v = _local_range_of_full(optimizer, by_id[i], i, k, v)
+                if torch.is_tensor(v) and i in by_id:
+                    dtypes[(by_id[i], k)] = v.dtype
                 e[k] = v
             new_state[i] = e
         return {**sd, "state": new_state}
@@ -200,11 +219,11 @@ def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
     def load_post_hook(opt: torch.optim.Optimizer) -> None:
         # Optimizer.load_state_dict casts every state tensor to its parameter's dtype; undo that
         # for integer state (8-bit codes): the cast to float and back is exact for 8-bit values.
-        params = [p for g in opt.param_groups for p in g["params"]]
-        for (i, k), dt in dtypes.items():
-            st = opt.state.get(params[i])
+        for (p, k), dt in dtypes.items():
+            st = opt.state.get(p)
             if st is not None and torch.is_tensor(st.get(k)) and st[k].dtype != dt:
                 st[k] = st[k].to(dt)
+        dtypes.clear()
 
     optimizer.register_state_dict_pre_hook(pre_hook)
     optimizer.register_state_dict_post_hook(post_hook)
@@ -215,6 +234,91 @@ def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
 
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
     optimizer.register_load_state_dict_post_hook(load_post_hook)
+
+
+# [Note: full optimizer state through DCP's state_dict API]
+# ``get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))`` (and
+# ``get_state_dict``) gathers DTensors; a FlatShardTensor is neither a DTensor nor a ShardedTensor, so
+# each rank got its own flat pieces back under the parameters' names, as if they were the full state.
+# As for the model ([Note: full state dicts through DCP's state_dict API]), the optimizer's state-dict
+# post hook finds the ``_StateDictInfo`` of the enclosing ``_get_optim_state_dict`` frame and, with
+# ``full_state_dict``, returns each sharded state tensor whole: per-element state in its parameter's
+# global shape, per-block state (Shampoo's factors) as its global flat vector, gathered in the
+# parameter's shard group (the world for expert-parallel experts), one tensor at a time, in parameter
+# order (torch requires every rank to call it). The keys to gather are checked to be the same on every
+# rank first (one object all-gather), so a rank without some state raises there instead of hanging.
+# Loading such a dict back (``set_optimizer_state_dict(..., full_state_dict=True)``) slices each rank's
+# range out of the full tensors in ``unwrap``.
+def _gather_group(p: torch.Tensor) -> Any:
+    info = shard_info(p)
+    return None if info is None or info.expert is not None else info.group
+
+
+def _check_same_state_everywhere(opt: torch.optim.Optimizer, params: list[torch.Tensor], sd: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    mine = [(i, sorted(k for k, (kind, _) in state_kinds(opt, p, f"param {i}").items() if kind == StateKind.SHARDED))
+            for i, p in enumerate(params) if i in sd["state"]]  # fmt: skip
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if any(e != every[0] for e in every):
+        bad = next(r for r, e in enumerate(every) if e != every[0])
+        raise ValueError(
+            f"get_optimizer_state_dict(full_state_dict=True): rank {bad} holds other sharded optimizer state than rank "
+            f"0 ({type(opt).__name__}: state exists for {len(every[bad])} vs {len(every[0])} parameters); every rank "
+            "must have stepped the same parameters. Take one optimizer step on every rank first, or use "
+            "fsdp_optim.save_checkpoint"
+        )
+
+
+def _local_range_of_full(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, key: str, v: torch.Tensor) -> torch.Tensor:
+    """A plain tensor given for sharded state ``key`` of ``p``: this rank's local piece as it is, or the
+    full state (``get_optimizer_state_dict(full_state_dict=True)``'s) sliced to this rank's range."""
+    current = opt.state.get(p, {}).get(key)
+    if current is None or not torch.is_tensor(current):
+        return v
+    kind, where = state_kinds(opt, p, f"param {i}").get(key, (None, None))
+    if kind != StateKind.SHARDED:
+        return v
+    shape, start = where
+    n_global, n_local = math.prod(shape), current.numel()
+    if v.numel() == n_local:
+        return v
+    if v.numel() == n_global:
+        return v.reshape(-1)[start : start + n_local].view(current.shape)
+    info = shard_info(p)
+    raise ValueError(
+        f"{type(opt).__name__}.load_state_dict: state {key!r} of param {i} (global shape {tuple(info.global_shape) if info else tuple(p.shape)}) "
+        f"is a tensor of {v.numel()} elements, neither the full state ({n_global}) nor this rank's piece "
+        f"({n_local}, world size {info.world_size if info else 1}); pass the optimizer's own state_dict() or the "
+        "full one from get_optimizer_state_dict(..., full_state_dict=True)"
+    )
+
+
+def install_dcp_ready_hook() -> None:
+    """Once per process: every optimizer over sharded parameters gets ``register_optimizer_hooks`` at its
+    first step (ours register them in ``__init__``), so that ``optimizer.state_dict()`` of a torch
+    optimizer is DCP-ready too. Before, a ``torch.optim`` optimizer without the explicit call gave each
+    rank's flat pieces as plain tensors under the same keys, which ``dcp.save`` takes for replicated
+    values and writes once (one rank's pieces): a silently wrong checkpoint."""
+    global _DCP_HOOK_INSTALLED
+    if _DCP_HOOK_INSTALLED:
+        return
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if getattr(opt, _HOOKED, False):
+            return
+        if any(shard_info(p) is not None for g in opt.param_groups for p in g["params"]):
+            register_optimizer_hooks(opt)
+
+    register_optimizer_step_pre_hook(hook)
+    _DCP_HOOK_INSTALLED = True
+
+
+_DCP_HOOK_INSTALLED = False
 
 
 def _init_lazy_state(opt: torch.optim.Optimizer) -> None:

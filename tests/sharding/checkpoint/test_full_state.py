@@ -188,3 +188,68 @@ def test_a_torch_saved_sharded_state_dict_names_full_state_dict(tmp_path):
     plain = TinyTransformer(CFG)
     with pytest.raises(Exception, match=r"call fsdp_optim\.full_state_dict\(model\) instead"):
         plain.load_state_dict(torch.load(tmp_path / "rank1.pt"))
+
+
+def test_dcp_full_optimizer_state_equals_the_unsharded_optimizer_and_loads_back(tmp_path):
+    """A ``torch.optim.AdamW`` over sharded parameters, no explicit hook call:
+    ``get_optimizer_state_dict(full_state_dict=True)`` gives every state tensor whole, equal to one process
+    training on the global batch (reduction order: rtol 1e-5); ``set_optimizer_state_dict`` with that dict
+    loads each rank's range back (bitwise); plain ``dcp.save`` / ``dcp.load`` of ``optimizer.state_dict()``
+    reshards W=2 -> W=3. Before: each rank got its own flat pieces under the parameters' names, and
+    ``dcp.save`` wrote one rank's pieces as if they were replicated."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict,
+    )  # fmt: skip
+
+    x, y = make_batch(batch_size=6, seq_len=8, vocab_size=CFG.vocab_size, seed=1)
+    torch.manual_seed(0)
+    ref = TinyTransformer(CFG)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
+    ref_opt.step()
+    names = {id(p): n for n, p in ref.named_parameters()}
+    want = {names[id(p)]: {k: v.clone() for k, v in st.items()} for p, st in ref_opt.state.items()}
+    full_opts = StateDictOptions(full_state_dict=True)
+
+    def step(model, opt):
+        r, w = dist.get_rank(), dist.get_world_size()
+        b = 6 // w
+        F.cross_entropy(model(x[r * b : (r + 1) * b]).flatten(0, 1), y[r * b : (r + 1) * b].flatten()).backward()
+        opt.step()
+
+    def save():
+        model = _sharded(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step(model, opt)
+        full = get_optimizer_state_dict(model, opt, options=full_opts)
+        other = _sharded(0)
+        other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+        set_optimizer_state_dict(other, other_opt, full, options=full_opts)
+        again = get_optimizer_state_dict(other, other_opt, options=full_opts)
+        same = all(torch.equal(again["state"][n][k], v) for n, st in full["state"].items() for k, v in st.items())
+        dcp.save({"optim": opt.state_dict()}, checkpoint_id=str(tmp_path / "ck"))
+        return {n: {k: v.clone() for k, v in st.items()} for n, st in full["state"].items()}, same
+
+    def load():
+        model = _sharded(1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step(model, opt)  # state exists (values to be replaced)
+        sd = {"optim": opt.state_dict()}
+        dcp.load(sd, checkpoint_id=str(tmp_path / "ck"))
+        opt.load_state_dict(sd["optim"])
+        full = get_optimizer_state_dict(model, opt, options=full_opts)
+        return {n: {k: v.clone() for k, v in st.items()} for n, st in full["state"].items()}
+
+    saved = run_distributed(save, world_size=2, timeout=120)
+    for got, same in saved:
+        assert same
+        assert got.keys() == want.keys()
+        for n, st in want.items():
+            for k, v in st.items():
+                assert got[n][k].shape == v.shape, (n, k)
+                torch.testing.assert_close(got[n][k], v, rtol=1e-5, atol=1e-7, msg=f"{n}.{k}")
+    for got in run_distributed(load, world_size=3, timeout=120):
+        for n, st in saved[0][0].items():
+            for k, v in st.items():
+                assert torch.equal(got[n][k], v), (n, k)
