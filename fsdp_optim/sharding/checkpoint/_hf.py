@@ -30,6 +30,7 @@ from torch import nn
 from .._dist import agree_on_error, is_distributed, rank_and_world_size
 from .._runtime import buckets_of
 from .._shard_info import shard_info
+from ._entry import every_rank_entered
 from ._files import PublishError, foreign_entries, fsync, normalize, publish
 from ._full_state import load_full_state_dict, whole_tensors
 
@@ -62,6 +63,7 @@ def export_hf(
     *,
     config: object | None = None,
     convert: Convert | None = None,
+    timeout: float | None = None,
 ) -> None:
     """Write a ``transformers.AutoModelForCausalLM.from_pretrained``-loadable directory (collective).
 
@@ -86,7 +88,12 @@ def export_hf(
 
     The files get the mode a plain ``open()`` gives (0644 under the usual umask 022), as
     ``config.json``: safetensors' ``save_file`` alone leaves 0600, which other users cannot read.
+
+    Every rank must call it: one that waits more than ``timeout`` seconds (default: the
+    ``FSDP_OPTIM_CHECKPOINT_TIMEOUT`` environment variable, else 60) for the others raises a
+    ``TimeoutError`` naming them, before anything is written (see [Note: every rank calls it]).
     """
+    every_rank_entered("export_hf", timeout=timeout)
     config = config if config is not None else getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         raise ValueError(
@@ -268,6 +275,7 @@ def load_hf(
     *,
     strict: bool = True,
     convert: Callable[[str], tuple[str, Callable[[torch.Tensor], torch.Tensor]]] | None = None,
+    timeout: float | None = None,
 ) -> None:
     """Load a Hugging Face safetensors directory (single file or sharded with an index) into a sharded
     model (collective), e.g. one built on meta and sharded: rank 0 reads lazily and broadcasts one
@@ -279,7 +287,8 @@ def load_hf(
     tensor of the file's shape and dtype, so a wrong shape is refused before anything is loaded (one
     that needs real data, e.g. numpy, is checked when read; see [Note: broadcasting from rank 0] in
     ``_full_state.py``). An error in ``convert``, ``from_hf`` or a file raises a ``ValueError`` on
-    every rank, naming the tensor."""
+    every rank, naming the tensor. Every rank must call it (``timeout``: as ``export_hf``'s)."""
+    every_rank_entered("load_hf", timeout=timeout)
     path = os.fspath(path)
     lazy, err = None, None
     if rank_and_world_size()[0] == 0:
