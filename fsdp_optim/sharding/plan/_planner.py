@@ -99,6 +99,7 @@ import numpy as np
 from ._blocks import align_down, align_up
 from ._plan import BucketPlan, Layout, Placement, Plan, PlanConfig, TensorSpec
 from ._cost import _cost_profile, _cum_cost, _UniformCost, tensor_cost
+from ._pour import pour_ragged
 from ._ragged import RaggedShard
 from ._report import PlanStats, block_sizes, plan_report, plan_stats, whole_block_bound
 
@@ -681,12 +682,13 @@ def plan_model(
         out, note = _split_for_balance(items, w, config, mean, f"whole blocks cannot: lower bound {lb:.3f}")
         return Plan(world_size=w, buckets=out, config=config, seconds=time.perf_counter() - t0, balance_note=note)
     chosen = _choose_layouts(items, w, config)
-    out = _layout(items, w, config, chosen=chosen)
+    goal = int(max(1.02 * lb, 1.05) * mean)  # what step 1 aims for (see [Note: balance cap])
+    out = _layout(items, w, config, chosen=chosen, goal=goal)
     ratio = _busiest(out) / mean
     if lb <= cap and ratio > max(1.02 * lb, 1.05) and config.layout == "auto" and any(b.layout is Layout.EVEN for b in out):
         # even buckets add the same bytes to every rank; ragged ones can fill the ranks that whole
         # blocks leave light (elementwise embeddings beside the MLP matrices)
-        alt = _layout(items, w, dataclasses.replace(config, layout="ragged"))
+        alt = _layout(items, w, dataclasses.replace(config, layout="ragged"), goal=goal)
         if _busiest(alt) / mean < ratio:
             out, ratio = alt, _busiest(alt) / mean
     if ratio <= cap:
@@ -789,9 +791,12 @@ _SPLIT_TRIES = 3
 """Balance cap: split plans tried (threshold on block bytes divided by 4 after each miss)."""
 
 
-def _layout(items, w: int, config: PlanConfig, *, split_above: int | None = None, chosen=None) -> tuple[BucketPlan, ...]:
+def _layout(items, w: int, config: PlanConfig, *, split_above: int | None = None, chosen=None,
+            goal: int = 0) -> tuple[BucketPlan, ...]:
     """The bucket plans: layout per bucket, global ragged balance, materialized placements.
     ``split_above`` (bytes): ragged buckets may cut matrix blocks larger than this on rows.
+    ``goal`` (bytes, 0: off): with whole blocks and every bucket ragged, the per-rank bytes the per-bucket
+    packing aims for first when the stream packing's busiest rank exceeds it.
     ``chosen``: ``_choose_layouts(items, w, config)`` when already computed (it is pure)."""
     layouts, evens = chosen or _choose_layouts(items, w, config)
     ragged_idx = [i for i, lay in enumerate(layouts) if lay is Layout.RAGGED]
@@ -801,8 +806,14 @@ def _layout(items, w: int, config: PlanConfig, *, split_above: int | None = None
         rag.append(_ragged_item(items[i], total_b, split_above, _quantum(config, items[i][2])))
         total_b += sum(g.numel for g in rag[-1][1]) * items[i][2]
     glob_cuts, offs_list = _balance_ragged(rag, total_b, w)
-    ragged = {i: (offs, [g.split for g in r[1]], sum(g.numel for g in r[1])) for i, offs, r in zip(ragged_idx, offs_list, rag)}
     glob = np.asarray(glob_cuts, dtype=np.int64)  # non-decreasing within a bucket, buckets in order
+    spans = [sum(g.numel for g in r[1]) for r in rag]
+    bounds = [np.clip(glob - r[0], 0, span * r[4]) // r[4] for r, span in zip(rag, spans)]
+    if split_above is None and goal and len(rag) == len(items):
+        # whole blocks, every bucket ragged (plan_model replans all-ragged when a mixed plan misses):
+        # the per-bucket packing may balance better
+        bounds, offs_list = _pour_if_better(rag, total_b, w, glob_cuts, bounds, offs_list, goal)
+    ragged = {i: (offs, [g.split for g in r[1]], rb) for i, offs, r, rb in zip(ragged_idx, offs_list, rag, bounds)}
     out: list[BucketPlan] = []
     for i, (name, specs, isz) in enumerate(items):
         if layouts[i] is Layout.EVEN:
@@ -810,8 +821,7 @@ def _layout(items, w: int, config: PlanConfig, *, split_above: int | None = None
             rb_np = np.arange(w + 1, dtype=np.int64) * ev.seg
             offsets, splits = ev.offsets, ev.split
         else:
-            offsets, splits, span = ragged[i]
-            rb_np = np.clip(glob - starts_b[i], 0, span * isz) // isz
+            offsets, splits, rb_np = ragged[i]
         out.append(_materialize(name, specs, isz, layouts[i], rb_np, offsets, splits))
     return tuple(out)
 
@@ -887,6 +897,40 @@ def _balance_ragged(rag, total_b: int, w: int) -> tuple[list[int], list[list[int
     if _COST_BISECT_STEPS:
         glob_cuts, offs_list = _balance_cost(rag, total_b, w, glob_cuts, offs_list)
     return glob_cuts, offs_list
+
+
+def _pour_if_better(rag, total_b: int, w: int, glob_cuts, bounds, offs_list, goal: int):
+    """The per-bucket packing ([Note: per-bucket ragged packing]) with the smallest capacity found in at
+    most ``_POUR_PROBES`` packings (the first at ``goal`` bytes, then bisection), if its busiest rank holds
+    clearly fewer bytes than the stream packing's (which balances the optimizer cost too); else the
+    stream packing's ``(bounds, offsets)``."""
+    cur = max(b - a for a, b in zip(glob_cuts, glob_cuts[1:])) if w > 1 and rag else 0
+    biggest = max((g.max_block * isz for _, gs, _, _, isz in rag for g in gs), default=0)
+    lo = max(-(-total_b // w), biggest)
+    hi = int(cur / (1 + _POUR_GAIN))
+    if hi <= lo:
+        return bounds, offs_list
+    lo, found = lo - 1, None
+    mid = min(max(goal, lo + 1), hi)
+    for _ in range(_POUR_PROBES):
+        res = pour_ragged(rag, w, mid)
+        if res is None:
+            lo = mid
+        else:
+            hi, found = min(mid, res[2]), res
+        if hi - lo <= max(1, total_b // (w * 1024)) or (found is None and mid == hi):
+            break
+        mid = (lo + hi) // 2 if found is not None or hi - mid <= mid - lo else mid + (hi - mid) // 2
+        mid = (lo + hi) // 2 if found is None and mid <= lo else mid
+    if found is None:
+        return bounds, offs_list
+    return list(found[0]), found[1]
+
+
+_POUR_PROBES = 3
+"""Per-bucket packing: capacities tried per plan (each packing is one pass over the ranks)."""
+_POUR_GAIN = 0.005
+"""The per-bucket packing is tried, and kept, only where it lowers the busiest rank by this fraction."""
 
 
 def _balance_cost(rag, total_b: int, w: int, glob_cuts, offs_list):
