@@ -33,8 +33,14 @@ block of the mean. When blocks approach the mean size (dense models at W >= 256)
 loose, so a second candidate is built: bisection on a per-rank capacity ``C`` in
 ``[max(mean, largest block), mean + largest block]``, filling ranks in order up to ``C`` (same
 ordering rule, cuts snapped down); the candidate with the smaller largest rank wins (ties: the
-fixed targets). ``PlanStats.bytes_lower_bound`` (largest block over mean) is the best any
-whole-block plan can do; the benchmark reports the gap. Optimizer cost comes second: with the
+fixed targets). ``PlanStats.bytes_lower_bound`` (``whole_block_bound`` over the mean, see
+[Note: whole-block lower bound] in ``_report``) is the best any whole-block plan can do; the
+benchmark reports the gap. Where every bucket is ragged, blocks stay whole and the stream's busiest
+rank exceeds ``plan_model``'s step-1 goal ``max(1.02 x bound, 1.05)`` x the mean, a third candidate
+drops the one-slice-per-rank stream: each bucket gets its own rank bounds, so an element-wise tensor
+can fill the gaps of many ranks ([Note: per-bucket ragged packing] in ``_pour``; at most
+``_POUR_PROBES`` capacities, the first at the goal); it is kept if its busiest rank is lower by
+``_POUR_GAIN``. Optimizer cost comes second: with the
 largest rank's bytes allowed to grow by at most ``_BYTES_SLACK`` (0.5%), a per-rank cost cap is
 bisected too (a rank closes when either cap is reached; an empty rank always takes one block),
 and the result is kept only if it lowers the largest rank's cost. This matters for Muon on MoE
@@ -53,9 +59,10 @@ loses there.
 
 [Note: balance cap]
 Whole blocks cannot balance once a block nears a rank's mean bytes (Llama 3 8B, Muon, W = 1024: one
-MLP matrix is 7.5 ranks' worth). ``PlanStats.bytes_lower_bound`` says how far whole blocks can get:
-``max_k ceil(k / W) * size_k`` over the blocks sorted by size, since the ``k`` largest share ``W``
-ranks. ``plan_model`` then works in three steps, each only when the previous misses:
+MLP matrix is 7.5 ranks' worth). ``PlanStats.bytes_lower_bound`` says how far whole blocks can get: a
+proven lower bound, the larger of ``max_k ceil(k / W) * size_k`` over the blocks sorted by size (the
+``k`` largest share ``W`` ranks) and a bin-packing bound (see [Note: whole-block lower bound] in
+``_report``). ``plan_model`` then works in three steps, each only when the previous misses:
 1. the whole-block plan above; if the busiest rank exceeds ``max(1.02 * bound, 1.05)`` x the mean and
    some bucket is EVEN, the all-ragged whole-block plan too (elementwise embeddings can then fill
    the ranks that big matrices leave light), the better one kept;

@@ -47,9 +47,9 @@ class PlanStats(NamedTuple):
     cost_max_over_mean: float
     """Per-rank optimizer cost (``tensor_cost``) over all buckets: max / mean."""
     bytes_lower_bound: float
-    """The best any whole-block plan can do, over the mean per-rank parameter bytes, floored at 1:
-    ``max_k ceil(k / W) * (k-th largest block)`` (``k`` blocks of at least that size share W ranks;
-    ``k = 1``: the largest block), see ``whole_block_bound``."""
+    """A proven lower bound on the busiest rank of any whole-block plan, over the mean per-rank parameter
+    bytes, floored at 1: ``whole_block_bound`` (the larger of ``max_k ceil(k / W) * (k-th largest
+    block)`` and a bin-packing bound, see [Note: whole-block lower bound])."""
     balance_ratio: float
     """Largest rank's stored bytes (padding included) over the mean *parameter* bytes per rank: what
     ``PlanConfig.balance_cap`` bounds (padding counts against the balance)."""
@@ -168,6 +168,18 @@ def _counting_bound(sizes: dict[int, int], world_size: int) -> int:
 #       hold items whose u_k sum to at most W: a larger sum over all items excludes C. (Items below
 #       C / (k+1) count 0: element-wise blocks, however many, add nothing to this test.) Computed
 #       exactly in integers: ``k * sum_I x + C * sum_J floor((k+1) x / C) > W * k * C``.
+#  (vi) counting instead of volume: for an item size s <= C/2, a rank holding an item x > C/2 (at most
+#       one: two exceed C) has room for at most ``floor((C - x) / s)`` items of s bytes or more besides
+#       it, any other rank for at most ``floor(C / s)``; more items in [s, C/2] than that, summed over
+#       the ranks (the n_big ranks with a large item, W - n_big without), exclude C. (Llama 3 405B,
+#       Shampoo, W = 4096: a rank with a 0.55 x mean block holds at most two 0.17 blocks below 1.058,
+#       any other at most six; 17638 such blocks need more than 4096 ranks.)
+#   (v) the equality case of (iv) when no item has ``(k+1) x / C`` integral (I empty): call
+#       ``floor((k+1) x / C)`` the units of x. A rank holds at most k units (shown in (iv)); if the
+#       units of all items sum to exactly ``W * k``, every rank holds exactly k. Then the rank that
+#       holds the largest zero-unit item z also holds items worth k units, at least ``B`` bytes, the
+#       least bytes of any multiset of item sizes worth exactly k units (a knapsack over the sizes,
+#       counts ignored: a relaxation), so ``B + z > C`` excludes C.
 # Feasibility is monotone in C (a plan with busiest rank <= C' also has busiest rank <= C for C >= C'),
 # so an excluded C proves every plan's busiest rank > C, whatever the test says about other capacities.
 # ``_binpack_bound`` bisects C between a proven-excluded value (one below the counting bound or the
@@ -200,6 +212,15 @@ def _excluded(c: int, desc: list[int], counts: list[int], cnt_pre: list[int], su
         rest = s3 + max(0, small - (n1 * c - s1)) - (n2 * c - s2)
         if n1 + n2 + max(0, -(-rest // c)) > world_size:
             return True
+    big = [(x, m) for x, m in zip(desc, counts) if 2 * x > c]  # (vi): items of at least s, counted
+    n_big = sum(m for _, m in big)
+    n_s = 0  # items in [s, C/2]
+    for s_, m in zip(desc, counts):
+        if 2 * s_ > c:
+            continue
+        n_s += m
+        if n_s > sum(m_ * ((c - x) // s_) for x, m_ in big) + (world_size - n_big) * (c // s_):
+            return True
     for k in range(1, _DFF_MAX_K + 1):  # (iv): sum of u_k over all items > W
         whole_, frac_ = 0, 0  # k * (items with (k+1)x/C integral, bytes) + C * sum floor((k+1)x/C) (others)
         for x, m in zip(desc, counts):
@@ -210,7 +231,22 @@ def _excluded(c: int, desc: list[int], counts: list[int], cnt_pre: list[int], su
                 frac_ += c * q * m
         if whole_ + frac_ > world_size * k * c:
             return True
+        if whole_ == 0 and frac_ == world_size * k * c and _full_ranks_excluded(c, k, desc):
+            return True
     return False
+
+
+def _full_ranks_excluded(c: int, k: int, desc: list[int]) -> bool:
+    """(v) of [Note: whole-block lower bound]: every rank holds exactly ``k`` units; the cheapest ``k``
+    units plus the largest zero-unit item exceed ``c``."""
+    units = [((k + 1) * x) // c for x in desc]
+    zero = [x for x, q in zip(desc, units) if q == 0]
+    if not zero:
+        return False
+    dp = [0] + [math.inf] * k  # least bytes of items worth exactly u units (unbounded: a relaxation)
+    for u in range(1, k + 1):
+        dp[u] = min((dp[u - q] + x for x, q in zip(desc, units) if 0 < q <= u), default=math.inf)
+    return dp[k] + max(zero) > c
 
 
 _DFF_MAX_K = 32
