@@ -19,8 +19,9 @@ candidate with the coarsest granule that fits its free room:
 - the leading blocks of a tensor not yet started (it becomes the bucket's open tensor; granule: its
   largest block);
 
-ties: whole tensor, then open, then new; then input position. Three rules keep the small pieces
-for the ranks that need them:
+ties: whole tensor, then open, then new; then input position. Tensors of at most ``cap / _SMALL``
+bytes (norms) skip all that: they are spread evenly over the ranks, each first in its rank's segment of
+its bucket. Three rules keep the small pieces for the ranks that need them:
 
 - fine granules (at most ``cap / _FINE``: element-wise tensors, norms) top a rank up only to the
   mean of the bytes still to place per rank left, not to ``cap``;
@@ -83,7 +84,8 @@ class _Pour:
     """The state of one packing pass: per bucket its open tensor, its fill position and tensor offsets;
     every move is logged so a rank's trial fills can be undone."""
 
-    def __init__(self, rag):
+    def __init__(self, rag, small: int = 0):
+        """``small`` (bytes): tensors up to this size are kept out of the greedy (``self.small``)."""
         self.rag = rag
         self.bucket_of, self.local, self.geoms, self.isz = [], [], [], []
         for j, (_, gs, _, _, isz) in enumerate(rag):
@@ -96,8 +98,10 @@ class _Pour:
         self.size_b = [g.numel * self.isz[t] for t, g in enumerate(self.geoms)]
         self.gran_b = [max(g.max_block, 1) * self.isz[t] for t, g in enumerate(self.geoms)]
         self.started = [self.size_b[t] == 0 for t in range(n)]
-        self.wholes = _Sized((self.size_b[t], t) for t in range(n) if not self.started[t])
-        self.news = _Sized((self.gran_b[t], t) for t in range(n) if not self.started[t])
+        self.small = [t for t in range(n) if not self.started[t] and self.size_b[t] <= small]
+        greedy = [t for t in range(n) if not self.started[t] and self.size_b[t] > small]
+        self.wholes = _Sized((self.size_b[t], t) for t in greedy)
+        self.news = _Sized((self.gran_b[t], t) for t in greedy)
         nb = len(rag)
         self.open_t = [-1] * nb  # open tensor per bucket (-1: none)
         self.open_a = [0] * nb  # its elements already placed
@@ -271,9 +275,10 @@ def pour_ragged(rag, w: int, cap: int):
     """Per-bucket packing of the ragged buckets ``rag`` (``_planner._ragged_item`` tuples) over ``w``
     ranks with at most ``cap`` bytes each: ``(rank bounds per bucket (elements, numpy), tensor offsets
     per bucket, largest rank bytes)``, or None. See [Note: per-bucket ragged packing]."""
-    s = _Pour(rag)
+    s = _Pour(rag, cap // _SMALL)
     bounds = np.zeros((len(rag), w + 1), dtype=np.int64)
     fine = cap // _FINE
+    n_small, due = len(s.small), []  # small tensors: the i-th is due on rank i * W // n_small
     total: dict[int, int] = {}  # bytes per coarse granule: each is spent at an even rate over the ranks
     for t, gr in enumerate(s.gran_b):
         if gr > fine and not s.started[t]:
@@ -282,7 +287,7 @@ def pour_ragged(rag, w: int, cap: int):
     max_load = 0
 
     def rank(target: int, q: dict, top: int = 0, budget: int = -1):
-        load, first, first_b = s.fill(cap, target, fine, top, budget, quota=q)
+        load, first, first_b = s.fill(cap, target, fine, top, budget, used=pre, quota=q)
         if load < target:  # the quota may be exceeded to reach the mean
             more = s.fill(cap, target, fine, top, budget, used=load, quota=q, enforce=False)
             if first == 0:
@@ -303,6 +308,14 @@ def pour_ragged(rag, w: int, cap: int):
                 return None
         else:
             target = -(-s.left_b // (w - r))  # fine granules top a rank up to the mean of what is left
+            due += s.small[-(-r * n_small // w) : -(-(r + 1) * n_small // w)]
+            pre, later = 0, []
+            for t in due:  # first in the rank's segment of their bucket (unless it has an open tensor)
+                if s.blocked[s.bucket_of[t]]:
+                    later.append(t)
+                else:
+                    pre += s.take_whole(t)
+            due = later
             s.log.clear()
             q = dict(quota)
             load, first, first_b = rank(target, q)
@@ -321,8 +334,6 @@ def pour_ragged(rag, w: int, cap: int):
                 q = dict(quota)
                 load = rank(target, q, first, first_b - best[1] * first)[0] if best[1] else rank(target, q)[0]
             quota = q
-            if load == 0 and s.left_b > 0:
-                return None
         max_load = max(max_load, load)
         bounds[:, r + 1] = s.pos
         if r % 16 == 15:
@@ -334,6 +345,12 @@ def pour_ragged(rag, w: int, cap: int):
 _FINE = 32
 """Granules up to ``cap / _FINE`` are fine: they top a rank up only to the mean of the bytes still to
 place (left over ranks left), so they stay for the ranks filled last."""
+
+_SMALL = 1024
+"""Tensors of at most ``cap / _SMALL`` bytes (norms, biases) skip the greedy: the i-th of n goes first
+into rank ``i * W // n`` (the next rank whose segment of its bucket it can start), so they spread over
+the ranks: their bytes are negligible, their optimizer work per byte is not (Shampoo's 1-D blocks: ~100x
+a matrix's)."""
 
 _TRIES = 2
 """A rank left under the mean is refilled with 1.._TRIES fewer of its coarsest granule; the best fill wins."""
