@@ -26,7 +26,7 @@ its bucket. Three rules keep the small pieces for the ranks that need them:
 - fine granules (at most ``cap / _FINE``: element-wise tensors, norms) top a rank up only to the
   mean of the bytes still to place per rank left, not to ``cap``;
 - each coarse granule (a block size) is spent at an even rate: by the end of rank ``r`` at most
-  ``ceil((r+1) / W)`` of its bytes plus one granule (a quota); a rank still under the mean after that
+  ``ceil((r+1) / W x its bytes)`` plus one granule (a quota); a rank still under the mean after that
   pass takes more regardless of the quota;
 - a rank left under the mean whose first (coarsest) granule is at least ``cap / _TRIAL_MIN`` is
   refilled with 1 or 2 fewer of that granule (every move is logged and undone), and the fullest fill
@@ -321,15 +321,14 @@ def pour_ragged(rag, w: int, cap: int):
             load, first, first_b = rank(target, q)
             if load < target and first * _TRIAL_MIN >= cap and first_b >= first:
                 # under the mean: fewer of the coarsest granule may let smaller items fill the rank better
-                best = (load, 0, q)
+                best = (load, 0)
                 for d in range(1, _TRIES + 1):
                     if first_b - d * first < 0:
                         break
                     s.undo_to(0)
-                    qd = dict(quota)
-                    got = rank(target, qd, first, first_b - d * first)[0]
+                    got = rank(target, dict(quota), first, first_b - d * first)[0]
                     if got > best[0]:
-                        best = (got, d, qd)
+                        best = (got, d)
                 s.undo_to(0)
                 q = dict(quota)
                 load = rank(target, q, first, first_b - best[1] * first)[0] if best[1] else rank(target, q)[0]
