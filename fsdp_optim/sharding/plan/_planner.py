@@ -909,8 +909,9 @@ def _balance_ragged(rag, total_b: int, w: int) -> tuple[list[int], list[list[int
 def _pour_if_better(rag, total_b: int, w: int, glob_cuts, bounds, offs_list, goal: int):
     """The per-bucket packing ([Note: per-bucket ragged packing]) with the smallest capacity found in at
     most ``_POUR_PROBES`` packings (the first at ``goal`` bytes, then bisection), if its busiest rank holds
-    clearly fewer bytes than the stream packing's (which balances the optimizer cost too); else the
-    stream packing's ``(bounds, offsets)``."""
+    clearly fewer bytes than the stream packing's (which balances the optimizer cost too) and, where the
+    stream packing already meets ``goal``, a lower largest per-rank optimizer cost; else the stream
+    packing's ``(bounds, offsets)``."""
     cur = max(b - a for a, b in zip(glob_cuts, glob_cuts[1:])) if w > 1 and rag else 0
     biggest = max((g.max_block * isz for _, gs, _, _, isz in rag for g in gs), default=0)
     lo = max(-(-total_b // w), biggest)
@@ -931,7 +932,24 @@ def _pour_if_better(rag, total_b: int, w: int, glob_cuts, bounds, offs_list, goa
         mid = (lo + hi) // 2 if found is None and mid <= lo else mid
     if found is None:
         return bounds, offs_list
+    if cur <= goal and _max_cost_bounds(rag, found[0], found[1], w) >= _max_rank_cost(rag, glob_cuts, offs_list, w):
+        return bounds, offs_list  # both meet the goal: the stream's balanced optimizer cost wins
     return list(found[0]), found[1]
+
+
+def _max_cost_bounds(rag, bounds, offs_list, w: int) -> float:
+    """Largest per-rank optimizer cost of ragged buckets laid out by per-bucket rank bounds (elements)."""
+    cost = np.zeros(w, dtype=np.float64)
+    for (_, geoms, _, profs, _), rb, offs in zip(rag, bounds, offs_list):
+        rb = np.asarray(rb, dtype=np.int64)
+        for g, prof, o in zip(geoms, profs, offs):
+            if g.numel == 0:
+                continue
+            r0 = max(int(np.searchsorted(rb, o, side="right")) - 1, 0)
+            r1 = min(max(int(np.searchsorted(rb, o + g.numel, side="left")), r0 + 1), w)
+            x = np.clip(rb[r0 : r1 + 1] - o, 0, g.numel)
+            cost[r0:r1] += np.diff(_cum_cost(prof, g.numel, x))
+    return float(cost.max()) if w else 0.0
 
 
 _POUR_PROBES = 3
