@@ -5,8 +5,8 @@ over the mean, the whole-block lower bound, split blocks, plan seconds, and for 
 the cap the HSDP shard size the plan names and that shard group's figure.
 
 Writes benchmarks/results/planner_scale.{json,md,png} (a --quick run: runs/bench-quick/; --out DIR): padding %, split matrix bytes %,
-per-rank bytes and optimizer cost max/mean, the whole-block lower bound (largest block over
-mean per-rank bytes), plan seconds; and per preset the largest power-of-two W at which Muon
+per-rank bytes and optimizer cost max/mean, the whole-block lower bound (``whole_block_bound``, a
+proven bound on any plan keeping blocks whole, over the mean per-rank bytes), plan seconds; and per preset the largest power-of-two W at which Muon
 matrices / Shampoo blocks (ragged, whole blocks) still balance within 10%.
 
     python benchmarks/planner_scale.py            # full grid (a few minutes on 2 cores)
@@ -196,8 +196,8 @@ def _md(data: dict, command: str) -> str:
         "",
         f"Made by: `{command}` ({platform.python_version()}, {platform.machine()})",
         "",
-        "Per-rank bytes include padding; `lb` = largest indivisible block / mean per-rank bytes "
-        "(floored at 1): the best any whole-block plan can do. `split %` = bytes of matrix blocks "
+        "Per-rank bytes include padding; `lb` = the whole-block lower bound (`whole_block_bound`: counting "
+        "and bin-packing bounds, proven) / mean per-rank bytes (floored at 1): no whole-block plan does better. `split %` = bytes of matrix blocks "
         "cut across ranks / bytes of all matrix blocks. fp32 (4-byte) parameters, one bucket per layer. "
         "`plan s`: wall time of `plan_model` (best of up to 3 when over 0.5 s: the machine is shared). "
         "Shampoo plans with `shampoo_rule(1024, per_expert=True)` (one block per routed expert). "

@@ -33,8 +33,14 @@ block of the mean. When blocks approach the mean size (dense models at W >= 256)
 loose, so a second candidate is built: bisection on a per-rank capacity ``C`` in
 ``[max(mean, largest block), mean + largest block]``, filling ranks in order up to ``C`` (same
 ordering rule, cuts snapped down); the candidate with the smaller largest rank wins (ties: the
-fixed targets). ``PlanStats.bytes_lower_bound`` (largest block over mean) is the best any
-whole-block plan can do; the benchmark reports the gap. Optimizer cost comes second: with the
+fixed targets). ``PlanStats.bytes_lower_bound`` (``whole_block_bound`` over the mean, see
+[Note: whole-block lower bound] in ``_report``) is the best any whole-block plan can do; the
+benchmark reports the gap. Where every bucket is ragged, blocks stay whole and the stream's busiest
+rank exceeds ``plan_model``'s step-1 goal ``max(1.02 x bound, 1.05)`` x the mean, a third candidate
+drops the one-slice-per-rank stream: each bucket gets its own rank bounds, so an element-wise tensor
+can fill the gaps of many ranks ([Note: per-bucket ragged packing] in ``_pour``; at most
+``_POUR_PROBES`` capacities, the first at the goal); it is kept if its busiest rank is lower by
+``_POUR_GAIN``. Optimizer cost comes second: with the
 largest rank's bytes allowed to grow by at most ``_BYTES_SLACK`` (0.5%), a per-rank cost cap is
 bisected too (a rank closes when either cap is reached; an empty rank always takes one block),
 and the result is kept only if it lowers the largest rank's cost. This matters for Muon on MoE
@@ -53,9 +59,10 @@ loses there.
 
 [Note: balance cap]
 Whole blocks cannot balance once a block nears a rank's mean bytes (Llama 3 8B, Muon, W = 1024: one
-MLP matrix is 7.5 ranks' worth). ``PlanStats.bytes_lower_bound`` says how far whole blocks can get:
-``max_k ceil(k / W) * size_k`` over the blocks sorted by size, since the ``k`` largest share ``W``
-ranks. ``plan_model`` then works in three steps, each only when the previous misses:
+MLP matrix is 7.5 ranks' worth). ``PlanStats.bytes_lower_bound`` says how far whole blocks can get: a
+proven lower bound, the larger of ``max_k ceil(k / W) * size_k`` over the blocks sorted by size (the
+``k`` largest share ``W`` ranks) and a bin-packing bound (see [Note: whole-block lower bound] in
+``_report``). ``plan_model`` then works in three steps, each only when the previous misses:
 1. the whole-block plan above; if the busiest rank exceeds ``max(1.02 * bound, 1.05)`` x the mean and
    some bucket is EVEN, the all-ragged whole-block plan too (elementwise embeddings can then fill
    the ranks that big matrices leave light), the better one kept;
@@ -100,6 +107,7 @@ import numpy as np
 from ._blocks import align_down, align_up
 from ._plan import BucketPlan, Layout, Placement, Plan, PlanConfig, TensorSpec
 from ._cost import _cost_profile, _cum_cost, _UniformCost, tensor_cost
+from ._pour import pour_ragged
 from ._ragged import RaggedShard
 from ._report import PlanStats, block_sizes, plan_report, plan_stats, whole_block_bound
 
@@ -682,12 +690,13 @@ def plan_model(
         out, note = _split_for_balance(items, w, config, mean, f"whole blocks cannot: lower bound {lb:.3f}")
         return Plan(world_size=w, buckets=out, config=config, seconds=time.perf_counter() - t0, balance_note=note)
     chosen = _choose_layouts(items, w, config)
-    out = _layout(items, w, config, chosen=chosen)
+    goal = int(max(1.02 * lb, 1.05) * mean)  # what step 1 aims for (see [Note: balance cap])
+    out = _layout(items, w, config, chosen=chosen, goal=goal)
     ratio = _busiest(out) / mean
     if lb <= cap and ratio > max(1.02 * lb, 1.05) and config.layout == "auto" and any(b.layout is Layout.EVEN for b in out):
         # even buckets add the same bytes to every rank; ragged ones can fill the ranks that whole
         # blocks leave light (elementwise embeddings beside the MLP matrices)
-        alt = _layout(items, w, dataclasses.replace(config, layout="ragged"))
+        alt = _layout(items, w, dataclasses.replace(config, layout="ragged"), goal=goal)
         if _busiest(alt) / mean < ratio:
             out, ratio = alt, _busiest(alt) / mean
     if ratio <= cap:
@@ -790,9 +799,12 @@ _SPLIT_TRIES = 3
 """Balance cap: split plans tried (threshold on block bytes divided by 4 after each miss)."""
 
 
-def _layout(items, w: int, config: PlanConfig, *, split_above: int | None = None, chosen=None) -> tuple[BucketPlan, ...]:
+def _layout(items, w: int, config: PlanConfig, *, split_above: int | None = None, chosen=None,
+            goal: int = 0) -> tuple[BucketPlan, ...]:
     """The bucket plans: layout per bucket, global ragged balance, materialized placements.
     ``split_above`` (bytes): ragged buckets may cut matrix blocks larger than this on rows.
+    ``goal`` (bytes, 0: off): with whole blocks and every bucket ragged, the per-rank bytes the per-bucket
+    packing aims for first when the stream packing's busiest rank exceeds it.
     ``chosen``: ``_choose_layouts(items, w, config)`` when already computed (it is pure)."""
     layouts, evens = chosen or _choose_layouts(items, w, config)
     ragged_idx = [i for i, lay in enumerate(layouts) if lay is Layout.RAGGED]
@@ -802,8 +814,14 @@ def _layout(items, w: int, config: PlanConfig, *, split_above: int | None = None
         rag.append(_ragged_item(items[i], total_b, split_above, _quantum(config, items[i][2])))
         total_b += sum(g.numel for g in rag[-1][1]) * items[i][2]
     glob_cuts, offs_list = _balance_ragged(rag, total_b, w)
-    ragged = {i: (offs, [g.split for g in r[1]], sum(g.numel for g in r[1])) for i, offs, r in zip(ragged_idx, offs_list, rag)}
     glob = np.asarray(glob_cuts, dtype=np.int64)  # non-decreasing within a bucket, buckets in order
+    spans = [sum(g.numel for g in r[1]) for r in rag]
+    bounds = [np.clip(glob - r[0], 0, span * r[4]) // r[4] for r, span in zip(rag, spans)]
+    if split_above is None and goal and len(rag) == len(items):
+        # whole blocks, every bucket ragged (plan_model replans all-ragged when a mixed plan misses):
+        # the per-bucket packing may balance better
+        bounds, offs_list = _pour_if_better(rag, total_b, w, glob_cuts, bounds, offs_list, goal)
+    ragged = {i: (offs, [g.split for g in r[1]], rb) for i, offs, r, rb in zip(ragged_idx, offs_list, rag, bounds)}
     out: list[BucketPlan] = []
     for i, (name, specs, isz) in enumerate(items):
         if layouts[i] is Layout.EVEN:
@@ -811,8 +829,7 @@ def _layout(items, w: int, config: PlanConfig, *, split_above: int | None = None
             rb_np = np.arange(w + 1, dtype=np.int64) * ev.seg
             offsets, splits = ev.offsets, ev.split
         else:
-            offsets, splits, span = ragged[i]
-            rb_np = np.clip(glob - starts_b[i], 0, span * isz) // isz
+            offsets, splits, rb_np = ragged[i]
         out.append(_materialize(name, specs, isz, layouts[i], rb_np, offsets, splits))
     return tuple(out)
 
@@ -888,6 +905,58 @@ def _balance_ragged(rag, total_b: int, w: int) -> tuple[list[int], list[list[int
     if _COST_BISECT_STEPS:
         glob_cuts, offs_list = _balance_cost(rag, total_b, w, glob_cuts, offs_list)
     return glob_cuts, offs_list
+
+
+def _pour_if_better(rag, total_b: int, w: int, glob_cuts, bounds, offs_list, goal: int):
+    """The per-bucket packing ([Note: per-bucket ragged packing]) with the smallest capacity found in at
+    most ``_POUR_PROBES`` packings (the first at ``goal`` bytes, then bisection), if its busiest rank holds
+    clearly fewer bytes than the stream packing's (which balances the optimizer cost too) and, where the
+    stream packing already meets ``goal``, a lower largest per-rank optimizer cost; else the stream
+    packing's ``(bounds, offsets)``."""
+    cur = max(b - a for a, b in zip(glob_cuts, glob_cuts[1:])) if w > 1 and rag else 0
+    biggest = max((g.max_block * isz for _, gs, _, _, isz in rag for g in gs), default=0)
+    lo = max(-(-total_b // w), biggest)
+    hi = int(cur / (1 + _POUR_GAIN))
+    if hi <= lo:
+        return bounds, offs_list
+    lo, found = lo - 1, None
+    mid = min(max(goal, lo + 1), hi)
+    for _ in range(_POUR_PROBES):
+        res = pour_ragged(rag, w, mid)
+        if res is None:
+            lo = mid
+        else:
+            hi, found = min(mid, res[2]), res
+        if hi - lo <= max(1, total_b // (w * 1024)) or (found is None and mid == hi):
+            break
+        mid = (lo + hi) // 2 if found is not None or hi - mid <= mid - lo else mid + (hi - mid) // 2
+        mid = (lo + hi) // 2 if found is None and mid <= lo else mid
+    if found is None:
+        return bounds, offs_list
+    if cur <= goal and _max_cost_bounds(rag, found[0], found[1], w) >= _max_rank_cost(rag, glob_cuts, offs_list, w):
+        return bounds, offs_list  # both meet the goal: the stream's balanced optimizer cost wins
+    return list(found[0]), found[1]
+
+
+def _max_cost_bounds(rag, bounds, offs_list, w: int) -> float:
+    """Largest per-rank optimizer cost of ragged buckets laid out by per-bucket rank bounds (elements)."""
+    cost = np.zeros(w, dtype=np.float64)
+    for (_, geoms, _, profs, _), rb, offs in zip(rag, bounds, offs_list):
+        rb = np.asarray(rb, dtype=np.int64)
+        for g, prof, o in zip(geoms, profs, offs):
+            if g.numel == 0:
+                continue
+            r0 = max(int(np.searchsorted(rb, o, side="right")) - 1, 0)
+            r1 = min(max(int(np.searchsorted(rb, o + g.numel, side="left")), r0 + 1), w)
+            x = np.clip(rb[r0 : r1 + 1] - o, 0, g.numel)
+            cost[r0:r1] += np.diff(_cum_cost(prof, g.numel, x))
+    return float(cost.max()) if w else 0.0
+
+
+_POUR_PROBES = 3
+"""Per-bucket packing: capacities tried per plan (each packing is one pass over the ranks)."""
+_POUR_GAIN = 0.005
+"""The per-bucket packing is tried, and kept, only where it lowers the busiest rank by this fraction."""
 
 
 def _balance_cost(rag, total_b: int, w: int, glob_cuts, offs_list):

@@ -6,6 +6,7 @@ as methods without an import cycle.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
@@ -46,9 +47,9 @@ class PlanStats(NamedTuple):
     cost_max_over_mean: float
     """Per-rank optimizer cost (``tensor_cost``) over all buckets: max / mean."""
     bytes_lower_bound: float
-    """The best any whole-block plan can do, over the mean per-rank parameter bytes, floored at 1:
-    ``max_k ceil(k / W) * (k-th largest block)`` (``k`` blocks of at least that size share W ranks;
-    ``k = 1``: the largest block), see ``whole_block_bound``."""
+    """A proven lower bound on the busiest rank of any whole-block plan, over the mean per-rank parameter
+    bytes, floored at 1: ``whole_block_bound`` (the larger of ``max_k ceil(k / W) * (k-th largest
+    block)`` and a bin-packing bound, see [Note: whole-block lower bound])."""
     balance_ratio: float
     """Largest rank's stored bytes (padding included) over the mean *parameter* bytes per rank: what
     ``PlanConfig.balance_cap`` bounds (padding counts against the balance)."""
@@ -118,17 +119,160 @@ def block_sizes(shape: Sequence[int], spec: BlockSpec) -> dict[int, int]:
 
 
 def whole_block_bound(sizes: dict[int, int], world_size: int) -> int:
-    """Least possible bytes on the busiest rank of any plan keeping blocks whole.
+    """Least possible bytes on the busiest rank of any plan keeping blocks whole (a proven lower bound).
 
-    ``sizes``: ``{block bytes: count}``. The ``k`` largest blocks sit on ``W`` ranks, so some rank
-    holds ``ceil(k / W)`` of them, each at least the ``k``-th largest: the bound is the maximum of
-    ``ceil(k / W) * size_k`` over ``k`` (checked at the last block of each size class, where it peaks).
+    ``sizes``: ``{block bytes: count}``. The larger of two bounds, see [Note: whole-block lower bound]:
+    the counting bound ``max_k ceil(k / W) * size_k`` and the bin-packing bound ``_binpack_bound``.
     """
+    if not sizes or world_size < 1:
+        return 0
+    return max(_counting_bound(sizes, world_size), _binpack_bound(sizes, world_size))
+
+
+def _counting_bound(sizes: dict[int, int], world_size: int) -> int:
+    """``max_k ceil(k / W) * size_k``: the ``k`` largest blocks sit on ``W`` ranks, so some rank holds
+    ``ceil(k / W)`` of them, each at least the ``k``-th largest (checked at the last block of each size
+    class, where it peaks)."""
     best, k = 0, 0
     for size in sorted(sizes, reverse=True):
         k += sizes[size]
         best = max(best, -(-k // world_size) * size)
     return best
+
+
+# [Note: whole-block lower bound]
+# A whole-block plan puts every block (its bytes: an item) on one rank; padding only adds bytes, so a
+# bound on the busiest rank of a padding-free assignment bounds every plan. Element-wise blocks are
+# items too (tiny ones); nothing below treats any item as divisible except as noted, so the bound holds
+# for every plan of the given blocks.
+#
+# Capacity test ``_excluded(C)``: true only if no assignment of the items to W ranks keeps every rank at
+# or below C bytes. Three proofs, any one suffices:
+#   (i) some item is larger than C;
+#  (ii) the total exceeds W * C;
+# (iii) Martello-Toth L2 with the small items counted as filler: for 0 <= K <= C/2, let
+#       N1 = items > C - K, N2 = items in (C/2, C - K], N3 = items in [K, C/2], small = items < K.
+#       Two items of N1 u N2 never share a rank (each is > C/2), so they occupy n1 + n2 distinct ranks.
+#       A rank holding an N1 item holds nothing of N2 u N3 (N1 > C - K and every N2, N3 item is >= K),
+#       so its free room, ``res1 = n1*C - sum(N1)`` in all, takes small items only. The N2 ranks have free
+#       room ``res2 = n2*C - sum(N2)``. Whatever of N3 and of the small items does not fit there, at least
+#       ``sum(N3) + max(0, sum(small) - res1) - res2`` bytes, needs further ranks of C bytes each, so at
+#       least ``n1 + n2 + ceil(max(0, that) / C)`` ranks are used; more than W excludes C.
+#       (K = 0 and K = each item size <= C/2 are tried; between item sizes the classes do not change.)
+#  (iv) a dual feasible function (Fekete and Schepers): with capacity normalized to 1 and an integer
+#       k >= 1, ``u_k(x) = x`` if ``(k+1) x`` is an integer, else ``floor((k+1) x) / k``. On one rank
+#       (sum of its x <= 1) the u_k sum to at most 1: let I be its items with ``y = (k+1) x`` integral,
+#       J the others. If J is empty the sum is sum(x) <= 1. Else sum_J floor(y) < sum_J y <= k + 1 -
+#       sum_I y, and both ends are integers, so sum_J floor(y) <= k - sum_I y, and the u_k sum to at
+#       most sum_I y / (k+1) + (k - sum_I y) / k = 1 - sum_I y (1/k - 1/(k+1)) <= 1. Hence W ranks
+#       hold items whose u_k sum to at most W: a larger sum over all items excludes C. (Items below
+#       C / (k+1) count 0: element-wise blocks, however many, add nothing to this test.) Computed
+#       exactly in integers: ``k * sum_I x + C * sum_J floor((k+1) x / C) > W * k * C``.
+#  (vi) counting instead of volume: for an item size s <= C/2, a rank holding an item x > C/2 (at most
+#       one: two exceed C) has room for at most ``floor((C - x) / s)`` items of s bytes or more besides
+#       it, any other rank for at most ``floor(C / s)``; more items in [s, C/2] than that, summed over
+#       the ranks (the n_big ranks with a large item, W - n_big without), exclude C. (Llama 3 405B,
+#       Shampoo, W = 4096: a rank with a 0.55 x mean block holds at most two 0.17 blocks below 1.058,
+#       any other at most six; 17638 such blocks need more than 4096 ranks.)
+#   (v) the equality case of (iv) when no item has ``(k+1) x / C`` integral (I empty): call
+#       ``floor((k+1) x / C)`` the units of x. A rank holds at most k units (shown in (iv)); if the
+#       units of all items sum to exactly ``W * k``, every rank holds exactly k. Then the rank that
+#       holds the largest zero-unit item z also holds items worth k units, at least ``B`` bytes, the
+#       least bytes of any multiset of item sizes worth exactly k units (a knapsack over the sizes,
+#       counts ignored: a relaxation), so ``B + z > C`` excludes C.
+# Feasibility is monotone in C (a plan with busiest rank <= C' also has busiest rank <= C for C >= C'),
+# so an excluded C proves every plan's busiest rank > C, whatever the test says about other capacities.
+# ``_binpack_bound`` bisects C between a proven-excluded value (one below the counting bound or the
+# mean) and ``ceil(total / W) + largest item`` (list scheduling reaches it, so it is never excluded) and
+# returns one more than the largest excluded C it met: a valid lower bound even if the test were not
+# monotone, and within ``total / W / 2**17`` of the bisection's limit.
+
+
+def _excluded(c: int, desc: list[int], counts: list[int], cnt_pre: list[int], sum_pre: list[int], world_size: int) -> bool:
+    """Whether capacity ``c`` is proven infeasible (see [Note: whole-block lower bound]). ``desc``: the
+    distinct item sizes, descending; ``cnt_pre`` / ``sum_pre``: prefix counts / byte sums over ``desc``."""
+    if desc[0] > c or sum_pre[-1] > world_size * c:
+        return True
+    neg = [-x for x in desc]
+
+    def n_above(x: float) -> int:  # classes with size > x (a prefix of ``desc``)
+        return bisect.bisect_left(neg, -x)
+
+    def n_at_least(x: int) -> int:  # classes with size >= x
+        return bisect.bisect_right(neg, -x)
+
+    total = sum_pre[-1]
+    i_half = n_above(c / 2)
+    for k in [0] + [x for x in desc[i_half:] if x > 0]:
+        i1, i3 = n_above(c - k), n_at_least(k) if k > 0 else len(desc)
+        n1, s1 = cnt_pre[i1], sum_pre[i1]
+        n2, s2 = cnt_pre[i_half] - n1, sum_pre[i_half] - s1
+        s3 = sum_pre[i3] - sum_pre[i_half]
+        small = total - sum_pre[i3]
+        rest = s3 + max(0, small - (n1 * c - s1)) - (n2 * c - s2)
+        if n1 + n2 + max(0, -(-rest // c)) > world_size:
+            return True
+    big = [(x, m) for x, m in zip(desc, counts) if 2 * x > c]  # (vi): items of at least s, counted
+    n_big = sum(m for _, m in big)
+    n_s = 0  # items in [s, C/2]
+    for s_, m in zip(desc, counts):
+        if 2 * s_ > c:
+            continue
+        n_s += m
+        if n_s > sum(m_ * ((c - x) // s_) for x, m_ in big) + (world_size - n_big) * (c // s_):
+            return True
+    for k in range(1, _DFF_MAX_K + 1):  # (iv): sum of u_k over all items > W
+        whole_, frac_ = 0, 0  # k * (items with (k+1)x/C integral, bytes) + C * sum floor((k+1)x/C) (others)
+        for x, m in zip(desc, counts):
+            q, r_ = divmod((k + 1) * x, c)
+            if r_ == 0:
+                whole_ += k * x * m
+            else:
+                frac_ += c * q * m
+        if whole_ + frac_ > world_size * k * c:
+            return True
+        if whole_ == 0 and frac_ == world_size * k * c and _full_ranks_excluded(c, k, desc):
+            return True
+    return False
+
+
+def _full_ranks_excluded(c: int, k: int, desc: list[int]) -> bool:
+    """(v) of [Note: whole-block lower bound]: every rank holds exactly ``k`` units; the cheapest ``k``
+    units plus the largest zero-unit item exceed ``c``."""
+    units = [((k + 1) * x) // c for x in desc]
+    zero = [x for x, q in zip(desc, units) if q == 0]
+    if not zero:
+        return False
+    dp = [0] + [math.inf] * k  # least bytes of items worth exactly u units (unbounded: a relaxation)
+    for u in range(1, k + 1):
+        dp[u] = min((dp[u - q] + x for x, q in zip(desc, units) if 0 < q <= u), default=math.inf)
+    return dp[k] + max(zero) > c
+
+
+_DFF_MAX_K = 32
+"""Bin-packing bound: dual feasible functions ``u_k`` tried, k = 1..this."""
+
+
+def _binpack_bound(sizes: dict[int, int], world_size: int) -> int:
+    """The bin-packing bound of [Note: whole-block lower bound] (bytes)."""
+    desc = sorted((s for s in sizes if s > 0 and sizes[s] > 0), reverse=True)
+    if not desc:
+        return 0
+    cnt_pre, sum_pre = [0], [0]
+    for s in desc:
+        cnt_pre.append(cnt_pre[-1] + sizes[s])
+        sum_pre.append(sum_pre[-1] + s * sizes[s])
+    mean_up = -(-sum_pre[-1] // world_size)
+    lo = max(_counting_bound(sizes, world_size), mean_up) - 1  # proven excluded (or trivially: below both)
+    hi = mean_up + desc[0]
+    tol = max(1, mean_up >> 17)
+    while hi - lo > tol:
+        mid = (lo + hi) // 2
+        if _excluded(mid, desc, [sizes[x] for x in desc], cnt_pre, sum_pre, world_size):
+            lo = mid
+        else:
+            hi = mid
+    return lo + 1
 
 
 def _ratio(a: np.ndarray) -> float:
