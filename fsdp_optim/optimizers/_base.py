@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -15,7 +16,21 @@ from ..sharding import materialize_all
 from ..sharding import ShardInfo, check_not_replaced, shard_info
 from ..sharding import ShardedState  # (re-exported: the checkpoint contract lives with the checkpoints)
 
-__all__ = ["param_info", "checked_param_info", "require_spec", "check_adam_hparams", "make_dcp_ready", "StateShard", "ShardedState", "apply_update", "discard_last_group"]
+__all__ = ["range_pieces", "param_info", "checked_param_info", "require_spec", "check_adam_hparams", "make_dcp_ready", "StateShard", "ShardedState", "apply_update", "discard_last_group"]
+
+
+def range_pieces(bounds: Sequence[int], offset: int, numel: int) -> tuple[tuple[int, int, int], ...]:
+    """``(rank, a, b)`` for every rank holding a non-empty part ``[a, b)`` (offsets local to the range)
+    of the flat range ``[offset, offset + numel)`` under rank ``bounds``; O(log W + ranks spanned).
+    (A split matrix's or strip's pieces: Muon and Shampoo exchange them.)"""
+    out = []
+    q = bisect.bisect_right(bounds, offset) - 1
+    while q < len(bounds) - 1 and bounds[q] < offset + numel:
+        a, b = max(bounds[q], offset) - offset, min(bounds[q + 1], offset + numel) - offset
+        if b > a:
+            out.append((q, a, b))
+        q += 1
+    return tuple(out)
 
 
 class StateShard(NamedTuple):

@@ -80,7 +80,7 @@ from torch import Tensor
 from ..sharding import BlockRule, expert, whole
 from ..sharding import ShardInfo, shard_info
 from ._adamw import adamw_update
-from ._base import StateShard, checked_param_info, make_dcp_ready, require_spec, profiled_step
+from ._base import range_pieces, StateShard, checked_param_info, make_dcp_ready, require_spec, profiled_step
 from ._rules import ambiguous_name_guess, muon_rule
 
 __all__ = ["Muon", "newton_schulz", "adjust_lr"]
@@ -207,19 +207,6 @@ def assign_owners(
         owners[j] = best
         loads[best] += costs[j]
     return owners
-
-
-def _pieces(bounds: Sequence[int], offset: int, numel: int) -> list[tuple[int, int, int]]:
-    """``(rank, a, b)`` for every rank holding a non-empty part ``[a, b)`` (matrix-local flat
-    offsets) of the matrix at ``[offset, offset + numel)``; O(log W + ranks spanned)."""
-    out = []
-    q = bisect.bisect_right(bounds, offset) - 1
-    while q < len(bounds) - 1 and bounds[q] < offset + numel:
-        a, b = max(bounds[q], offset) - offset, min(bounds[q + 1], offset + numel) - offset
-        if b > a:
-            out.append((q, a, b))
-        q += 1
-    return out
 
 
 # ---- plan of one parameter / one exchange -------------------------------------------------
@@ -695,7 +682,7 @@ class Muon(torch.optim.Optimizer):
                 )
         pieces = []  # per split matrix: [(rank, a, b)]
         for p, (off, r, c) in splits:
-            pieces.append(_pieces(self._plans[p].info.layout.bounds, off, r * c))
+            pieces.append(range_pieces(self._plans[p].info.layout.bounds, off, r * c))
         costs = [_ns_cost(m[1], m[2]) for _, m in splits]
         sizes = []
         for pc in pieces:

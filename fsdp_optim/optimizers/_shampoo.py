@@ -128,7 +128,7 @@ from torch import Tensor
 
 from ..sharding import BlockRule
 from ..sharding import ShardInfo, shard_info
-from ._base import StateShard, apply_update, checked_param_info, require_spec
+from ._base import range_pieces, StateShard, apply_update, checked_param_info, require_spec
 from ._linalg import aligned, bmm, eigh
 from ._preconditioner import (
     BlockPreconditioner, Grafting, factor_ema_, graft_rescale_, grafting_direction, outer, outer_batched, square_view,
@@ -284,19 +284,6 @@ class _Exchange(NamedTuple):
     """The split parameters with the dtype and device the exchange was planned for."""
 
 
-def _pieces(bounds: Any, offset: int, numel: int) -> tuple[tuple[int, int, int], ...]:
-    """``(rank, a, b)`` for every rank holding a non-empty part ``[a, b)`` (local to the range) of
-    ``[offset, offset + numel)``."""
-    out = []
-    q = bisect.bisect_right(bounds, offset) - 1
-    while q < len(bounds) - 1 and bounds[q] < offset + numel:
-        a, b = max(bounds[q], offset) - offset, min(bounds[q + 1], offset + numel) - offset
-        if b > a:
-            out.append((q, a, b))
-        q += 1
-    return tuple(out)
-
-
 def _plan_param(name: str, info: ShardInfo, geom: BlockGeometry) -> _ParamPlan:
     if info.numel == 0:
         return _ParamPlan(name, info, geom, (0, 0), ())
@@ -314,7 +301,7 @@ def _plan_param(name: str, info: ShardInfo, geom: BlockGeometry) -> _ParamPlan:
             blocks.extend(sb)
         else:  # the last strip, cut by the next rank boundary
             shape = (geom.strip_rows(i), *geom.dims[1:])
-            owned = _OwnedStrip(i, shape, tuple(sb), _pieces(bounds, row0 * cols, math.prod(shape)))
+            owned = _OwnedStrip(i, shape, tuple(sb), range_pieces(bounds, row0 * cols, math.prod(shape)))
     pieces = []
     if start < end:
         for i in sorted({geom.strip_containing(start), geom.strip_containing(end - 1)}):

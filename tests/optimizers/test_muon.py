@@ -672,8 +672,9 @@ def test_param_groups_with_own_hyperparameters_share_a_split_bucket(world_size):
 
 
 def test_pieces_match_brute_force():
-    """The exchange plan finds the ranks holding a split matrix by bisection (no loop over all W)."""
-    from fsdp_optim.optimizers._muon import _pieces
+    """The exchange plans (Muon's split matrices, Shampoo's split strips) find the ranks holding a range by
+    bisection (no loop over all W)."""
+    from fsdp_optim.optimizers._base import range_pieces
 
     gen = torch.Generator().manual_seed(3)
     for _ in range(50):
@@ -682,7 +683,7 @@ def test_pieces_match_brute_force():
         off = int(torch.randint(0, 50, (1,), generator=gen))
         n = int(torch.randint(1, 60 - off + 1, (1,), generator=gen))
         brute = [(q, max(bounds[q], off) - off, min(bounds[q + 1], off + n) - off) for q in range(w)]
-        assert _pieces(bounds, off, n) == [x for x in brute if x[2] > x[1]], (bounds, off, n)
+        assert range_pieces(bounds, off, n) == tuple(x for x in brute if x[2] > x[1]), (bounds, off, n)
 
 
 # ---- explicit Newton-Schulz / AdamW sets (issue 15) --------------------------------------------

@@ -68,19 +68,28 @@ def strip_layout(shape, spec, world_size, shift: int) -> RaggedShard:
 
 
 def run(world_size: int, *, count_comms: bool = False, steps: int = STEPS, opt_kw=None, dtype=torch.float32):
-    init = {k: v.to(dtype) for k, v in _init().items()}
     specs = {k: _spec(k, s) for k, s in SHAPES.items()}
     layouts = {k: strip_layout(s, specs[k], world_size, i) for i, (k, s) in enumerate(SHAPES.items())}
+    return run_layouts(world_size, layouts, count_comms=count_comms, steps=steps, opt_kw=opt_kw or OPT, dtype=dtype)
+
+
+def run_layouts(world_size: int, layouts, *, opt_kw, count_comms: bool = True, steps: int = STEPS,
+                dtype=torch.float32, split: bool = False):  # fmt: skip
+    """SHAPES sharded by ``layouts`` (``split``: recorded as split blocks), ``steps`` Shampoo steps on
+    seeded gradients: the unsharded parameters, each state key's global flat vector assembled from the
+    ranks' ``StateShard`` s, and per rank the collectives of each step (``count_comms``)."""
+    init = {k: v.to(dtype) for k, v in _init().items()}
+    specs = {k: _spec(k, s) for k, s in SHAPES.items()}
 
     def fn():
         rank = dist.get_rank()
-        params = {k: make_sharded_param(init[k], spec=specs[k], layout=layouts[k], fqn=k) for k in SHAPES}
-        opt = Shampoo(list(params.values()), **(opt_kw or OPT))
+        params = {k: make_sharded_param(init[k], spec=specs[k], layout=layouts[k], fqn=k, split=split) for k in SHAPES}
+        opt = Shampoo(list(params.values()), **opt_kw)
         comms = []
         for s in range(steps):
             g = _grads(s)
             for k, p in params.items():
-                p.grad = layouts[k].shard(g[k], rank).to(dtype)
+                p.grad = layouts[k].shard(g[k], rank).to(dtype).clone()
             with CommDebugMode() if count_comms else contextlib.nullcontext() as mode:
                 opt.step()
             if count_comms:
@@ -94,8 +103,8 @@ def run(world_size: int, *, count_comms: bool = False, steps: int = STEPS, opt_k
     state = {}
     for k in SHAPES:  # assemble each state key's global flat vector from the ranks' StateShards
         for key in outs[0][1][k]:
-            gnum = outs[0][1][k][key][0].global_numel
-            full = torch.full((gnum,), float("nan"))
+            gnum, dt = outs[0][1][k][key][0].global_numel, outs[0][1][k][key][1].dtype
+            full = torch.full((gnum,), float("nan"), dtype=dt)
             for o in outs:
                 sh, t = o[1][k][key]
                 assert sh.global_numel == gnum and t.numel() == sh.end - sh.start

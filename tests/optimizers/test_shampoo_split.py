@@ -3,7 +3,6 @@ split strips]) equals the single-process Shampoo bitwise, with one all_to_all_si
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import warnings
@@ -11,13 +10,12 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.debug import CommDebugMode
 
 from fsdp_optim._testing import make_sharded_param, run_distributed
 from fsdp_optim.optimizers import Shampoo
 from fsdp_optim.optimizers._shampoo import shampoo_blocks
 from fsdp_optim.sharding import RaggedShard
-from tests.optimizers.test_shampoo import K, OPT, SHAPES, _grads, _init, _spec
+from tests.optimizers.test_shampoo import K, OPT, SHAPES, _grads, _init, _spec, run_layouts
 
 STEPS = 5
 SPLIT = ("w1", "w2", "experts", "bias", "w3", "row", "w4")  # shapes with more than one merged row
@@ -45,40 +43,14 @@ def row_layout(shape, spec, world_size: int, seed: int) -> RaggedShard:
 
 def run(world_size: int, opt_kw, *, split: bool = True, steps: int = STEPS, seed: int = 0):
     """Params per SHAPES, ``split``: row layouts recorded as split; else one rank (rank 0) holds all."""
-    init, specs = _init(), {k: _spec(k, s) for k, s in SHAPES.items()}
+    specs = {k: _spec(k, s) for k, s in SHAPES.items()}
     if world_size == 1 or not split:
         layouts = {k: RaggedShard(s, (0, *[math.prod(s)] * world_size)) for k, s in SHAPES.items()}
     else:
         layouts = {k: row_layout(s, specs[k], world_size, seed + i) for i, (k, s) in enumerate(SHAPES.items())}
 
-    def fn():
-        rank = dist.get_rank()
-        params = {k: make_sharded_param(init[k], spec=specs[k], layout=layouts[k], fqn=k, split=split) for k in SHAPES}
-        opt = Shampoo(list(params.values()), **opt_kw)
-        comms = []
-        for s in range(steps):
-            g = _grads(s)
-            for k, p in params.items():
-                p.grad = layouts[k].shard(g[k], rank).clone()
-            with CommDebugMode() as mode:
-                opt.step()
-            comms.append({str(op): n for op, n in mode.get_comm_counts().items() if n})
-        state = {k: {key: (opt.state_shards(p)[key], opt.state[p][key].clone()) for key in opt.state_shards(p)}
-                 for k, p in params.items()}  # fmt: skip
-        return {k: p.detach().clone() for k, p in params.items()}, state, comms
-
-    outs = run_distributed(fn, world_size=world_size)
-    result = {k: layouts[k].unshard([o[0][k] for o in outs]) for k in SHAPES}
-    state = {}
-    for k in SHAPES:
-        for key in outs[0][1][k]:
-            full = torch.full((outs[0][1][k][key][0].global_numel,), float("nan"), dtype=torch.float64)
-            for o in outs:
-                sh, t = o[1][k][key]
-                full[sh.start : sh.end] = t.reshape(-1).double()
-            assert not full.isnan().any(), (k, key)  # the ranks' factor ranges tile the global vector
-            state[k, key] = full
-    return result, state, [o[2] for o in outs], layouts
+    result, state, comms = run_layouts(world_size, layouts, opt_kw=opt_kw, steps=steps, split=split)
+    return result, state, comms, layouts
 
 
 _REF: dict = {}
