@@ -192,7 +192,7 @@ def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
                     shape, start = where
                     entry[key] = FlatShardTensor(entry[key].detach().reshape(-1), shape=shape, start=start)
                     if full:
-                        entry[key] = entry[key].full_tensor(_gather_group(p))
+                        entry[key] = _whole(entry[key], p)
             new_state[i] = entry
         return {**sd, "state": new_state}
 
@@ -249,16 +249,25 @@ def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
 # rank first (one object all-gather), so a rank without some state raises there instead of hanging.
 # Loading such a dict back (``set_optimizer_state_dict(..., full_state_dict=True)``) slices each rank's
 # range out of the full tensors in ``unwrap``.
-def _gather_group(p: torch.Tensor) -> Any:
+def _spans_ranks(p: torch.Tensor) -> bool:
     info = shard_info(p)
-    return None if info is None or info.expert is not None else info.group
+    return info is not None and (info.world_size > 1 or info.expert is not None)
+
+
+def _whole(piece: FlatShardTensor, p: torch.Tensor) -> torch.Tensor:
+    """The whole state tensor of ``piece``: gathered in ``p``'s shard group (the world for experts), or
+    the piece itself where ``p`` is not sharded across ranks."""
+    if not _spans_ranks(p):
+        return piece.to_local().reshape(piece.shape)
+    info = shard_info(p)
+    return piece.full_tensor(info.group if info.expert is None else None)
 
 
 def _check_same_state_everywhere(opt: torch.optim.Optimizer, params: list[torch.Tensor], sd: dict[str, Any]) -> None:
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
+    if not (dist.is_available() and dist.is_initialized()) or not any(_spans_ranks(p) for p in params):
+        return  # nothing to gather: no collective (a plain model's optimizer, one process)
     mine = [(i, sorted(k for k, (kind, _) in state_kinds(opt, p, f"param {i}").items() if kind == StateKind.SHARDED))
             for i, p in enumerate(params) if i in sd["state"]]  # fmt: skip
     every: list[Any] = [None] * dist.get_world_size()

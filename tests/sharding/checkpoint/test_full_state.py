@@ -253,3 +253,27 @@ def test_dcp_full_optimizer_state_equals_the_unsharded_optimizer_and_loads_back(
         for n, st in saved[0][0].items():
             for k, v in st.items():
                 assert torch.equal(got[n][k], v), (n, k)
+
+
+def test_dcp_full_optimizer_state_of_a_plain_model_needs_no_collective():
+    """Our optimizer on a model that is not sharded: ``get_optimizer_state_dict(full_state_dict=True)`` gives its
+    tensors as they are, with no collective of ours (one rank may call it alone)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from fsdp_optim.optimizers import AdamW
+
+    def fn():
+        torch.manual_seed(0)
+        model = TinyTransformer(CFG)
+        opt = AdamW(model.parameters(), lr=1e-2)
+        x, y = make_batch(batch_size=2, seq_len=8, vocab_size=CFG.vocab_size, seed=1)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        if dist.get_rank() != 0:
+            return True
+        full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+        names = dict(model.named_parameters())
+        return all(type(v) is torch.Tensor and v.shape == names[n].shape and torch.equal(v, opt.state[names[n]][k])
+                   for n, st in full["state"].items() for k, v in st.items() if k != "step")  # fmt: skip
+
+    assert run_distributed(fn, world_size=2, timeout=60) == [True, True]
