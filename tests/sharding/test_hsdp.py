@@ -43,6 +43,7 @@ from fsdp_optim.optimizers import Muon, adamw_rule, muon_rule
 from fsdp_optim.sharding import PlanConfig
 from fsdp_optim.sharding._fully_shard import _STATE
 from tests._models import assert_close_after_adamw
+from tests.sharding.checkpoint.test_checkpoint import assert_same
 from tests.sharding.test_fully_shard import (
     LR,
     _accum_batch,
@@ -328,15 +329,6 @@ def _full_state(model, opt, group):
     return {**full, **scalars}
 
 
-def _assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if torch.is_tensor(a[k]):
-            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-        else:
-            assert a[k] == b[k], k
-
-
 def _checkpoint_bytes(path) -> tuple[int, int, int, dict[str, int]]:
     """(bytes in data files, bytes the metadata references, tensor elements x itemsize stored,
     bytes per data file)."""
@@ -404,7 +396,7 @@ def test_hsdp_checkpoint_one_copy_loads_on_fsdp_and_one_rank(tmp_path):
     before = run_distributed(save_hsdp, world_size=4, timeout=240)
     for o in before[1:]:
         for name in CKPT_OPTIMIZERS:
-            _assert_same(o[name], before[0][name])
+            assert_same(o[name], before[0][name])
     run_distributed(save_fsdp2, world_size=2, timeout=240)
     for name in CKPT_OPTIMIZERS:
         written, referenced, tensor_bytes, files = _checkpoint_bytes(hsdp / name)
@@ -417,9 +409,9 @@ def test_hsdp_checkpoint_one_copy_loads_on_fsdp_and_one_rank(tmp_path):
     after1 = run_distributed(load_one, world_size=1, timeout=240)
     for name in CKPT_OPTIMIZERS:
         for o in after3:
-            _assert_same(o[name], before[0][name])
-            _assert_same(o[f"{name} 3x1"], before[0][name])
-        _assert_same(after1[0][name], before[0][name])
+            assert_same(o[name], before[0][name])
+            assert_same(o[f"{name} 3x1"], before[0][name])
+        assert_same(after1[0][name], before[0][name])
 
 
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])

@@ -13,6 +13,7 @@ import math
 import sys
 import types
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -317,11 +318,17 @@ def install_dcp_ready_hook() -> None:
         return
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+    checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> parameters looked at
+
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if getattr(opt, _HOOKED, False):
             return
+        num_params = sum(len(g["params"]) for g in opt.param_groups)
+        if checked.get(opt) == num_params:  # no sharded parameter, no group added since: O(groups) a step
+            return
         if any(shard_info(p) is not None for g in opt.param_groups for p in g["params"]):
             register_optimizer_hooks(opt)
+        checked[opt] = num_params
 
     register_optimizer_step_pre_hook(hook)
     _DCP_HOOK_INSTALLED = True

@@ -209,6 +209,23 @@ def _first_offset(g: _Geom, pos: int, seg: int) -> int | None:
     return None
 
 
+def _fill_gap(geoms: list[_Geom], pending: list[int], offsets: list[int], pos: int, gap: int, *, skip_empty: bool) -> int:
+    """Place the tensors of ``pending`` that fit wholly into ``gap`` elements from ``pos``, in
+    ``pending``'s order (largest first: a greedy subset sum); placed ones leave ``pending`` and get their
+    ``offsets``. ``skip_empty``: empty tensors are left pending. Returns the position after them."""
+    j = 0
+    while gap > 0 and j < len(pending):
+        k = pending[j]
+        n = geoms[k].numel
+        if n <= gap and not (skip_empty and n == 0):
+            offsets[k] = pos
+            pos, gap = pos + n, gap - n
+            pending.pop(j)
+        else:
+            j += 1
+    return pos
+
+
 def _pack_even(geoms: list[_Geom], order: list[int], seg: int, world_size: int) -> list[int] | None:
     """Offsets of the tensors packed into ``world_size`` segments of ``seg`` elements, or None."""
     limit = world_size * seg
@@ -221,17 +238,7 @@ def _pack_even(geoms: list[_Geom], order: list[int], seg: int, world_size: int) 
         if o is None:
             return None
         if o > pos:  # fill the gap with the largest pending tensors that fit entirely
-            gap = o - pos
-            j = 0
-            while j < len(pending) and gap > 0:
-                k = pending[j]
-                if 0 < geoms[k].numel <= gap:
-                    offsets[k] = pos
-                    pos += geoms[k].numel
-                    gap -= geoms[k].numel
-                    pending.pop(j)
-                else:
-                    j += 1
+            pos = _fill_gap(geoms, pending, offsets, pos, o - pos, skip_empty=True)
         offsets[i] = o
         pos = o + geoms[i].numel
         if pos > limit:
@@ -348,17 +355,8 @@ def _order_and_cut(geoms: list[_Geom], costs: list[float], targets: list[int]) -
     nt = len(targets)
     while ti < nt:
         p = targets[ti]
+        pos = _fill_gap(geoms, remaining, offsets, pos, p - pos, skip_empty=False)
         gap = p - pos
-        j = 0
-        while gap > 0 and j < len(remaining):  # greedy subset sum: largest tensors that fit
-            k = remaining[j]
-            if geoms[k].numel <= gap:
-                offsets[k] = pos
-                pos += geoms[k].numel
-                gap -= geoms[k].numel
-                remaining.pop(j)
-            else:
-                j += 1
         if gap <= 0 or not remaining:  # the prefix hits the target (or the bucket is used up)
             cuts.append(pos)
             ti += 1

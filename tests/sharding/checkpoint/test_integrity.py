@@ -101,15 +101,21 @@ def test_flipped_bytes_raise_naming_the_file_and_change_nothing(saved, tmp_path,
     assert _load_expecting(bad, rf"{victim}.*corrupt.*nothing was loaded") == [True, True]
 
 
-def test_every_file_is_covered(saved, tmp_path):
-    """One flipped byte anywhere (tensor data, pickled blobs, metadata) is caught before loading."""
+def _flip_each_file(saved, tmp_path, *, world_size: int) -> None:
+    """A copy of ``saved`` per file (the manifest aside) with one byte of that file flipped: every
+    rank of ``world_size`` raises "corrupt" when loading it."""
     for name in sorted(os.listdir(saved)):
         if name == "fsdp_optim.json":
             continue
         bad = tmp_path / f"ckpt_{name.strip('.')}"
         shutil.copytree(saved, bad)
         _flip(bad / name, offset_fraction=0.9, num_bytes=1)
-        assert _load_expecting(bad, "corrupt") == [True, True], name
+        assert _load_expecting(bad, "corrupt", world_size=world_size) == [True] * world_size, name
+
+
+def test_every_file_is_covered(saved, tmp_path):
+    """One flipped byte anywhere (tensor data, pickled blobs, metadata) is caught before loading."""
+    _flip_each_file(saved, tmp_path, world_size=2)
 
 
 def test_truncated_and_missing_files(saved, tmp_path):
@@ -208,13 +214,7 @@ def test_w3_every_file_is_covered(source, request, tmp_path):
     """Loaded at W=3 (a W=3 and a W=2 checkpoint): a flipped byte in any file, whichever rank verifies
     it, raises on all three ranks and changes nothing; so does a missing file."""
     saved = request.getfixturevalue(source)
-    for name in sorted(os.listdir(saved)):
-        if name == "fsdp_optim.json":
-            continue
-        bad = tmp_path / f"ckpt_{name.strip('.')}"
-        shutil.copytree(saved, bad)
-        _flip(bad / name, offset_fraction=0.9, num_bytes=1)
-        assert _load_expecting(bad, "corrupt", world_size=3) == [True] * 3, name
+    _flip_each_file(saved, tmp_path, world_size=3)
     missing = tmp_path / "missing"
     shutil.copytree(saved, missing)
     last = sorted(f for f in os.listdir(saved) if f.endswith(".distcp"))[-1]
