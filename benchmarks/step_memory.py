@@ -38,8 +38,18 @@ does not see allocations inside a collective (gloo's staging copies) nor DTensor
 (FSDP2's optimizer-step temporaries): RSS does.
 
 ``--recipe``: the recipe's setting only, bf16 compute, fp32 reduction and per-layer activation
-checkpointing (``checkpoint_wrapper`` on every layer before sharding, as torchtitan), W = 4 and 8;
-writes ``step_memory_recipe.json``.
+checkpointing (``checkpoint_wrapper`` on every layer before sharding, as torchtitan), W = 4 and 8, in
+each of three wrappings (``WRAPS``, the same calls in both runtimes): per-layer calls then the root
+(``root``, the default elsewhere), the same with the root resharded after forward (``root_reshard``),
+and the embedding and head as units of their own (``units``, as torchtitan wraps them: FSDP2's
+smallest peak); writes ``step_memory_recipe.json``.
+
+The floor: from the model's output until its gradient arrives (the loss and its backward), the live
+bytes that are not the runtime's own (gathered parameters, gradients, reduction buffers), plus the
+persistent sharded parameters and optimizer state: AdamW's state, the fp32 logits' temporaries and
+the activations saved for backward, the same in both runtimes. No runtime holding the same sharded
+parameters and AdamW state can peak under it; ``floor / FSDP2's peak`` is the lowest ratio any
+runtime could show, printed beside the measured one.
 
 Where each runtime peaks: ``--trace`` runs one step per runtime with RSS read at every module's
 forward pre/post hook and at the start of its backward (a hook on its output's gradient), and prints,
@@ -50,7 +60,8 @@ figures (the trace's absolute values run a few MiB higher: one step, the hooks' 
     python benchmarks/step_memory.py                   # W = 2 and 4, both precisions
     python benchmarks/step_memory.py --quick           # W = 2, a smaller model; writes runs/bench-quick/
     python benchmarks/step_memory.py --trace           # W = 2, both precisions: the per-event trace
-    python benchmarks/step_memory.py --recipe          # bf16 / fp32 reduce / activation checkpointing, W = 4 and 8
+    python benchmarks/step_memory.py --recipe          # bf16 / fp32 reduce / activation checkpointing, W = 4 and 8,
+                                                       # three wrappings (--wraps root units: some of them)
 """
 
 from __future__ import annotations
@@ -82,6 +93,13 @@ PRECISIONS = ("fp32", "bf16_fp32_reduce")
 RECIPE = "bf16_fp32_reduce_ac"
 """The recipe's setting (``--recipe``): bf16 compute, fp32 reduction, per-layer activation checkpointing."""
 
+WRAPS = ("root", "root_reshard", "units")
+"""How the model is wrapped, the same calls in both runtimes: ``root``: per-layer calls, then the root
+(which holds the embedding, final norm and head, kept gathered from forward to backward: the default of
+both); ``root_reshard``: the same with ``reshard_after_forward=True`` on the root (freed after forward,
+gathered again for the head's backward); ``units``: the embedding and the head also get calls of
+their own (freed after forward, each gathered for its own backward; the norm stays in the root)."""
+
 
 def _wrapped_name(model, name: str) -> str:
     """``layers.0.x`` -> ``layers.0._checkpoint_wrapped_module.x`` where the layer is wrapped."""
@@ -100,8 +118,9 @@ def _policies(precision: str):
     return ours, TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _build(runtime: str, cfg: TinyConfig, full_sd: dict, precision: str, mesh):
+def _build(runtime: str, cfg: TinyConfig, full_sd: dict, precision: str, mesh, wrap: str = "root"):
     ours_mp, torch_mp = _policies(precision)
+    root_kw = {"reshard_after_forward": True} if wrap == "root_reshard" else {}
     model = TinyTransformer(cfg)
     if precision == RECIPE:  # per-layer activation checkpointing, applied before sharding (as torchtitan)
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -109,10 +128,11 @@ def _build(runtime: str, cfg: TinyConfig, full_sd: dict, precision: str, mesh):
         for i, layer in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(layer)
         full_sd = {_wrapped_name(model, k): v for k, v in full_sd.items()}
+    units = [*model.layers, *((model.embed, model.output) if wrap == "units" else ())]
     if runtime == "fsdp_optim":
-        for layer in model.layers:
-            fsdp_optim.fully_shard(layer, mp_policy=ours_mp)
-        fsdp_optim.fully_shard(model, mp_policy=ours_mp)
+        for unit in units:
+            fsdp_optim.fully_shard(unit, mp_policy=ours_mp)
+        fsdp_optim.fully_shard(model, mp_policy=ours_mp, **root_kw)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 info = fsdp_optim.shard_info(p)
@@ -121,9 +141,9 @@ def _build(runtime: str, cfg: TinyConfig, full_sd: dict, precision: str, mesh):
     from torch.distributed.fsdp import fully_shard
 
     kw = {"mesh": mesh} | ({"mp_policy": torch_mp} if torch_mp is not None else {})
-    for layer in model.layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
+    for unit in units:
+        fully_shard(unit, **kw)
+    fully_shard(model, **kw, **root_kw)
     with torch.no_grad():
         for name, p in model.named_parameters():
             local = p.to_local()
@@ -133,8 +153,9 @@ def _build(runtime: str, cfg: TinyConfig, full_sd: dict, precision: str, mesh):
     return model
 
 
-def _breakdown(model, runtime: str, precision: str, peak: int) -> dict:
-    """Sizes by purpose (bytes), computed alike for both runtimes (see the module docstring)."""
+def _breakdown(model, runtime: str, precision: str, peak: int, wrap: str = "root") -> dict:
+    """Sizes by purpose (bytes), computed alike for both runtimes (see the module docstring). Gathered
+    at the busiest moment: the root's bucket and two layers' (``units``: the two largest units)."""
     compute = 2 if precision != "fp32" else 4
     local = sum((p.to_local() if runtime == "fsdp2" else p).numel() for p in model.parameters()) * 4
     def numel(p):  # global elements (ours: a flat local piece; FSDP2: a DTensor of the global shape)
@@ -142,11 +163,13 @@ def _breakdown(model, runtime: str, precision: str, peak: int) -> dict:
 
     root = sum(numel(p) for n, p in model.named_parameters() if not n.startswith("layers."))
     layer = sum(numel(p) for p in model.layers[0].parameters())
+    head = max(sum(numel(p) for p in m.parameters()) for m in (model.embed, model.output))
+    gathered = root + 2 * layer if wrap != "units" else 2 * max(layer, head)
     out = {
         "sharded_params": local,
         "grads": local,
         "optimizer_state": 2 * local,
-        "gathered_params": (root + 2 * layer) * compute,
+        "gathered_params": gathered * compute,
         "reduction_buffers": layer * 4,
     }
     out["activations_and_rest"] = peak - sum(out.values())
@@ -207,16 +230,25 @@ def _global_shape(p) -> tuple:
 
 
 class _LivePeak(LiveBytes):
-    """LiveBytes over one step that, at each new peak, splits what is live by purpose."""
+    """LiveBytes over one step that, at each new peak, splits what is live by purpose; and, while
+    ``phase == "loss"`` (from the model's output to its gradient: the loss and its backward), records
+    the largest live total outside the runtime's own bytes (gathered parameters, gradients and
+    reduction buffers): with the persistent state, the floor neither runtime can go under."""
+
+    OWN = ("gathered_params", "grads", "reduction_buffers")
 
     def __init__(self, model, persistent: set) -> None:
         super().__init__()
         self.model, self.persistent, self.at_peak, self._seen = model, persistent, {}, -1
+        self.phase, self.loss_rest = None, 0
         # Storages no attribute points to at the peak (FSDP2 keeps its unsharded gradients and its
         # reduce-scatter input in locals) are told by size: one sharding unit's flat reduction buffer
-        # (fp32: the root's parameters outside ``layers``, or one layer's), or one parameter's gradient.
+        # (fp32: the root's parameters outside ``layers`` (or the embedding's, the head's, the rest's
+        # where they are units of their own), or one layer's), or one parameter's gradient.
         numels = {n: math.prod(_global_shape(p)) for n, p in model.named_parameters()}
-        units = [sum(v for n, v in numels.items() if not n.startswith("layers."))]
+        outside = {n: v for n, v in numels.items() if not n.startswith("layers.")}
+        units = [sum(outside.values()), *outside.values()]
+        units += [sum(v for n, v in outside.items() if not n.startswith(("embed.", "output.")))]
         units += [sum(v for n, v in numels.items() if n.startswith(f"layers.{i}.")) for i in range(len(model.layers))]
         self.reduce_sizes = {4 * u for u in units}
         self.by_size = True  # off in the optimizer step, whose per-parameter temporaries have those sizes too
@@ -244,25 +276,32 @@ class _LivePeak(LiveBytes):
     def _total(self) -> int:
         return super()._total() + self._regrown_bytes()
 
+    def _split(self) -> dict[str, int]:
+        """What is live now (outside the persistent state), by purpose."""
+        gathered, grads = _gathered_and_grads(self.model)
+        cats = {"gathered_params": self._regrown_bytes(), "grads": 0, "reduction_buffers": 0, "activations_and_rest": 0}
+        for key, ref in list(self._live.items()):
+            st = ref()
+            if st is None or key in self.persistent:
+                continue
+            n = st.nbytes()
+            cat = (
+                "grads" if key in grads else "gathered_params" if key in gathered
+                else "reduction_buffers" if self.by_size and n in self.reduce_sizes
+                else "grads" if self.by_size and n in self.grad_sizes
+                else "activations_and_rest"
+            )  # fmt: skip
+            cats[cat] += n
+        return cats
+
     def _track(self, out, inputs=()) -> None:
         super()._track(out, inputs)
         if self.peak > self._seen:
             self._seen = self.peak
-            gathered, grads = _gathered_and_grads(self.model)
-            cats = {"gathered_params": self._regrown_bytes(), "grads": 0, "reduction_buffers": 0, "activations_and_rest": 0}
-            for key, ref in list(self._live.items()):
-                st = ref()
-                if st is None or key in self.persistent:
-                    continue
-                n = st.nbytes()
-                cat = (
-                    "grads" if key in grads else "gathered_params" if key in gathered
-                    else "reduction_buffers" if self.by_size and n in self.reduce_sizes
-                    else "grads" if self.by_size and n in self.grad_sizes
-                    else "activations_and_rest"
-                )  # fmt: skip
-                cats[cat] += n
-            self.at_peak = cats
+            self.at_peak = self._split()
+        if self.phase == "loss":
+            cats = self._split()
+            self.loss_rest = max(self.loss_rest, sum(v for k, v in cats.items() if k not in self.OWN))
 
 
 def _rss_mib() -> tuple[float, float]:
@@ -387,32 +426,39 @@ def _live_step(model, opt, batch) -> dict:
     const = {"sharded_params": p_bytes, "optimizer_state": s_bytes}
     x, y = batch
     with _LivePeak(model, params | state) as live:
-        F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+        logits = model(x)
+        live.phase = "loss"
+        logits.register_hook(lambda g: setattr(live, "phase", "backward"))  # the loss's backward is done
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        del logits  # as in ``_train_step``: nothing else holds the logits
+        loss.backward()
+        del loss
         fb_peak, fb_at = live.peak, live.at_peak
         live.peak, live._seen, live.by_size = live._total(), -1, False  # the optimizer step's own peak
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"peak": p_bytes + s_bytes + max(fb_peak, live.peak),
+    return {"peak": p_bytes + s_bytes + max(fb_peak, live.peak), "floor": p_bytes + s_bytes + live.loss_rest,
             "forward_backward_peak": p_bytes + s_bytes + fb_peak, "at_forward_backward_peak": {**const, **fb_at},
             "optimizer_step_peak": p_bytes + s_bytes + live.peak, "at_optimizer_step_peak": {**const, **live.at_peak}}
 
 
-def _run(a, precisions=PRECISIONS):
+def _run(a, settings):
+    """Each ``(precision, wrap)`` of ``settings``, both runtimes; keys ``precision|wrap|runtime``."""
     cfg, full_sd, mesh, data = _setup(a)
-    for precision in precisions:  # warm-up: first-use costs (libraries, gloo, autograd threads) leave RSS
+    for precision, wrap in settings:  # warm-up: first-use costs (libraries, gloo, autograd threads) leave RSS
         for runtime in ("fsdp_optim", "fsdp2"):
-            model = _build(runtime, cfg, full_sd, precision, mesh)
+            model = _build(runtime, cfg, full_sd, precision, mesh, wrap)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             for batch in data:
                 _train_step(model, opt, batch)
             del model, opt
     out = {}
-    for n, precision in enumerate(precisions):
+    for n, (precision, wrap) in enumerate(settings):
         order = ("fsdp_optim", "fsdp2") if n % 2 == 0 else ("fsdp2", "fsdp_optim")  # neither always first
         for runtime in order:
             _settle()
             base, _ = _rss_mib()
-            model = _build(runtime, cfg, full_sd, precision, mesh)
+            model = _build(runtime, cfg, full_sd, precision, mesh, wrap)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             before, peaks = [], []
             for i in range(1 + a.steps):
@@ -424,15 +470,15 @@ def _run(a, precisions=PRECISIONS):
                 if i >= 1:
                     peaks.append(_rss_mib()[1] - base)
             peak = int(statistics.median(peaks) * MIB)
-            breakdown = _breakdown(model, runtime, precision, peak)
+            breakdown = _breakdown(model, runtime, precision, peak, wrap)
             _settle()
             live = _live_step(model, opt, data[0])
-            out[(precision, runtime)] = {
+            out[(precision, wrap, runtime)] = {
                 "persistent": int(statistics.median(before) * MIB), "peak": peak, "peaks_mib": peaks,
                 "breakdown": breakdown, "live_peak": live["peak"], "live": live,
             }
             del model, opt
-    return {f"{p}|{rt}": v for (p, rt), v in out.items()}
+    return {"|".join(k): v for k, v in out.items()}
 
 
 def _ratio(a: float, b: float) -> str:
@@ -466,12 +512,15 @@ def main(argv=None) -> None:
     ap.add_argument("--recipe", action="store_true",
                     help="the recipe's setting only (bf16 compute, fp32 reduction, per-layer activation "
                     "checkpointing), W = 4 and 8 unless --world-sizes is given; writes step_memory_recipe.json")
+    ap.add_argument("--wraps", nargs="+", choices=WRAPS, default=None,
+                    help="how both runtimes wrap the model (default: root; with --recipe: all three)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     recipe_default = a.recipe and a.world_sizes == [2, 4]
     if recipe_default:
         a.world_sizes = [4, 8]
     dest = out_dir(ap, a, keep=("recipe", "world_sizes") if recipe_default else ("recipe",))
+    a.wraps = a.wraps or (list(WRAPS) if a.recipe else ["root"])
     if a.quick:
         a.world_sizes, a.dim, a.heads, a.layers, a.mlp, a.vocab, a.steps = [2], 256, 4, 2, 1024, 4096, 2
     if a.trace:
@@ -483,30 +532,34 @@ def main(argv=None) -> None:
         (dest / "step_memory_trace.json").write_text(json.dumps({"config": vars(a), "trace": trace}, indent=1))
         print(f"wrote {dest / 'step_memory_trace.json'}")
         return
-    precisions = (RECIPE,) if a.recipe else PRECISIONS
+    settings = [(RECIPE, wrap) for wrap in a.wraps] if a.recipe else [(p, wrap) for p in PRECISIONS for wrap in a.wraps]
     rows = []
-    print(f"{'W':>2} {'precision':<19} {'runtime':<10} {'persist MiB':>11} {'peak MiB':>9}  breakdown of the peak (MiB)")
+    print(f"{'W':>2} {'precision / wrap':<32} {'runtime':<10} {'persist MiB':>11} {'peak MiB':>9}  breakdown of the peak (MiB)")
     for w in a.world_sizes:
-        per_rank = run_distributed(lambda: _run(a, precisions), world_size=w, timeout=1800)
+        per_rank = run_distributed(lambda: _run(a, settings), world_size=w, timeout=1800)
         for key in per_rank[0]:
-            precision, runtime = key.split("|")
+            precision, wrap, runtime = key.split("|")
             worst = max(per_rank, key=lambda o: o[key]["peak"])[key]  # the largest rank
-            rows.append({"world_size": w, "precision": precision, "runtime": runtime, **worst})
+            rows.append({"world_size": w, "precision": precision, "wrap": wrap, "runtime": runtime, **worst})
             bd = " ".join(f"{k}={v / MIB:.1f}" for k, v in worst["breakdown"].items())
-            print(f"{w:>2} {precision:<19} {runtime:<10} {worst['persistent'] / MIB:>11.1f} {worst['peak'] / MIB:>9.1f}  {bd}")
+            print(f"{w:>2} {precision + ' / ' + wrap:<32} {runtime:<10} {worst['persistent'] / MIB:>11.1f} "
+                  f"{worst['peak'] / MIB:>9.1f}  {bd}")
             top = max(per_rank, key=lambda o: o[key]["live_peak"])[key]
             rows[-1].update(live_peak=top["live_peak"], live=top["live"])
             for where in ("forward_backward", "optimizer_step"):
                 cats = " ".join(f"{k}={v / MIB:.1f}" for k, v in top["live"][f"at_{where}_peak"].items())
-                print(f"{'':>2} {'':<19} {'':<10} {'live ' + where[:8]:>20} {top['live'][where + '_peak'] / MIB:>9.1f}  "
+                print(f"{'':>2} {'':<32} {'':<10} {'live ' + where[:8]:>20} {top['live'][where + '_peak'] / MIB:>9.1f}  "
                       f"at its peak: {cats}")
-        for precision in precisions:
-            ours = next(r for r in rows if (r["world_size"], r["precision"], r["runtime"]) == (w, precision, "fsdp_optim"))
-            peer = next(r for r in rows if (r["world_size"], r["precision"], r["runtime"]) == (w, precision, "fsdp2"))
-            print(f"   W={w} {precision}: peak ours / FSDP2 = RSS {_ratio(ours['peak'], peer['peak'])}, "
+        for precision, wrap in settings:
+            ours, peer = (next(r for r in rows if (r["world_size"], r["precision"], r["wrap"], r["runtime"])
+                               == (w, precision, wrap, rt)) for rt in ("fsdp_optim", "fsdp2"))  # fmt: skip
+            floor = min(ours["live"]["floor"], peer["live"]["floor"])
+            print(f"   W={w} {precision} / {wrap}: peak ours / FSDP2 = RSS {_ratio(ours['peak'], peer['peak'])}, "
                   f"live bytes {_ratio(ours['live_peak'], peer['live_peak'])} (forward+backward "
                   f"{_ratio(ours['live']['forward_backward_peak'], peer['live']['forward_backward_peak'])}); "
-                  f"persistent {_ratio(ours['persistent'], peer['persistent'])}")
+                  f"persistent {_ratio(ours['persistent'], peer['persistent'])}; floor {floor / MIB:.1f} MiB "
+                  f"(persistent state + the loss's temporaries and saved activations, held by both): no runtime under "
+                  f"{_ratio(floor, peer['live_peak'])} x FSDP2 in live bytes")
     dest.mkdir(parents=True, exist_ok=True)
     name = "step_memory_recipe.json" if a.recipe else "step_memory.json"
     (dest / name).write_text(json.dumps({"config": vars(a), "rows": rows}, indent=1))

@@ -140,15 +140,18 @@ def test_gpu_runtime_check_pieces_and_cpu_refusal():
 
 def test_step_memory_quick(tmp_path):
     sm = _load("step_memory")
-    sm.main(["--quick", "--out", str(tmp_path)])
+    sm.main(["--quick", "--wraps", "root", "units", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "step_memory.json").read_text())["rows"]
-    assert {(r["precision"], r["runtime"]) for r in rows} == {
-        (p, rt) for p in sm.PRECISIONS for rt in ("fsdp_optim", "fsdp2")
+    assert {(r["precision"], r["wrap"], r["runtime"]) for r in rows} == {
+        (p, wrap, rt) for p in sm.PRECISIONS for wrap in ("root", "units") for rt in ("fsdp_optim", "fsdp2")
     }
     for r in rows:
         bd = r["breakdown"]
         assert r["peak"] >= r["persistent"] > 0 and sum(bd.values()) == r["peak"]
         assert bd["grads"] == bd["sharded_params"] and bd["optimizer_state"] == 2 * bd["sharded_params"]
+        # the floor: persistent state plus what the loss holds, under the peak, above the state
+        state = sum(v for k, v in r["live"]["at_forward_backward_peak"].items() if k in ("sharded_params", "optimizer_state"))
+        assert state < r["live"]["floor"] <= r["live_peak"]
 
 
 def test_bench_shampoo_quick(tmp_path):

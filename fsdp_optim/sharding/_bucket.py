@@ -155,7 +155,7 @@ class _Bucket:
         master = entries[0].dtype
         self.param_dtype = mp.param_dtype or master
         self.reduce_dtype = mp.reduce_dtype or master
-        self.reshard_after_forward = config.reshard_after_forward and not self.is_root
+        self.reshard_after_forward = config.reshard_after_forward
         self.requires_sync = True
         self.grad_premul: float | None = None  # set_gradient_divide_factor: multiplies the gradients before the averaging
         fp8 = config.fp8_all_gather

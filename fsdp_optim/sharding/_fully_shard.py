@@ -53,12 +53,13 @@ from ._shard_info import shard_info
 __all__ = ["fully_shard", "ShardedModule", "sharded_plan"]
 
 
-def _check_reshard_after_forward(value: Any) -> None:
-    if not isinstance(value, bool):
+def _check_reshard_after_forward(value: Any, *, allow_none: bool = True) -> None:
+    if not (isinstance(value, bool) or (allow_none and value is None)):
         raise ValueError(
-            f"reshard_after_forward must be True or False, got {value!r}; FSDP2's int form (reshard to a "
-            "smaller world size after forward) is not offered: pass True (free the gathered parameters after "
-            "forward) or False (keep them for backward)"
+            f"reshard_after_forward must be {'True, False or None' if allow_none else 'True or False'}, got "
+            f"{value!r}; FSDP2's int form (reshard to a smaller world size after forward) is not offered: pass "
+            "True (free the gathered parameters after forward) or False (keep them for backward)"
+            + ("; None (the default) is True for inner modules and False for the root" if allow_none else "")
         )
 
 
@@ -67,7 +68,7 @@ def fully_shard(
     *,
     mesh: Any = None,
     blocks: BlockRule | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     plan_config: PlanConfig | None = None,
     fp8_all_gather: Float8AllGather | None = None,
@@ -80,10 +81,14 @@ def fully_shard(
     replicates and dim 1 shards, as in FSDP2; see [Note: HSDP]). ``blocks``: an optimizer's block
     rule ``rule(fqn, param, module) -> BlockSpec`` (default: element granularity, plain FSDP).
     ``reshard_after_forward``: free the gathered parameters after forward and gather again in
-    backward. ``mp_policy``: compute and reduction dtypes. ``plan_config``: planner knobs (root
-    only). ``fp8_all_gather``: gather eligible (2-D) parameters as block-wise scaled
-    ``float8_e4m3fn`` codes and dequantize them to the compute dtype (opt-in; see
-    [Note: FP8 all-gather] below and ``Float8AllGather``); an inner ``None`` takes the root's. Returns ``module``, whose class now also derives from :class:`ShardedModule`. See the
+    backward (``True``) or keep them for backward (``False``); ``None`` (as FSDP2): ``True`` for inner
+    modules, ``False`` for the root, whose backward starts at once. ``True`` on the root frees its
+    gathered parameters (embeddings, head) while the loss is computed and gathers them again for the
+    head's backward: less memory at the loss, one more all-gather. ``mp_policy``: compute and
+    reduction dtypes. ``plan_config``: planner knobs (root only). ``fp8_all_gather``: gather eligible
+    (2-D) parameters as block-wise scaled ``float8_e4m3fn`` codes and dequantize them to the compute
+    dtype (opt-in; see [Note: FP8 all-gather] below and ``Float8AllGather``); an inner ``None`` takes
+    the root's. Returns ``module``, whose class now also derives from :class:`ShardedModule`. See the
     module docstring for the root rule.
     """
     _check_arguments(module, blocks, reshard_after_forward, mp_policy, plan_config, fp8_all_gather)
@@ -112,7 +117,7 @@ def fully_shard(
         replicate_group=replicate_group,
         num_replicas=num_replicas,
         blocks=blocks,
-        reshard_after_forward=bool(reshard_after_forward),
+        reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy,
         plan_config=plan_config,
         fp8_all_gather=fp8_all_gather,
@@ -187,10 +192,12 @@ class ShardedModule:
             b.requires_sync = bool(requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """Free (``True``) or keep (``False``) the gathered parameters between forward and backward."""
-        _check_reshard_after_forward(reshard_after_forward)
+        """Free (``True``) or keep (``False``) the gathered parameters between forward and backward,
+        the root's too (as FSDP2; see ``fully_shard``). Call it on every rank alike: it decides which
+        all-gathers backward issues."""
+        _check_reshard_after_forward(reshard_after_forward, allow_none=False)
         for b in _buckets_under(self, recurse):
-            b.reshard_after_forward = bool(reshard_after_forward) and not b.is_root
+            b.reshard_after_forward = reshard_after_forward
 
     def set_gradient_divide_factor(self, factor: float, *, recurse: bool = True) -> None:
         """Divide the summed gradients by ``factor`` instead of averaging over this module's shard

@@ -8,8 +8,8 @@ post-backward autograd Function and the guards through torch's global optimizer 
 - Forward pre-hook: all-gather the bucket (one collective, in ``param_dtype``) into a persistent
   flat buffer and swap the owners' parameters to global-shape views into it; issue the all-gather
   of the next bucket in the previous iteration's forward order before this bucket computes.
-- Forward post-hook: free the gathered buffer (``reshard_after_forward=True``; the root's bucket is
-  kept, as FSDP2 does, since backward needs it at once) and hook the outputs for backward.
+- Forward post-hook: free the gathered buffer (``reshard_after_forward``; by default the root's
+  bucket is kept, as FSDP2 does, since backward needs it at once) and hook the outputs for backward.
 - Pre-backward (a hook on the outputs): re-gather if freed, prefetch the bucket whose backward
   comes next (reverse post-forward order).
 - Unsharded gradients are copied into one flat buffer in ``reduce_dtype`` once the bucket's backward
@@ -95,7 +95,8 @@ class _ModuleState:
     replicate_group: dist.ProcessGroup | None = None
     num_replicas: int = 1
     blocks: BlockRule | None
-    reshard_after_forward: bool
+    reshard_after_forward: bool | None
+    """``None``: ``True`` for an inner bucket, ``False`` for the root (resolved at setup)."""
     mp_policy: MixedPrecisionPolicy | None
     plan_config: PlanConfig | None
     fp8_all_gather: Float8AllGather | None = None

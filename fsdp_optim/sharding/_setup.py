@@ -334,7 +334,7 @@ def _fingerprint(root: _ModuleState, plan: Plan, bucket_states: list[_ModuleStat
         ),
         "plan_config": digest(root.plan_config or PlanConfig()),
         "mp_policy": digest([st.mp_policy or root.mp_policy for st in bucket_states]),
-        "reshard_after_forward": digest([st.reshard_after_forward and st is not root for st in bucket_states]),
+        "reshard_after_forward": digest([_reshard_after_forward(st, root) for st in bucket_states]),
         "fp8_all_gather": digest([st.fp8_all_gather or root.fp8_all_gather for st in bucket_states]),
         "experts": digest(
             [(es.first_expert, es.num_local_experts) for p in root.module.parameters() if (es := expert_shard(p))]
@@ -540,13 +540,22 @@ def _interleaved_by_gainer(
     return out
 
 
+def _reshard_after_forward(st: _ModuleState, root: _ModuleState) -> bool:
+    """The call's setting; ``None`` (the default, as FSDP2): ``False`` for the root, ``True`` inside. A
+    separate root ([Note: separate roots]: the experts of an expert-parallel layer) lies inside the
+    model, as FSDP2 would see it: ``True`` (it used to stay gathered from its forward to its backward)."""
+    if st.reshard_after_forward is not None:
+        return st.reshard_after_forward
+    return st is not root or st.separate_root
+
+
 def _bucket_config(st: _ModuleState, root: _ModuleState) -> BucketConfig:
     """A bucket's settings: its own call's, else the root's (plan-wide ones are the root's)."""
     return BucketConfig(
         group=root.group,
         device=root.device,
         mp_policy=st.mp_policy or root.mp_policy or MixedPrecisionPolicy(),
-        reshard_after_forward=st.reshard_after_forward,
+        reshard_after_forward=_reshard_after_forward(st, root),
         is_root=st is root,
         fp8_all_gather=st.fp8_all_gather or root.fp8_all_gather,
         wire=(root.plan_config or PlanConfig()).wire,

@@ -18,6 +18,7 @@ import fsdp_optim
 from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import Muon
 from fsdp_optim.sharding import expert_parallel, expert_parallel_groups, shard_info
+from fsdp_optim.sharding._fully_shard import _STATE
 from tests._models import SwiGLUExperts
 
 D, H, TOP_K, ROWS, STEPS, LR = 8, 12, 2, 24, 3, 1e-2
@@ -74,6 +75,11 @@ def _shard(model: _Net, ep: int, blocks=None) -> None:
     fsdp_optim.fully_shard(model, blocks=blocks)
 
 
+def _gathered(module: nn.Module) -> bool:
+    b = getattr(module, _STATE).bucket
+    return b.gathered is not None and b.gathered.untyped_storage().nbytes() > 0
+
+
 def _pieces(model: nn.Module) -> dict[str, tuple[tuple[int, ...], int, torch.Tensor]]:
     """Each parameter's (whole shape, where this rank's piece starts in it, the piece)."""
     return {
@@ -107,22 +113,27 @@ def test_training_equals_one_process(ep, num_experts):
         model = _Net(num_experts)
         _shard(model, ep)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        losses = []
+        losses, freed = [], []
         n = ROWS // world
         for step in range(STEPS):
             x, y = _batch(step)
-            loss = F.mse_loss(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
+            pred = model(x[rank * n : (rank + 1) * n])
+            # Between forward and backward the experts' bucket is freed, as any inner bucket (it
+            # was kept gathered, as a root's, from its forward to its backward); the root's is kept.
+            freed.append([not _gathered(m) for m in (model.experts, model)])
+            loss = F.mse_loss(pred, y[rank * n : (rank + 1) * n])
             loss.backward()
             losses.append(loss.detach())
             opt.step()
             opt.zero_grad()
         mean = torch.stack(losses)
         dist.all_reduce(mean)
-        out = _pieces(model), (mean / world).tolist()
+        out = _pieces(model), (mean / world).tolist(), freed
         del model, opt
         return out
 
     ranks = run_distributed(fn, world_size=4)
+    assert all(f == [[True, False]] * STEPS for *_, f in ranks)
     params = _assemble([r[0] for r in ranks])
     assert set(params) == set(reference)
     for k, v in reference.items():

@@ -79,7 +79,7 @@ def _reference(steps: int = STEPS):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _shard(model, rule, *, layout="auto", reshard=True, mp=None):
+def _shard(model, rule, *, layout="auto", reshard=None, mp=None):
     for layer in model.layers:
         fsdp_optim.fully_shard(layer, blocks=rule, reshard_after_forward=reshard, mp_policy=mp)
     fsdp_optim.fully_shard(
@@ -260,14 +260,14 @@ def _expected_ops(plan, *, gather_buckets, reduce_buckets):
     return ops
 
 
-COUNT_CONFIGS = [("adamw", "even", True), ("muon", "ragged", True), ("muon", "ragged", False)]
+COUNT_CONFIGS = [("adamw", "even", None), ("muon", "ragged", None), ("muon", "ragged", False), ("muon", "ragged", True)]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_collective_counts_per_step(world_size):
-    """Per step: one all-gather per bucket in forward, one per non-root bucket in backward (none
-    with reshard_after_forward=False; the root keeps its bucket for backward, as FSDP2 does), one
-    reduce-scatter per bucket, one small all-reduce of gradient flags at the end of backward, nothing
+    """Per step: one all-gather per bucket in forward, one per non-root bucket in backward by default
+    (the root keeps its bucket for backward, as FSDP2 does; none with reshard_after_forward=False, every
+    bucket's with True, the root's too), one reduce-scatter per bucket, one small all-reduce of gradient flags at the end of backward, nothing
     else (the optimizer step communicates nothing). Counted at
     the DistributedBuffer (calls per bucket) and at c10d (CommDebugMode: an even bucket's gather is
     one all_gather_into_tensor, a ragged one on gloo one broadcast per owning rank)."""
@@ -292,7 +292,7 @@ def test_collective_counts_per_step(world_size):
 
                 setattr(buf, meth, counted)
         names = [b.name for b in plan.buckets]
-        bwd_gathers = [n for n in names if n != "<root>"] if reshard else []
+        bwd_gathers = {None: [n for n in names if n != "<root>"], False: [], True: names}[reshard]
         want_fwd = _expected_ops(plan, gather_buckets=names, reduce_buckets=[])
         want_bwd = _expected_ops(plan, gather_buckets=bwd_gathers, reduce_buckets=names)
         # and the end-of-backward agreement on which parameters got a gradient ([Note: unused parameters])
@@ -320,8 +320,8 @@ def test_collective_counts_per_step(world_size):
         return [run_config(*c) for c in COUNT_CONFIGS]
 
     for rank_out in run_distributed(fn, world_size=world_size):
-        assert [u for u, _ in rank_out] == [False, True, True]  # ragged plans use the uneven collectives
-        assert rank_out[1][1] == rank_out[2][1]  # reshard_after_forward changes no bit of the result
+        assert [u for u, _ in rank_out] == [False, True, True, True]  # ragged plans use the uneven collectives
+        assert rank_out[1][1] == rank_out[2][1] == rank_out[3][1]  # reshard_after_forward changes no bit of the result
 
 
 def test_prefetch_is_issued_before_the_current_bucket_computes():
@@ -570,11 +570,35 @@ def test_sharding_twice_and_inner_after_root_raise():
 
 def test_reshard_after_forward_as_an_int_is_refused_not_read_as_true():
     """FSDP2's ``reshard_after_forward=8`` (reshard to 8 ranks after forward) was silently read as True."""
-    with pytest.raises(ValueError, match="reshard_after_forward must be True or False, got 8; FSDP2's int form"):
+    with pytest.raises(ValueError, match="reshard_after_forward must be True, False or None, got 8; FSDP2's int form"):
         fsdp_optim.fully_shard(_new_model(), reshard_after_forward=8)
     model = _shard(_new_model(), adamw_rule)
     with pytest.raises(ValueError, match="got 2"):
         model.set_reshard_after_forward(2)
+    with pytest.raises(ValueError, match="must be True or False, got None"):
+        model.set_reshard_after_forward(None)
+
+
+def test_the_root_keeps_its_bucket_by_default_and_frees_it_when_asked():
+    """``reshard_after_forward=None`` (the default, as FSDP2): inner buckets are freed after forward,
+    the root's kept for backward. An explicit ``True`` on the root frees it too (it was silently
+    ignored); ``set_reshard_after_forward`` reaches the root as well. Checked on the gathered storage."""
+
+    def root_gathered_after_forward(model) -> bool:
+        x, y = _batches(1)[0]
+        loss = _loss(model, x, y)
+        root = getattr(model, _STATE).bucket
+        kept = root.gathered is not None and root.gathered.untyped_storage().nbytes() > 0
+        layer = getattr(model.layers[0], _STATE).bucket
+        assert layer.gathered is None or layer.gathered.untyped_storage().nbytes() == 0  # inner: freed
+        loss.backward()
+        return kept
+
+    assert root_gathered_after_forward(_shard(_new_model(), adamw_rule))
+    assert not root_gathered_after_forward(_shard(_new_model(), adamw_rule, reshard=True))
+    model = _shard(_new_model(), adamw_rule, reshard=True)
+    model.set_reshard_after_forward(False, recurse=False)
+    assert root_gathered_after_forward(model)
 
 
 @pytest.mark.parametrize(
