@@ -39,10 +39,11 @@ does not see allocations inside a collective (gloo's staging copies) nor DTensor
 
 ``--recipe``: the recipe's setting only, bf16 compute, fp32 reduction and per-layer activation
 checkpointing (``checkpoint_wrapper`` on every layer before sharding, as torchtitan), W = 4 and 8, in
-each of three wrappings (``WRAPS``, the same calls in both runtimes): per-layer calls then the root
+each of four wrappings (``WRAPS``, the same calls in both runtimes): per-layer calls then the root
 (``root``, the default elsewhere), the same with the root resharded after forward (``root_reshard``),
-and the embedding and head as units of their own (``units``, as torchtitan wraps them: FSDP2's
-smallest peak); writes ``step_memory_recipe.json``.
+the embedding and head as units of their own (``units``: FSDP2's smallest peak), and torchtitan's
+(``torchtitan``: the embedding's own call, ``[norm, output]`` as one unit kept after forward); writes
+``step_memory_recipe.json``.
 
 The floor: from the model's output until its gradient arrives (the loss and its backward), the live
 bytes that are not the runtime's own (gathered parameters, gradients, reduction buffers), plus the
@@ -61,7 +62,7 @@ figures (the trace's absolute values run a few MiB higher: one step, the hooks' 
     python benchmarks/step_memory.py --quick           # W = 2, a smaller model; writes runs/bench-quick/
     python benchmarks/step_memory.py --trace           # W = 2, both precisions: the per-event trace
     python benchmarks/step_memory.py --recipe          # bf16 / fp32 reduce / activation checkpointing, W = 4 and 8,
-                                                       # three wrappings (--wraps root units: some of them)
+                                                       # four wrappings (--wraps root units: some of them)
 """
 
 from __future__ import annotations
@@ -93,12 +94,14 @@ PRECISIONS = ("fp32", "bf16_fp32_reduce")
 RECIPE = "bf16_fp32_reduce_ac"
 """The recipe's setting (``--recipe``): bf16 compute, fp32 reduction, per-layer activation checkpointing."""
 
-WRAPS = ("root", "root_reshard", "units")
+WRAPS = ("root", "root_reshard", "units", "torchtitan")
 """How the model is wrapped, the same calls in both runtimes: ``root``: per-layer calls, then the root
 (which holds the embedding, final norm and head, kept gathered from forward to backward: the default of
 both); ``root_reshard``: the same with ``reshard_after_forward=True`` on the root (freed after forward,
 gathered again for the head's backward); ``units``: the embedding and the head also get calls of
-their own (freed after forward, each gathered for its own backward; the norm stays in the root)."""
+their own (freed after forward, each gathered for its own backward; the norm stays in the root);
+``torchtitan``: torchtitan's wrapping, the embedding's own call and ``[norm, output]`` as one unit kept
+after forward (``reshard_after_forward=False``: its backward comes first)."""
 
 
 def _wrapped_name(model, name: str) -> str:
@@ -129,9 +132,11 @@ def _build(runtime: str, cfg: TinyConfig, full_sd: dict, precision: str, mesh, w
             model.layers[i] = checkpoint_wrapper(layer)
         full_sd = {_wrapped_name(model, k): v for k, v in full_sd.items()}
     units = [*model.layers, *((model.embed, model.output) if wrap == "units" else ())]
+    units += [model.embed, [model.norm, model.output]] if wrap == "torchtitan" else []
+    unit_kw = {"reshard_after_forward": False} if wrap == "torchtitan" else {}  # (only lists: [norm, output])
     if runtime == "fsdp_optim":
         for unit in units:
-            fsdp_optim.fully_shard(unit, mp_policy=ours_mp)
+            fsdp_optim.fully_shard(unit, mp_policy=ours_mp, **(unit_kw if isinstance(unit, list) else {}))
         fsdp_optim.fully_shard(model, mp_policy=ours_mp, **root_kw)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -142,7 +147,7 @@ def _build(runtime: str, cfg: TinyConfig, full_sd: dict, precision: str, mesh, w
 
     kw = {"mesh": mesh} | ({"mp_policy": torch_mp} if torch_mp is not None else {})
     for unit in units:
-        fully_shard(unit, **kw)
+        fully_shard(unit, **kw, **(unit_kw if isinstance(unit, list) else {}))
     fully_shard(model, **kw, **root_kw)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -164,7 +169,7 @@ def _breakdown(model, runtime: str, precision: str, peak: int, wrap: str = "root
     root = sum(numel(p) for n, p in model.named_parameters() if not n.startswith("layers."))
     layer = sum(numel(p) for p in model.layers[0].parameters())
     head = max(sum(numel(p) for p in m.parameters()) for m in (model.embed, model.output))
-    gathered = root + 2 * layer if wrap != "units" else 2 * max(layer, head)
+    gathered = root + 2 * layer if wrap not in ("units", "torchtitan") else 2 * max(layer, head)
     out = {
         "sharded_params": local,
         "grads": local,
@@ -249,6 +254,7 @@ class _LivePeak(LiveBytes):
         outside = {n: v for n, v in numels.items() if not n.startswith("layers.")}
         units = [sum(outside.values()), *outside.values()]
         units += [sum(v for n, v in outside.items() if not n.startswith(("embed.", "output.")))]
+        units += [sum(v for n, v in outside.items() if not n.startswith("embed."))]  # [norm, output]
         units += [sum(v for n, v in numels.items() if n.startswith(f"layers.{i}.")) for i in range(len(model.layers))]
         self.reduce_sizes = {4 * u for u in units}
         self.by_size = True  # off in the optimizer step, whose per-parameter temporaries have those sizes too

@@ -209,6 +209,8 @@ class _Bucket:
         self.explicit_unshard = False  # gathered by ShardedModule.unshard(), not by a forward
         self.gathered_at_step = -1  # the runtime's optimizer step count when the last gather was issued
         self.num_pending_calls = 0
+        self.awaiting_backward: set[int] = set()
+        """A group's modules called with grad whose backward has not begun ([Note: module groups])."""
         self._arrived: list[bool] | None = None  # which parameters got a gradient since the last reduction
         self._reduced_arrived: list[bool] | None = None  # the same, for the reduction in flight
         self._set_params(self.sharded)
@@ -689,6 +691,7 @@ class _Bucket:
         self.reshard()
         self.phase = BucketPhase.IDLE
         self.num_pending_calls = 0
+        self.awaiting_backward = set()
 
     def end_of_backward(self) -> None:
         """The end-of-backward callback, after every reduction was waited for: -> SHARDED / IDLE."""
@@ -696,6 +699,7 @@ class _Bucket:
         _invariant(self.where is BucketState.SHARDED, f"{self!r} at the end of backward")
         self.phase = BucketPhase.IDLE
         self.num_pending_calls = 0
+        self.awaiting_backward = set()
 
 
 class _Float8Handle:

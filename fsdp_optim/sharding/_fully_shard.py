@@ -8,8 +8,10 @@ Usage (as with PyTorch FSDP2)::
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 Each module passed to ``fully_shard`` is one *bucket*: one flat buffer, one all-gather, one
-reduce-scatter. The root's bucket holds the parameters no inner bucket holds (embeddings, final
-norm, head). After sharding, each managed parameter is an ``nn.Parameter`` holding this rank's
+reduce-scatter. A list of modules is one bucket for all of them (``fully_shard([model.norm,
+model.output])``, as FSDP2 and torchtitan: gathered before the first of them runs, freed or kept
+after the last; [Note: module groups] in ``_runtime.py``). The root's bucket holds the parameters no
+inner bucket holds (embeddings, final norm, head). After sharding, each managed parameter is an ``nn.Parameter`` holding this rank's
 flat 1-D piece of the global tensor, a view into the bucket's segment, with a ``ShardInfo``
 (``shard_info(p)``); after backward its ``.grad`` is the matching view into the gradient segment.
 
@@ -47,7 +49,7 @@ from .plan import Plan, PlanConfig
 from .checkpoint import install_dcp_ready_hook, register_state_dict_hooks
 from ._expert_parallel import expert_shard
 from ._runtime import _STATE, _buckets_under, _ModuleState, _runtime_of
-from ._setup import _is_managed_inside, _resolve_mesh, build_runtime
+from ._setup import _class_name, _is_managed_inside, _resolve_mesh, build_runtime
 from ._shard_info import shard_info
 
 __all__ = ["fully_shard", "ShardedModule", "sharded_plan"]
@@ -64,7 +66,7 @@ def _check_reshard_after_forward(value: Any, *, allow_none: bool = True) -> None
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: Any = None,
     blocks: BlockRule | None = None,
@@ -72,8 +74,9 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     plan_config: PlanConfig | None = None,
     fp8_all_gather: Float8AllGather | None = None,
-) -> nn.Module:
-    """Shard ``module``'s parameters over ``mesh`` with block-aligned ragged layouts.
+) -> nn.Module | list[nn.Module]:
+    """Shard ``module``'s parameters over ``mesh`` with block-aligned ragged layouts. ``module`` may be
+    a list of modules that share one bucket (as FSDP2's ``fully_shard([norm, output])``).
 
     ``mesh``: a 1-D ``DeviceMesh`` or a ``ProcessGroup`` (default: the world; without an initialized
     process group, one rank), or a 2-D ``DeviceMesh`` for HSDP: shard over one dimension, replicate
@@ -88,28 +91,31 @@ def fully_shard(
     reduction dtypes. ``plan_config``: planner knobs (root only). ``fp8_all_gather``: gather eligible
     (2-D) parameters as block-wise scaled ``float8_e4m3fn`` codes and dequantize them to the compute
     dtype (opt-in; see [Note: FP8 all-gather] below and ``Float8AllGather``); an inner ``None`` takes
-    the root's. Returns ``module``, whose class now also derives from :class:`ShardedModule`. See the
-    module docstring for the root rule.
+    the root's. Returns ``module`` (each module's class now also derives from :class:`ShardedModule`).
+    See the module docstring for the root rule.
     """
-    _check_arguments(module, blocks, reshard_after_forward, mp_policy, plan_config, fp8_all_gather)
+    modules = _as_modules(module)
+    _check_arguments(blocks, reshard_after_forward, mp_policy, plan_config, fp8_all_gather)
     group, rank, world_size, device, replicate_group, num_replicas = _resolve_mesh(mesh)
-    existing = getattr(module, _STATE, None)
-    if existing is not None:
-        raise ValueError(
-            f"fully_shard: module {type(module).__name__} was already passed to fully_shard (world size "
-            f"{existing.world_size}); call fully_shard once per module, inner modules first, the root last"
-        )
-    for name, p in module.named_parameters():
-        info = shard_info(p)
-        if info is not None and not _is_managed_inside(module, p):
+    for m in modules:
+        existing = getattr(m, _STATE, None)
+        if existing is not None:
             raise ValueError(
-                f"fully_shard: parameter {name} (shape {tuple(info.shape)}) of {type(module).__name__} is already "
-                f"sharded (as {info.fqn}) by a fully_shard call on a module outside this one: either an enclosing "
-                "module (call fully_shard on inner modules before their root) or another model sharing this "
-                "module (e.g. a student and a teacher: shard one module containing both, or give each its own copy)"
+                f"fully_shard: module {_class_name(m)} was already passed to fully_shard (world size "
+                f"{existing.world_size}); call fully_shard once per module, inner modules first, the root last"
             )
+        for name, p in m.named_parameters():
+            info = shard_info(p)
+            if info is not None and not _is_managed_inside(m, p):
+                raise ValueError(
+                    f"fully_shard: parameter {name} (shape {tuple(info.shape)}) of {_class_name(m)} is already "
+                    f"sharded (as {info.fqn}) by a fully_shard call on a module outside this one: either an "
+                    "enclosing module (call fully_shard on inner modules before their root) or another model sharing "
+                    "this module (e.g. a student and a teacher: shard one module containing both, or give each its "
+                    "own copy)"
+                )
     state = _ModuleState(
-        module=module,
+        modules=modules,
         group=group,
         rank=rank,
         world_size=world_size,
@@ -121,36 +127,60 @@ def fully_shard(
         mp_policy=mp_policy,
         plan_config=plan_config,
         fp8_all_gather=fp8_all_gather,
-        separate_root=_is_experts(module),
+        separate_root=_is_experts(modules),
     )
-    cls = type(module)
-    if not issubclass(cls, ShardedModule):
-        module.__class__ = _sharded_class(cls)
+    classes = [type(m) for m in modules]
+    for m, cls in zip(modules, classes):
+        if not issubclass(cls, ShardedModule):
+            m.__class__ = _sharded_class(cls)
     try:
         build_runtime(state)  # validates on every rank and agrees before any collective
     except BaseException:
         state.remove()  # a failed call leaves no trace
-        module.__class__ = cls
+        for m, cls in zip(modules, classes):
+            m.__class__ = cls
         raise
-    register_state_dict_hooks(module)  # DCP-ready model.state_dict() / load_state_dict()
+    for m in modules:
+        register_state_dict_hooks(m)  # DCP-ready m.state_dict() / load_state_dict()
     install_dcp_ready_hook()  # ... and optimizer.state_dict() of any optimizer over sharded parameters
     if state.separate_root:
         # The experts' owners receive tokens from every rank of their EP group: their gradients are
         # averaged over the whole data-parallel world, not only over this call's mesh.
-        ep_size = next(shard_info(p).expert.ep_size for p in module.parameters())
-        module.set_gradient_divide_factor(world_size * num_replicas * ep_size)
+        ep_size = next(shard_info(p).expert.ep_size for m in modules for p in m.parameters())
+        modules[0].set_gradient_divide_factor(world_size * num_replicas * ep_size)
     return module
 
 
-def _is_experts(module: nn.Module) -> bool:
-    """Every parameter under ``module`` was sharded by ``expert_parallel``: it is planned as its own
+def _as_modules(module: Any) -> tuple[nn.Module, ...]:
+    """``module``, or the modules of a list / tuple (one bucket for all of them, as FSDP2's
+    ``fully_shard([norm, output])``), checked: distinct, none inside another."""
+    if isinstance(module, nn.Module):
+        return (module,)
+    if not isinstance(module, (list, tuple)) or not module or not all(isinstance(m, nn.Module) for m in module):
+        got = type(module).__name__ if not isinstance(module, (list, tuple)) else (
+            "an empty list" if not module else f"a list of {', '.join(sorted({type(m).__name__ for m in module}))}"
+        )  # fmt: skip
+        raise ValueError(f"fully_shard expects an nn.Module or a non-empty list of them, got {got}")
+    modules = tuple(module)
+    for i, m in enumerate(modules):
+        for j, other in enumerate(modules):
+            if i != j and (m is other or any(sub is m for sub in other.modules())):
+                raise ValueError(
+                    f"fully_shard: module {i} of the list ({type(m).__name__}) "
+                    + ("appears twice" if m is other else f"lies inside module {j} ({type(other).__name__})")
+                    + "; list modules that do not contain one another (an inner module gets its own call first)"
+                )
+    return modules
+
+
+def _is_experts(modules: tuple[nn.Module, ...]) -> bool:
+    """Every parameter under ``modules`` was sharded by ``expert_parallel``: it is planned as its own
     root over ``mesh`` (the ranks holding the same experts; [Note: separate roots])."""
-    marks = [expert_shard(p) is not None for p in module.parameters()]
+    marks = [expert_shard(p) is not None for m in modules for p in m.parameters()]
     return bool(marks) and all(marks)
 
 
 def _check_arguments(
-    module: Any,
     blocks: Any,
     reshard_after_forward: Any,
     mp_policy: Any,
@@ -158,8 +188,6 @@ def _check_arguments(
     fp8_all_gather: Any,
 ) -> None:
     """The arguments' types (a user error names the argument and what it takes)."""
-    if not isinstance(module, nn.Module):
-        raise ValueError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"mp_policy must be a MixedPrecisionPolicy or None, got {type(mp_policy).__name__}")
     if plan_config is not None and not isinstance(plan_config, PlanConfig):

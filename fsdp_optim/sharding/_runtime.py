@@ -56,6 +56,7 @@ runs without a gradient ([Note: unused parameters]); skipping a whole sharded mo
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -85,9 +86,10 @@ _STATE = "_fsdp_optim_state"
 # ---------------------------------------------------------------------------------------------
 @dataclass(kw_only=True, eq=False)
 class _ModuleState:
-    """What ``fully_shard`` recorded for one module (one bucket)."""
+    """What ``fully_shard`` recorded for one call: one module, or a group of modules sharing one bucket."""
 
-    module: nn.Module
+    modules: tuple[nn.Module, ...]
+    """The call's module, or its modules (``fully_shard([norm, output])``: one bucket, as FSDP2's group)."""
     group: dist.ProcessGroup | None
     rank: int
     world_size: int
@@ -105,44 +107,111 @@ class _ModuleState:
     runtime: _Runtime | None = None
     bucket: _Bucket | None = None
     handles: list = field(default_factory=list)
+    to_run: set[int] = field(default_factory=set)
+    """A group: the modules (ids) that have not run forward yet in this pass ([Note: module groups])."""
 
     def __post_init__(self) -> None:
-        setattr(self.module, _STATE, self)
-        self.handles = [
-            self.module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
-            self.module.register_forward_hook(self._post_forward, prepend=False),
-        ]
+        for m in self.modules:
+            setattr(m, _STATE, self)
+            self.handles += [
+                m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+                m.register_forward_hook(self._post_forward, prepend=False),
+            ]
+
+    @property
+    def module(self) -> nn.Module:
+        """The call's (first) module."""
+        return self.modules[0]
+
+    @property
+    def is_group(self) -> bool:
+        return len(self.modules) > 1
 
     def remove(self) -> None:
         """Undo ``__post_init__`` (a ``fully_shard`` call that failed validation leaves no trace)."""
         for h in self.handles:
             h.remove()
-        self.module.__dict__.pop(_STATE, None)
+        for m in self.modules:
+            m.__dict__.pop(_STATE, None)
+
+    # [Note: module groups]
+    # ``fully_shard([norm, output])`` (as FSDP2, and torchtitan's wrapping of the final norm and the
+    # head) makes one bucket for several modules: one gather before the first of them runs forward,
+    # the post-forward (free or keep) after the last of them. ``to_run`` holds the modules yet to run
+    # in this pass: the first pre-forward of a pass fills it, each post-forward takes its module out,
+    # the last one completes the pass. A pass another forward interrupts is completed there: a
+    # module of the group that already ran and runs again (one module called twice, or the next
+    # pass after a module that never ran) completes it and starts a new one (a free and a new
+    # gather, as for a single module called twice), and the root's post-forward completes every
+    # group left incomplete (a module that did not run this time). In backward each module call
+    # registers its pre-backward hook on its outputs and counts towards the bucket's post-backward,
+    # as for a single module; and the post-backward also waits until every
+    # module of the group called with grad has begun its backward (``awaiting_backward``): a tied
+    # group [embedding, norm, head] is reduced once, at the end of backward, not after the head's
+    # backward and again after the embedding's. Recomputation (activation checkpointing) runs
+    # outside all this: every call gathers if needed, none frees.
+    def _recomputing(self) -> bool:
+        return self.runtime.ctx.state is TrainingState.PRE_BACKWARD and torch._C._current_graph_task_id() != -1
+
+    def _starts_pass(self, module: nn.Module) -> bool:
+        if not self.is_group or self._recomputing():
+            return True
+        if id(module) in self.to_run:
+            return False  # a later module of the group in this pass: the bucket is gathered
+        if self.to_run:
+            self.complete_pass()  # this module ran already in this pass: a new one starts
+        self.to_run = {id(m) for m in self.modules}
+        return True
+
+    def _ends_pass(self, module: nn.Module) -> bool:
+        if not self.is_group or self._recomputing():
+            return True
+        self.to_run.discard(id(module))
+        return not self.to_run
+
+    def complete_pass(self) -> None:
+        """A group's post-forward, for a pass whose modules did not all run (``to_run`` not empty)."""
+        self.to_run = set()
+        if self.bucket is not None:
+            self.bucket.post_forward()
+        if self.runtime.root_state is self:
+            self.runtime.root_post_forward()
+
+    def _group_pre_backward(self, module_id: int, grad: torch.Tensor) -> torch.Tensor:
+        self.bucket.awaiting_backward.discard(module_id)  # this module's backward begins
+        return self.bucket.pre_backward_hook(grad)
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         rt = self.runtime
         if rt is None:
             return args, kwargs
-        if rt.root_state is self:
-            rt.root_pre_forward()
-        if self.bucket is not None:
-            self.bucket.pre_forward()
+        if self._starts_pass(module):
+            if rt.root_state is self:
+                rt.root_pre_forward()
+            if self.bucket is not None:
+                self.bucket.pre_forward()
         mp = self.effective_mp
         if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_tensors((args, kwargs), mp.param_dtype)
         if self.bucket is not None and torch.is_grad_enabled() and rt.ctx.state is TrainingState.FORWARD:
             args, kwargs = _register_post_backward(self.bucket, args, kwargs)
+            if self.is_group:
+                self.bucket.awaiting_backward.add(id(module))
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         rt = self.runtime
         if rt is None:
             return output
+        last = self._ends_pass(module)
         if self.bucket is not None:
-            self.bucket.post_forward()
+            if last:
+                self.bucket.post_forward()
             if torch.is_grad_enabled():
-                output = _register_on_tensors(output, self.bucket.pre_backward_hook)
-        if rt.root_state is self:
+                hook = (functools.partial(self._group_pre_backward, id(module)) if self.is_group
+                        else self.bucket.pre_backward_hook)
+                output = _register_on_tensors(output, hook)
+        if rt.root_state is self and last:
             rt.root_post_forward()
         mp = self.effective_mp
         if mp is not None and mp.output_dtype is not None:
@@ -161,8 +230,8 @@ def _buckets_under(module: nn.Module, recurse: bool) -> list[_Bucket]:
     out = []
     for m in mods:
         st = getattr(m, _STATE, None)
-        if st is not None and st.bucket is not None:
-            out.append(st.bucket)
+        if st is not None and st.bucket is not None and not any(b is st.bucket for b in out):
+            out.append(st.bucket)  # (a group's modules share one)
     return out
 
 
@@ -226,6 +295,7 @@ class _Runtime:
         self.world_size = root.world_size
         self.device = root.device
         self.ctx = ctx  # shared with the buckets: iteration state, streams, reductions in flight
+        self.group_states: list[_ModuleState] = []  # calls on module groups ([Note: module groups])
         ctx.end_of_backward = self.final_callback
         self._arrival_work: tuple[Any, torch.Tensor] | None = None
         _LIVE_RUNTIMES.add(self)
@@ -247,6 +317,9 @@ class _Runtime:
         self.ctx.finish_reduces()
         self.ctx.prev_forward_order = self.ctx.forward_order
         self.ctx.forward_order, self.ctx.post_forward_order = [], []
+        for st in self.group_states:
+            if st is not self.root_state:
+                st.to_run = set()  # a pass a raised forward left incomplete: this one starts afresh
         for b in self.buckets:
             b.rebind()  # (allocates a lazy bucket)
             b.used = False
@@ -266,6 +339,9 @@ class _Runtime:
     def root_post_forward(self) -> None:
         if self.ctx.state is TrainingState.PRE_BACKWARD:
             return
+        for st in self.group_states:
+            if st is not self.root_state and st.to_run:
+                st.complete_pass()  # a module of the group did not run this time
         for b in self.buckets:
             if b.where is BucketState.GATHERING and not b.used:
                 b.reshard()  # a prefetched bucket that did not run this time (waits for the gather)
@@ -421,7 +497,9 @@ class _PostBackward(torch.autograd.Function):
         b = call.bucket
         b.ctx.queue_final_callback()
         call.finish()
-        if b.num_pending_calls <= 0 and b.phase is not BucketPhase.REDUCED:  # the module's last use is done
+        # The module's last use is done (a group: and every module of it called with grad began its
+        # backward; one whose inputs need no gradient, an embedding, is done at the end of backward).
+        if b.num_pending_calls <= 0 and b.phase is not BucketPhase.REDUCED and not b.awaiting_backward:
             b.post_backward()
         return (None, *grads)
 

@@ -160,7 +160,10 @@ def _discover(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry]]:
     order: list[torch.Tensor] = []
     mapped: dict[int, tuple[str, torch.Tensor]] = {}  # replacements reached through a registered original
     direct: set[int] = set()  # parameters registered as themselves
-    stack = [(root.module, "", ())]
+    # A group root (``fully_shard([a, b])`` with no enclosing call) names its modules' parameters
+    # "0.", "1.", ... as an ``nn.ModuleList`` of them would.
+    prefixes = [f"{i}." for i in range(len(root.modules))] if root.is_group else [""]
+    stack = [(m, prefix, ()) for m, prefix in reversed(list(zip(root.modules, prefixes)))]
     seen_mod: set[tuple[int, tuple]] = set()
     while stack:
         m, prefix, chain = stack.pop()
@@ -238,15 +241,15 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
             or (root.num_replicas > 1 and not same_group(st.replicate_group, root.replicate_group))
         ):
             raise ValueError(
-                f"fully_shard: {type(st.module).__name__} was sharded over a mesh of world size {st.world_size} "
-                f"({st.num_replicas} replicas) but its root {type(root.module).__name__} over world size "
+                f"fully_shard: {_describe(st)} was sharded over a mesh of world size {st.world_size} "
+                f"({st.num_replicas} replicas) but its root {_describe(root)} over world size "
                 f"{root.world_size} ({root.num_replicas} replicas)"
                 + (" over other process groups" if same_shape else "")
                 + "; pass the same mesh (the same DeviceMesh object) to every fully_shard call of a model"
             )
         if st.plan_config is not None and st.plan_config != root.plan_config:
             warnings.warn(
-                f"fully_shard: plan_config of the inner call on {type(st.module).__name__} is ignored; the root's "
+                f"fully_shard: plan_config of the inner call on {_describe(st)} is ignored; the root's "
                 "plan_config plans the whole model",
                 stacklevel=4,
             )
@@ -255,7 +258,7 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
         if expert_shard(p) is not None and not e.state.separate_root:
             raise ValueError(
                 f"fully_shard: {e.fqn} (local shape {tuple(p.shape)}) belongs to an expert_parallel module that "
-                f"{type(e.state.module).__name__}'s call would plan with the rest of the model over world size "
+                f"{_describe(e.state)}'s call would plan with the rest of the model over world size "
                 f"{root.world_size}; call fully_shard on the experts module itself first, over the ranks that hold "
                 "the same experts (expert_parallel_groups(...).replicas), then on the enclosing modules"
             )
@@ -298,7 +301,7 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
         if len(dtypes) > 1:
             names = ", ".join(f"{e.fqn}: {e.dtype}" for e in es[:4])
             raise ValueError(
-                f"fully_shard: the bucket of {type(es[0].state.module).__name__} mixes parameter dtypes ({names}); "
+                f"fully_shard: the bucket of {_describe(es[0].state)} mixes parameter dtypes ({names}); "
                 "one bucket is one flat buffer: cast the module to one dtype (use mp_policy for bf16 compute)"
             )
 
@@ -337,7 +340,7 @@ def _fingerprint(root: _ModuleState, plan: Plan, bucket_states: list[_ModuleStat
         "reshard_after_forward": digest([_reshard_after_forward(st, root) for st in bucket_states]),
         "fp8_all_gather": digest([st.fp8_all_gather or root.fp8_all_gather for st in bucket_states]),
         "experts": digest(
-            [(es.first_expert, es.num_local_experts) for p in root.module.parameters() if (es := expert_shard(p))]
+            [(es.first_expert, es.num_local_experts) for m in root.modules for p in m.parameters() if (es := expert_shard(p))]
         ),
     }
 
@@ -395,7 +398,7 @@ def build_runtime(root: _ModuleState) -> _Runtime:
     """Plan everything under ``root`` at once, absorb earlier roots under it, return its runtime."""
     # An earlier root under this module may still be gathered (a forward without backward): swap
     # its sharded parameters back first (local, no collective) so discovery sees those.
-    for m in root.module.modules():
+    for m in (m for top in root.modules for m in top.modules()):
         st = getattr(m, _STATE, None)
         if st is not None and st.runtime is not None and st.runtime.root_state is st:
             for b in st.runtime.buckets:
@@ -410,9 +413,12 @@ def build_runtime(root: _ModuleState) -> _Runtime:
     for st in states:
         st.runtime = rt
         st.bucket = None
+        st.to_run = set()
+    rt.group_states = [st for st in states if st.is_group]
     for st, b in zip(bucket_states, buckets):
         st.bucket = b
-    _move_buffers(root.module, root.device)
+    for m in root.modules:
+        _move_buffers(m, root.device)
     _log_plan(root, plan, buckets, absorbed=len(old))
     return rt
 
@@ -570,8 +576,7 @@ def _log_plan(root: _ModuleState, plan, buckets: list[_Bucket], *, absorbed: int
     if root.rank != 0 or not logger.isEnabledFor(logging.INFO):
         return
     st = plan.stats()
-    cls = type(root.module)
-    name = cls.__bases__[-1].__name__ if cls.__name__ == f"Sharded{cls.__bases__[-1].__name__}" else cls.__name__
+    name = _describe(root)
     logger.info(
         "fully_shard(%s): %d buckets (%d even, %d ragged), %d tensors, %s parameters over %d ranks%s; "
         "padding %.3f%%, per-rank bytes max/mean %.3f, optimizer cost max/mean %.3f; planned in %.3f s; "
@@ -641,10 +646,21 @@ def _move_pieces(bucket: _Bucket, old: list[nn.Parameter | None], old_bucket_of:
 def _bucket_name(root: _ModuleState, st: _ModuleState) -> str:
     if st is root:
         return "<root>"
-    for name, m in root.module.named_modules():
-        if m is st.module:
-            return name
-    return type(st.module).__name__
+    names = {id(m): name for top in root.modules for name, m in top.named_modules()}
+    found = [names.get(id(m), _class_name(m)) for m in st.modules]
+    return f"[{', '.join(found)}]" if st.is_group else found[0]
+
+
+def _class_name(m: nn.Module) -> str:
+    """The user's class name (not ``fully_shard``'s ``Sharded...`` subclass)."""
+    cls = type(m)
+    return cls.__bases__[-1].__name__ if cls.__name__ == f"Sharded{cls.__bases__[-1].__name__}" else cls.__name__
+
+
+def _describe(st: _ModuleState) -> str:
+    """A call's module class, or ``[A, B]`` for a group, for messages."""
+    names = [_class_name(m) for m in st.modules]
+    return f"[{', '.join(names)}]" if st.is_group else names[0]
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
