@@ -145,11 +145,11 @@ class _ModuleState:
     # gather, as for a single module called twice), and the root's post-forward completes every
     # group left incomplete (a module that did not run this time). In backward each module call
     # registers its pre-backward hook on its outputs and counts towards the bucket's post-backward,
-    # as for a single module; and the post-backward also waits until every
-    # module of the group called with grad has begun its backward (``awaiting_backward``): a tied
-    # group [embedding, norm, head] is reduced once, at the end of backward, not after the head's
-    # backward and again after the embedding's. Recomputation (activation checkpointing) runs
-    # outside all this: every call gathers if needed, none frees.
+    # as for a single module; and the post-backward also waits until every module of the group
+    # called with grad has begun its backward (``awaiting_backward``): a tied group [embedding,
+    # norm, head] is reduced once, at the end of backward, not after the head's backward and again
+    # after the embedding's. Recomputation (activation checkpointing) runs outside all this: every
+    # call gathers if needed, none frees.
     def _recomputing(self) -> bool:
         return self.runtime.ctx.state is TrainingState.PRE_BACKWARD and torch._C._current_graph_task_id() != -1
 
