@@ -266,3 +266,43 @@ def test_nested_or_repeated_modules_in_a_group_are_refused():
     with pytest.raises(ValueError, match="module Linear was already passed to fully_shard"):
         fsdp_optim.fully_shard([model.output, model.embed])
     assert not hasattr(model.embed, _STATE)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_a_group_under_mixed_precision_checkpointing_and_hsdp_equals_separate_calls_bitwise(mesh_shape):
+    """bf16 compute with fp32 reduction, activation checkpointing on every layer, FSDP over 2 ranks or
+    HSDP 2 x 2: ``[norm, output]`` as one group trains bitwise like the norm in the root and the head
+    in its own call (each element is summed over 2 ranks per stage, so the bucket layout cannot
+    change its rounding)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def train(grouped: bool) -> dict[str, torch.Tensor]:
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")[-len(mesh_shape) :])
+        mp = fsdp_optim.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        torch.manual_seed(0)
+        model = TinyTransformer(dataclasses.replace(CFG, tie_embeddings=False))
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer)
+        fsdp_optim.fully_shard(model.embed, mesh=mesh, mp_policy=mp)
+        fsdp_optim.fully_shard([model.norm, model.output] if grouped else model.output, mesh=mesh, mp_policy=mp)
+        for layer in model.layers:
+            fsdp_optim.fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fsdp_optim.fully_shard(model, mesh=mesh, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        for step in range(3):
+            x, y = (_local(t) for t in _batch(step))
+            F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+        out = fsdp_optim.full_state_dict(model)
+        del model, opt
+        return out
+
+    def fn():
+        return train(True), train(False)
+
+    for grouped, separate in run_distributed(fn, world_size=len(mesh_shape) * 2):
+        assert grouped.keys() == separate.keys()
+        for k, v in separate.items():
+            assert torch.equal(grouped[k], v), k
