@@ -156,6 +156,7 @@ class _Bucket:
         self.param_dtype = mp.param_dtype or master
         self.reduce_dtype = mp.reduce_dtype or master
         self.reshard_after_forward = config.reshard_after_forward
+        self.unshard_in_backward = True  # ShardedModule.set_unshard_in_backward (embeddings only)
         self.requires_sync = True
         self.grad_premul: float | None = None  # set_gradient_divide_factor: multiplies the gradients before the averaging
         fp8 = config.fp8_all_gather
@@ -439,11 +440,13 @@ class _Bucket:
         # forwards before their backwards). Gather again; what comes is reduced and added.
         self.phase = BucketPhase.BACKWARD
         ctx.state = TrainingState.PRE_BACKWARD
-        self.unshard()
+        if self.unshard_in_backward:  # (False: an embedding's backward reads no weight)
+            self.unshard()
         nxt = ctx.next_in_backward(self)
-        if nxt is not None:
+        if nxt is not None and nxt.unshard_in_backward:
             nxt.unshard()  # prefetch the bucket whose backward runs next
-        self.wait_unshard()
+        if self.unshard_in_backward:
+            self.wait_unshard()
         return grad
 
     def _ensure_flat_grad(self) -> None:

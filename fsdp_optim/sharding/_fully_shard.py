@@ -227,6 +227,28 @@ class ShardedModule:
         for b in _buckets_under(self, recurse):
             b.reshard_after_forward = reshard_after_forward
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: do not gather this module's bucket again in backward (as FSDP2's): its
+        gradients arrive without it, saving one all-gather per step and the gathered buffer at the
+        end of backward. Only for a bucket whose parameters are all ``nn.Embedding`` weights (its
+        backward reads the indices, not the weight); anything else raises, since a backward that
+        read a freed parameter would crash. Call it on every rank alike."""
+        if not isinstance(unshard_in_backward, bool):
+            raise ValueError(f"set_unshard_in_backward: expects True or False, got {unshard_in_backward!r}")
+        bucket = getattr(self, _STATE).bucket
+        if bucket is None:
+            return
+        if not unshard_in_backward:
+            for e, sp in zip(bucket.entries, bucket.sharded):
+                for owner, _ in e.owners:
+                    if not _reads_no_weight_in_backward(owner):
+                        raise ValueError(
+                            f"set_unshard_in_backward(False): parameter {shard_info(sp).fqn} (shape "
+                            f"{tuple(shard_info(sp).shape)}) of {_class_name(owner)} is in this bucket; only "
+                            "nn.Embedding weights can skip the gather in backward (an embedding's backward reads "
+                            "the indices only). Give the embedding its own fully_shard call and set it there"
+                        )
+        bucket.unshard_in_backward = unshard_in_backward
     def set_gradient_divide_factor(self, factor: float, *, recurse: bool = True) -> None:
         """Divide the summed gradients by ``factor`` instead of averaging over this module's shard
         group (and replicas), as FSDP2's ``set_gradient_divide_factor``: e.g. experts sharded over the
@@ -258,6 +280,16 @@ class ShardedModule:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def _reads_no_weight_in_backward(module: nn.Module) -> bool:
+    """An ``nn.Embedding`` running ``nn.Embedding.forward`` (``F.embedding``, whose backward saves the
+    indices and the weight's size only), its weight not parametrized."""
+    return (
+        isinstance(module, nn.Embedding)
+        and type(module).forward is nn.Embedding.forward
+        and not hasattr(module, "parametrizations")
+    )
 
 
 @functools.cache

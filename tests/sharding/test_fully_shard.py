@@ -724,3 +724,58 @@ def test_balance_splits_matrices_only_for_rules_that_take_them():
         assert out["muon"][0] and not out["muon"][1]
         assert out["shampoo"][0] and not out["shampoo"][1], out
         assert not out["soap"][0] and out["soap"][1], out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_embedding_not_gathered_in_backward_trains_bitwise_the_same(world_size):
+    """``set_unshard_in_backward(False)`` on an embedding's own call (as FSDP2's): its bucket is
+    gathered once per step (forward) instead of twice, and training is bitwise the same; any bucket
+    holding a parameter whose backward reads it (a layer, the root, a head tied to the embedding) is
+    refused naming the parameter."""
+    cfg = TinyConfig(tie_embeddings=False)
+
+    def train(skip: bool):
+        model = _new_model(cfg)
+        fsdp_optim.fully_shard(model.embed)
+        for layer in model.layers:
+            fsdp_optim.fully_shard(layer)
+        fsdp_optim.fully_shard(model)
+        if skip:
+            model.embed.set_unshard_in_backward(False)
+        buf = getattr(model.embed, _STATE).bucket.buffer
+        calls = []
+        orig = buf.all_gather
+        buf.all_gather = lambda *a, **k: calls.append(1) or orig(*a, **k)
+        opt = _opt(model.parameters())
+        w, r = dist.get_world_size(), dist.get_rank()
+        gathers = []
+        for x, y in _batches(3):
+            calls.clear()
+            _loss(model, _local(x, w, r), _local(y, w, r)).backward()
+            gathers.append(len(calls))
+            opt.step()
+            opt.zero_grad()
+        out = fsdp_optim.full_state_dict(model), gathers
+        del model, opt
+        return out
+
+    def fn():
+        return train(False), train(True)
+
+    for (gathered, n_gathered), (skipped, n_skipped) in run_distributed(fn, world_size=world_size):
+        assert n_gathered == [2, 2, 2] and n_skipped == [1, 1, 1]
+        for k, v in gathered.items():
+            assert torch.equal(skipped[k], v), k
+
+
+def test_unshard_in_backward_is_refused_where_backward_reads_the_weight():
+    model = _new_model()  # tied: the head reads the embedding's weight in backward
+    fsdp_optim.fully_shard(model.layers[0])
+    fsdp_optim.fully_shard(model)
+    with pytest.raises(ValueError, match=r"parameter layers\.0\.[\w.]+ \(shape \([\d, ]+\)\) of \w+ is in this bucket"):
+        model.layers[0].set_unshard_in_backward(False)
+    with pytest.raises(ValueError, match=r"parameter embed.weight \(shape \(1009, \d+\)\) of Linear is in this bucket"):
+        model.set_unshard_in_backward(False)
+    with pytest.raises(ValueError, match="expects True or False, got None"):
+        model.set_unshard_in_backward(None)
+    model.layers[0].set_unshard_in_backward(True)  # always allowed
