@@ -11,9 +11,10 @@ Each module passed to ``fully_shard`` is one *bucket*: one flat buffer, one all-
 reduce-scatter. A list of modules is one bucket for all of them (``fully_shard([model.norm,
 model.output])``, as FSDP2 and torchtitan: gathered before the first of them runs, freed or kept
 after the last; [Note: module groups] in ``_runtime.py``). The root's bucket holds the parameters no
-inner bucket holds (embeddings, final norm, head). After sharding, each managed parameter is an ``nn.Parameter`` holding this rank's
-flat 1-D piece of the global tensor, a view into the bucket's segment, with a ``ShardInfo``
-(``shard_info(p)``); after backward its ``.grad`` is the matching view into the gradient segment.
+inner bucket holds (embeddings, final norm, head). After sharding, each managed parameter is an
+``nn.Parameter`` holding this rank's flat 1-D piece of the global tensor, a view into the bucket's
+segment, with a ``ShardInfo`` (``shard_info(p)``); after backward its ``.grad`` is the matching view
+into the gradient segment.
 
 [Note: which call is the root]
 Balance is global, so the planner must see every bucket of a model at once. Every call shards

@@ -646,7 +646,10 @@ def _move_pieces(bucket: _Bucket, old: list[nn.Parameter | None], old_bucket_of:
 def _bucket_name(root: _ModuleState, st: _ModuleState) -> str:
     if st is root:
         return "<root>"
-    names = {id(m): name for top in root.modules for name, m in top.named_modules()}
+    names: dict[int, str] = {}
+    for top in root.modules:
+        for name, m in top.named_modules():
+            names.setdefault(id(m), name)  # a module registered twice: its first name
     found = [names.get(id(m), _class_name(m)) for m in st.modules]
     return f"[{', '.join(found)}]" if st.is_group else found[0]
 
