@@ -904,15 +904,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = balanced_rows(args.models, ws, link=link, memory_per_rank=args.memory_per_rank)
         data = {"command": command, "assumptions": asdict(link), "memory_per_rank": args.memory_per_rank,
                 "seconds": time.perf_counter() - t0, "python": platform.python_version(), "rows": rows}  # fmt: skip
-        md = balanced_markdown(data)
-        if args.no_write:
-            print(md)
-            return 0
-        results.mkdir(parents=True, exist_ok=True)
-        (results / "comm_model_balanced.json").write_text(json.dumps(data, indent=1))
-        (results / "comm_model_balanced.md").write_text(md)
-        print(f"wrote {results}/comm_model_balanced.{{json,md}} in {data['seconds']:.0f} s")
-        return 0
+        return _emit(data, balanced_markdown(data), results, "comm_model_balanced", no_write=args.no_write)
     if args.ep:
         ws = args.world_sizes if args.world_sizes != list(WORLD_SIZES) else list(EP_WORLD_SIZES)
         rows = ep_rows(args.models, ws, link=link, tokens_per_step=args.tokens_per_step, act_bytes=args.act_bytes,
@@ -920,15 +912,7 @@ def main(argv: list[str] | None = None) -> int:
         data = {"command": command, "assumptions": asdict(link), "memory_per_rank": args.memory_per_rank,
                 "tokens_per_step": args.tokens_per_step, "act_bytes": args.act_bytes, "top_k": TOP_K,
                 "seconds": time.perf_counter() - t0, "python": platform.python_version(), "rows": rows}  # fmt: skip
-        md = ep_markdown(data)
-        if args.no_write:
-            print(md)
-            return 0
-        results.mkdir(parents=True, exist_ok=True)
-        (results / "comm_model_ep.json").write_text(json.dumps(data, indent=1))
-        (results / "comm_model_ep.md").write_text(md)
-        print(f"wrote {results}/comm_model_ep.{{json,md}} in {data['seconds']:.0f} s")
-        return 0
+        return _emit(data, ep_markdown(data), results, "comm_model_ep", no_write=args.no_write)
     rows = []
     for model in args.models:
         for w in args.world_sizes:
@@ -948,15 +932,20 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "rows": rows,
     }
-    md = to_markdown(data)
-    if args.no_write:
+    return _emit(data, to_markdown(data), results, args.out_name, no_write=args.no_write, with_plot=True)
+
+
+def _emit(data: dict, md: str, results: Path, name: str, *, no_write: bool, with_plot: bool = False) -> int:
+    """Print the table (``--no-write``), or write ``name``.json / .md (and the plot) under ``results``."""
+    if no_write:
         print(md)
         return 0
     results.mkdir(parents=True, exist_ok=True)
-    (results / f"{args.out_name}.json").write_text(json.dumps(data, indent=1))
-    (results / f"{args.out_name}.md").write_text(md)
-    plot(data, results / f"{args.out_name}.png")
-    print(f"wrote {results}/{args.out_name}.{{json,md,png}} in {data['seconds']:.0f} s")
+    (results / f"{name}.json").write_text(json.dumps(data, indent=1))
+    (results / f"{name}.md").write_text(md)
+    if with_plot:
+        plot(data, results / f"{name}.png")
+    print(f"wrote {results}/{name}.{{json,md{',png' if with_plot else ''}}} in {data['seconds']:.0f} s")
     return 0
 
 
