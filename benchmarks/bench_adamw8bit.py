@@ -1,4 +1,4 @@
-"""8-bit AdamW: ours on 256-block-aligned RaggedShard params vs FSDP2 + torchao.optim.AdamW8bit.
+"""8-bit AdamW: ours on 256-block-aligned RaggedLayout params vs FSDP2 + torchao.optim.AdamW8bit.
 
 One launch of W (default 2) forked gloo ranks, one model, one data stream. Gradients come from an
 unsharded replica (forward/backward on the same batch on every rank, outside any timed region) and
@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fsdp_optim._testing import make_sharded_param, run_distributed  # noqa: E402
 from fsdp_optim.optimizers import AdamW8bit  # noqa: E402
-from fsdp_optim.sharding import RaggedShard, elements  # noqa: E402
+from fsdp_optim.sharding import RaggedLayout, elements  # noqa: E402
 
 warnings.filterwarnings("ignore")
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -90,7 +90,7 @@ class Model(nn.Module):
         return self.output(self.norm(x))
 
 
-def block_layout(shape: tuple[int, ...], world_size: int) -> RaggedShard:
+def block_layout(shape: tuple[int, ...], world_size: int) -> RaggedLayout:
     """Whole 256-blocks, nearly equal counts per rank (the last block may be partial)."""
     numel = torch.Size(shape).numel()
     num_blocks = -(-numel // BLOCK)
@@ -99,7 +99,7 @@ def block_layout(shape: tuple[int, ...], world_size: int) -> RaggedShard:
     for r in range(world_size):
         acc += base + (r < extra)
         bounds.append(min(acc * BLOCK, numel))
-    return RaggedShard(tuple(shape), tuple(bounds))
+    return RaggedLayout(tuple(shape), tuple(bounds))
 
 
 def state_bytes(state: dict) -> int:

@@ -7,7 +7,7 @@ full tensors outside any timed region, are fed to every optimizer, so all see th
 
 - ``fsdp2+torch.Muon``: ``torch.optim.Muon`` on FSDP2's DTensor parameters (Newton–Schulz runs
   through DTensor on Shard(0) pieces);
-- ``ours ragged``: our ``Muon`` on RaggedShard layouts that keep each matrix whole on one rank
+- ``ours ragged``: our ``Muon`` on RaggedLayout layouts that keep each matrix whole on one rank
   (matrices dealt to ranks longest-first), what a ragged plan gives: no communication; batched
   Newton–Schulz (the default);
 - ``ours ragged per-matrix``: the same with ``batched=False`` (the per-matrix reference mode);
@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fsdp_optim._testing import make_sharded_param, run_distributed  # noqa: E402
 from fsdp_optim.optimizers import AdamW, Muon, Shampoo  # noqa: E402
 from fsdp_optim.optimizers._muon import _stacks_well, newton_schulz  # noqa: E402
-from fsdp_optim.sharding import RaggedShard, rows, whole  # noqa: E402
+from fsdp_optim.sharding import RaggedLayout, rows, whole  # noqa: E402
 
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
 
@@ -71,7 +71,7 @@ class Stack(nn.Module):
         return x
 
 
-def owner_layouts(shapes: dict[str, tuple[int, ...]], world_size: int) -> dict[str, RaggedShard]:
+def owner_layouts(shapes: dict[str, tuple[int, ...]], world_size: int) -> dict[str, RaggedLayout]:
     """Each tensor whole on one rank, dealt longest-first to the least-loaded rank."""
     loads = [0] * world_size
     out = {}
@@ -79,7 +79,7 @@ def owner_layouts(shapes: dict[str, tuple[int, ...]], world_size: int) -> dict[s
         r = min(range(world_size), key=lambda q: (loads[q], q))
         n = torch.Size(shapes[name]).numel()
         loads[r] += n
-        out[name] = RaggedShard(shapes[name], tuple([0] * (r + 1) + [n] * (world_size - r)))
+        out[name] = RaggedLayout(shapes[name], tuple([0] * (r + 1) + [n] * (world_size - r)))
     return out
 
 
@@ -119,7 +119,7 @@ def bench(args) -> dict:
     opt_fsdp = torch.optim.Muon(list(fsdp_params.values()), **MUON)
 
     ragged = owner_layouts(shapes, w)
-    even = {n: RaggedShard.even_rows(s, w) for n, s in shapes.items()}
+    even = {n: RaggedLayout.even_rows(s, w) for n, s in shapes.items()}
     ours = {n: make_sharded_param(init[n], spec=whole(), layout=ragged[n], fqn=n) for n in shapes}
     opt_ours = Muon(list(ours.values()), **MUON)
     per = {n: make_sharded_param(init[n], spec=whole(), layout=ragged[n], fqn=n) for n in shapes}

@@ -6,7 +6,7 @@ One launch of W (default 2) forked gloo ranks, 1 thread each. Parameters: ``--la
 step every rank draws the same full gradients (seeded), outside any timed region, and feeds them to:
 
 - ``shampoo W`` / ``shampoo looped W``: ``Shampoo(max_preconditioner_dim=k)`` (``batched=True``, the
-  CUDA default / ``False``, the CPU default) on RaggedShard layouts that deal each tensor's ``k``-strips evenly to the ranks;
+  CUDA default / ``False``, the CPU default) on RaggedLayout layouts that deal each tensor's ``k``-strips evenly to the ranks;
 - ``shampoo 1p``: the same optimizer on full (unsharded) parameters, run on every rank (each rank's
   single core does the whole step: the "single-process step");
 - ``soap W`` / ``soap looped W`` / ``soap 1p`` / ``soap looped 1p``: ``SOAP(block_size=k)`` likewise
@@ -41,19 +41,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fsdp_optim._testing import make_sharded_param, run_distributed  # noqa: E402
 from fsdp_optim.optimizers import SOAP, Shampoo  # noqa: E402
 from fsdp_optim.optimizers._shampoo import shampoo_blocks  # noqa: E402
-from fsdp_optim.sharding import RaggedShard  # noqa: E402
+from fsdp_optim.sharding import RaggedLayout  # noqa: E402
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
-def strip_layout(shape: tuple[int, ...], k: int, world_size: int, spec) -> RaggedShard:
+def strip_layout(shape: tuple[int, ...], k: int, world_size: int, spec) -> RaggedLayout:
     """Each tensor's k-strips dealt in contiguous runs of (nearly) equal count to the ranks."""
     geom = shampoo_blocks(shape, k, spec)
     numel = math.prod(shape)
     starts = [geom.strip_start_row(i) * geom.cols for i in range(geom.num_strips)] + [numel]
     bounds = [starts[round(geom.num_strips * r / world_size)] for r in range(world_size)] + [numel]
     bounds[0] = 0
-    return RaggedShard(shape, tuple(bounds))
+    return RaggedLayout(shape, tuple(bounds))
 
 
 def _slowest(t: float) -> float:

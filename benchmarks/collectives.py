@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _out import out_dir  # noqa: E402
 
 from fsdp_optim._testing import run_distributed  # noqa: E402
-from fsdp_optim.sharding import BucketPlan, DistributedBuffer, Layout, Placement, RaggedShard, elements  # noqa: E402
+from fsdp_optim.sharding import BucketPlan, DistributedBuffer, Layout, Placement, RaggedLayout, elements  # noqa: E402
 
 
 def _plan(numel: int, sizes: list[int]) -> BucketPlan:
@@ -47,7 +47,7 @@ def _plan(numel: int, sizes: list[int]) -> BucketPlan:
         bounds.append(bounds[-1] + s)
     assert bounds[-1] == numel
     even = len(set(sizes)) == 1
-    p = Placement(name="x", shape=(numel,), spec=elements(1), offset=0, shard=RaggedShard((numel,), tuple(bounds)))
+    p = Placement(name="x", shape=(numel,), spec=elements(1), offset=0, shard=RaggedLayout((numel,), tuple(bounds)))
     layout = Layout.EVEN if even else Layout.RAGGED
     return BucketPlan(name="bench", layout=layout, placements=(p,), rank_bounds=tuple(bounds))
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from .sharding import BlockSpec, RaggedShard
+    from .sharding import BlockSpec, RaggedLayout
 
 __all__ = ["run_distributed", "DistributedTestError", "LiveBytes", "make_sharded_param", "random_block_layout", "seeded_tensors", "train_steps"]
 
@@ -140,7 +140,7 @@ def make_sharded_param(
     full: "torch.Tensor",
     *,
     spec: "BlockSpec",
-    layout: "RaggedShard",
+    layout: "RaggedLayout",
     fqn: str = "",
     bucket: int = 0,
     split: bool = False,
@@ -161,13 +161,13 @@ def make_sharded_param(
     return p
 
 
-def random_block_layout(shape, world_size: int, seed: int, *, block: int, empty_first: bool = False) -> "RaggedShard":
+def random_block_layout(shape, world_size: int, seed: int, *, block: int, empty_first: bool = False) -> "RaggedLayout":
     """Random contiguous ranges of ``shape`` over ``world_size`` ranks, cut on multiples of ``block``
     elements (some may be empty; ``empty_first``: rank 0's is empty when there is a cut)."""
     import math
     import random
 
-    from .sharding import RaggedShard
+    from .sharding import RaggedLayout
 
     rng = random.Random(seed)
     numel = math.prod(shape)
@@ -175,7 +175,7 @@ def random_block_layout(shape, world_size: int, seed: int, *, block: int, empty_
     cuts = sorted(min(rng.randrange(0, num_blocks + 1) * block, numel) for _ in range(world_size - 1))
     if empty_first and cuts:
         cuts[0] = 0
-    return RaggedShard(tuple(shape), (0, *cuts, numel))
+    return RaggedLayout(tuple(shape), (0, *cuts, numel))
 
 
 def seeded_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, "torch.Tensor"]:

@@ -134,7 +134,7 @@ _PUBLIC = {
     ],
     "fsdp_optim.sharding": [
         "BlockKind", "BlockRule", "BlockSpec", "BucketPlan", "CollectiveHandle", "DistributedBuffer", "Float8AllGather",
-        "Layout", "Placement", "Plan", "PlanConfig", "PlanStats", "RaggedShard", "TensorSpec", "block_aligned_splits",
+        "Layout", "Placement", "Plan", "PlanConfig", "PlanStats", "RaggedLayout", "TensorSpec", "block_aligned_splits",
         "chunk_bounds", "default_rule", "dequantize_blockwise", "elements", "expert", "from_dtensor", "heads",
         "plan_model", "quantize_blockwise", "rows", "tensor_cost", "to_dtensor", "whole",
     ],

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..sharding import BlockRule, BlockSpec
-from ..sharding import RaggedShard
+from ..sharding import RaggedLayout
 from ..sharding import materialize_all
 from ..sharding import ShardInfo, check_not_replaced, shard_info
 from ..sharding import ShardedState  # (re-exported: the checkpoint contract lives with the checkpoints)
@@ -79,7 +79,7 @@ def param_info(p: torch.Tensor, rule: BlockRule, *, name: str = "") -> ShardInfo
     spec = rule(name, p, None)
     spec.check(shape, name or f"parameter of shape {shape}")
     return ShardInfo.of(
-        fqn=name, shape=shape, spec=spec, layout=RaggedShard(shape, (0, p.numel())), rank=0, group=None
+        fqn=name, shape=shape, spec=spec, layout=RaggedLayout(shape, (0, p.numel())), rank=0, group=None
     )
 
 

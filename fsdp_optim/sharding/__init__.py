@@ -1,6 +1,6 @@
 """The sharding package's face: what users and the optimizers import.
 
-- layout math (re-exported from ``plan``): block specs and rules, RaggedShard, the plan and planner;
+- layout math (re-exported from ``plan``): block specs and rules, RaggedLayout, the plan and planner;
 - the runtime: ``fully_shard``, ``expert_parallel`` (experts split whole over an EP group), ``ShardInfo`` / ``shard_info`` (a sharded parameter's piece), mixed
   precision, FP8 all-gather, ``DistributedBuffer``, gradient clipping, initialization;
 - the optimizer contract (for optimizer authors): ``materialize_all``, ``check_not_replaced``,
@@ -31,7 +31,7 @@ from .plan import (
     Plan,
     PlanConfig,
     PlanStats,
-    RaggedShard,
+    RaggedLayout,
     TensorSpec,
     block_aligned_splits,
     chunk_bounds,
@@ -69,7 +69,7 @@ __all__ = [
     "Plan",
     "PlanConfig",
     "PlanStats",
-    "RaggedShard",
+    "RaggedLayout",
     "ShardInfo",
     "ShardedState",
     "ShardedModule",

@@ -1,4 +1,4 @@
-"""DTensor interoperability of RaggedShard layouts: ``to_dtensor`` / ``from_dtensor`` (the only part
+"""DTensor interoperability of RaggedLayout layouts: ``to_dtensor`` / ``from_dtensor`` (the only part
 of the layout code that communicates; the index math is ``plan/_ragged.py``)."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .plan import RaggedShard
+from .plan import RaggedLayout
 
 __all__ = ["to_dtensor", "from_dtensor"]
 
 
 def _exchange_rows(
-    local: torch.Tensor, src: RaggedShard, dst: RaggedShard, rank: int, group: dist.ProcessGroup | None
+    local: torch.Tensor, src: RaggedLayout, dst: RaggedLayout, rank: int, group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """Move row-aligned pieces from layout ``src`` to ``dst`` with one ``all_to_all_single``."""
     w = src.world_size
@@ -29,7 +29,7 @@ def _exchange_rows(
     return out
 
 
-def to_dtensor(local: torch.Tensor, layout: RaggedShard, mesh) -> "torch.distributed.tensor.DTensor":
+def to_dtensor(local: torch.Tensor, layout: RaggedLayout, mesh) -> "torch.distributed.tensor.DTensor":
     """A DTensor ``Shard(0)`` of the full tensor from this rank's flat ``local`` piece.
 
     Needs a row-aligned layout; moves rows between ranks (one ``all_to_all_single``) when the
@@ -44,7 +44,7 @@ def to_dtensor(local: torch.Tensor, layout: RaggedShard, mesh) -> "torch.distrib
         )
     group = mesh.get_group()
     rank = mesh.get_local_rank()
-    target = RaggedShard.even_rows(layout.shape, layout.world_size)
+    target = RaggedLayout.even_rows(layout.shape, layout.world_size)
     moved = local if target == layout else _exchange_rows(local, layout, target, rank, group)
     shape = target.local_shape(rank)
     full_stride = torch.empty(layout.shape, device="meta").stride()
@@ -53,7 +53,7 @@ def to_dtensor(local: torch.Tensor, layout: RaggedShard, mesh) -> "torch.distrib
     )
 
 
-def from_dtensor(dtensor: "torch.distributed.tensor.DTensor", layout: RaggedShard) -> torch.Tensor:
+def from_dtensor(dtensor: "torch.distributed.tensor.DTensor", layout: RaggedLayout) -> torch.Tensor:
     """This rank's flat piece under ``layout`` from a DTensor ``Shard(0)`` (inverse of ``to_dtensor``)."""
     from torch.distributed.tensor import Shard
 
@@ -63,7 +63,7 @@ def from_dtensor(dtensor: "torch.distributed.tensor.DTensor", layout: RaggedShar
     if tuple(dtensor.shape) != layout.shape:
         raise ValueError(f"DTensor shape {tuple(dtensor.shape)} does not match layout shape {layout.shape}")
     rank = mesh.get_local_rank()
-    source = RaggedShard.even_rows(layout.shape, layout.world_size)
+    source = RaggedLayout.even_rows(layout.shape, layout.world_size)
     local = dtensor.to_local().reshape(-1)
     if source == layout:
         return local.clone()

@@ -49,7 +49,7 @@ import torch
 
 from .plan import elements
 from .plan import BucketPlan, Layout, Placement
-from .plan import RaggedShard
+from .plan import RaggedLayout
 
 __all__ = ["Float8AllGather", "quantize_blockwise", "dequantize_blockwise", "E4M3_MAX"]
 
@@ -199,7 +199,7 @@ class Float8Gather:
             bounds.append(bounds[-1] + s)
         placements = tuple(
             Placement(name=f"rank{r}", shape=(g.nbytes,), spec=elements(1), offset=bounds[r],
-                      shard=RaggedShard((g.nbytes,), tuple(min(max(b - bounds[r], 0), g.nbytes) for b in bounds)))
+                      shard=RaggedLayout((g.nbytes,), tuple(min(max(b - bounds[r], 0), g.nbytes) for b in bounds)))
             for r, g in enumerate(self.regions)
         )
         byte_plan = BucketPlan(name=f"{plan.name}/fp8", layout=Layout.EVEN if even else Layout.RAGGED,

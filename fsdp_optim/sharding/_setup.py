@@ -608,7 +608,7 @@ def _move_pieces(bucket: _Bucket, old: list[nn.Parameter | None], old_bucket_of:
     rank sends every other rank the part of its old piece that falls in that rank's new range: one
     ``all_to_all_single`` per absorbed tensor, with split sizes computed from the old and new layouts
     alone (the same on every rank). Per tensor, both sides are contiguous and in rank order (a
-    RaggedShard's ranges are), so the collective reads the old piece and writes the new piece in
+    RaggedLayout's ranges are), so the collective reads the old piece and writes the new piece in
     place: no staging buffer, which matters where one rank's piece of a bucket is most of its shard
     (whole matrices at large W). Each absorbed bucket is freed once all of its pieces have moved, and
     gathered buffers are made at a bucket's first gather, so the peak is about one shard plus a

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ._expert_parallel import ExpertShard
-from .plan import BlockSpec, Placement, RaggedShard
+from .plan import BlockSpec, Placement, RaggedLayout
 
 __all__ = ["ShardInfo", "shard_info", "set_shard_info", "mark_replaced", "was_replaced", "replacement_of", "check_not_replaced"]
 
@@ -52,7 +52,7 @@ class ShardInfo:
         fqn: str,
         shape: tuple[int, ...],
         spec: BlockSpec,
-        layout: RaggedShard,
+        layout: RaggedLayout,
         rank: int,
         group: dist.ProcessGroup | None = None,
         bucket: int = 0,
@@ -78,7 +78,7 @@ class ShardInfo:
         return self.placement.spec
 
     @property
-    def layout(self) -> RaggedShard:
+    def layout(self) -> RaggedLayout:
         return self.placement.shard
 
     @property

@@ -11,21 +11,21 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from fsdp_optim._testing import make_sharded_param, run_distributed, train_steps
 from fsdp_optim.optimizers import AdamW, adamw_update
-from fsdp_optim.sharding import RaggedShard, elements
+from fsdp_optim.sharding import RaggedLayout, elements
 
 # Shapes that divide nothing (and a few degenerate ones): 1-D, 2-D, 3-D, one element.
 SHAPES = [(37, 19), (5,), (1,), (3, 7, 5), (2, 1)]
 NUM_STEPS = 4
 
 
-def random_layout(shape, world_size: int, seed: int, align: int = 1) -> RaggedShard:
+def random_layout(shape, world_size: int, seed: int, align: int = 1) -> RaggedLayout:
     """Random contiguous ranges, some empty (first rank empty for odd seeds), cut at multiples of ``align``."""
     rng = random.Random(seed)
     numel = torch.Size(shape).numel()
     cuts = sorted(rng.randrange(0, numel + 1) // align * align for _ in range(world_size - 1))
     if seed % 2 and cuts:
         cuts[0] = 0  # rank 0 holds nothing
-    return RaggedShard(tuple(shape), (0, *cuts, numel))
+    return RaggedLayout(tuple(shape), (0, *cuts, numel))
 
 
 def make_data(shapes, num_steps: int, seed: int = 0):

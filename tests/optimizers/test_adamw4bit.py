@@ -21,7 +21,7 @@ from fsdp_optim._testing import make_sharded_param, run_distributed
 from fsdp_optim._testing import random_block_layout as _random_layout
 from fsdp_optim.optimizers import AdamW4bit, AdamW8bit
 from fsdp_optim.optimizers._quantized_adamw import FORMAT_4BIT, dequantize_blockwise, quantize_blockwise
-from fsdp_optim.sharding import RaggedShard, elements
+from fsdp_optim.sharding import RaggedLayout, elements
 from fsdp_optim.sharding._shard_info import ShardInfo, set_shard_info, shard_info
 from tests.optimizers.test_adamw8bit import dynamo_disabled, torchao_amsgrad  # (TORCHDYNAMO_DISABLE=1 for torchao's step)
 
@@ -35,7 +35,7 @@ TORCHAO_SHAPES = [(64, 64), (33, 128), (4224,), (7, 5)]
 ODD_SHAPES = [(4097,), (17, 243), (35, 130)]
 
 
-def random_block_layout(shape, world_size: int, seed: int) -> RaggedShard:
+def random_block_layout(shape, world_size: int, seed: int) -> RaggedLayout:
     """Random contiguous 128-block-aligned ranges (some empty)."""
     return _random_layout(shape, world_size, seed, block=BS)
 
@@ -231,14 +231,14 @@ def test_step_is_collective_free_and_state_is_checkpoint_shaped():
     assert out[0][1][0]["exp_avg_codes"][0] == -(-n // 2) and out[0][1][0]["exp_avg_scale"][0] == -(-n // BS)
 
 
-def _empty_tail_layout(shape, world_size: int, seed: int) -> RaggedShard:
+def _empty_tail_layout(shape, world_size: int, seed: int) -> RaggedLayout:
     """Everything on the ranks before the last, which holds an empty range at the tensor's end."""
     del seed
     n = shape[0] * shape[1]
     if world_size == 1:
-        return RaggedShard(tuple(shape), (0, n))
+        return RaggedLayout(tuple(shape), (0, n))
     cuts = [min(n, BS * -(-n * r // (world_size - 1) // BS)) for r in range(world_size)]
-    return RaggedShard(tuple(shape), (*cuts, n))
+    return RaggedLayout(tuple(shape), (*cuts, n))
 
 
 @pytest.mark.parametrize(
@@ -322,7 +322,7 @@ def test_blockwise_helpers_match_torchao_and_round_trip_odd_tails():
 def test_bad_input_names_the_parameter_and_the_fix():
     # elements(1) sharding as plain FSDP would do it: rank boundaries inside 128-blocks.
     shape = (37, 130)
-    lay = RaggedShard.even_rows(shape, 3)
+    lay = RaggedLayout.even_rows(shape, 3)
     full = torch.randn(shape)
     for rank in range(3):
         p = nn.Parameter(lay.shard(full, rank).clone())

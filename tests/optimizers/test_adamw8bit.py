@@ -20,7 +20,7 @@ from fsdp_optim._testing import make_sharded_param, run_distributed, train_steps
 from fsdp_optim._testing import random_block_layout as _random_layout
 from fsdp_optim.optimizers import AdamW8bit, adamw8bit_rule
 from fsdp_optim.optimizers._adamw8bit import dequantize_blockwise, quantize_blockwise
-from fsdp_optim.sharding import RaggedShard, elements
+from fsdp_optim.sharding import RaggedLayout, elements
 from fsdp_optim.sharding._shard_info import ShardInfo, set_shard_info
 
 warnings.filterwarnings("ignore", message=".*KernelPreference.*")
@@ -33,17 +33,17 @@ TORCHAO_SHAPES = [(64, 64), (48, 128), (4096,), (16, 16, 20), (37, 19), (7,)]
 ODD_SHAPES = [(4097,), (17, 241), (35, 130)]
 
 
-def random_block_layout(shape, world_size: int, seed: int) -> RaggedShard:
+def random_block_layout(shape, world_size: int, seed: int) -> RaggedLayout:
     """Random contiguous 256-block-aligned ranges (some empty: rank 0 for odd seeds)."""
     return _random_layout(shape, world_size, seed, block=BS, empty_first=bool(seed % 2))
 
 
-def even_block_layout(shape, world_size: int) -> RaggedShard:
+def even_block_layout(shape, world_size: int) -> RaggedLayout:
     """Nearly equal numbers of whole 256-blocks per rank (what the planner does for one tensor)."""
     numel = torch.Size(shape).numel()
     num_blocks = -(-numel // BS)
     per = -(-num_blocks // world_size)
-    return RaggedShard(tuple(shape), tuple(min(r * per * BS, numel) for r in range(world_size + 1)))
+    return RaggedLayout(tuple(shape), tuple(min(r * per * BS, numel) for r in range(world_size + 1)))
 
 
 def make_data(shapes, num_steps: int, *, seed: int = 0, dtype=torch.float32):
@@ -303,7 +303,7 @@ def test_compiled_matches_compiled_torchao_for_every_world_size():
     runs = []
     for b0, b1 in [((0, 8192), (0, 4097)), ((0, 4096, 8192), (0, 2048, 4097)),
                    ((0, 4096, 6144, 8192), (0, 0, 4096, 4097)), ((0, 2048, 2048, 6144, 8192), (0, 2048, 4096, 4096, 4097))]:
-        runs.append(emulated_ranks(params, grads, [RaggedShard((8192,), b0), RaggedShard((4097,), b1)], compile=True, lr=1e-2))
+        runs.append(emulated_ranks(params, grads, [RaggedLayout((8192,), b0), RaggedLayout((4097,), b1)], compile=True, lr=1e-2))
     for out_p, out_s in runs:
         assert torch.equal(out_p[0], ref_p[0])
         for key in ("exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale"):
@@ -424,7 +424,7 @@ def test_state_dict_round_trip_keeps_codes_and_continues_bitwise():
 def test_layout_cutting_a_quantization_block_is_rejected_on_every_rank(world_size):
     # elements(1) sharding as plain FSDP would do it: rank boundaries inside 256-blocks.
     shape = (37, 130)
-    lay = RaggedShard.even_rows(shape, world_size)
+    lay = RaggedLayout.even_rows(shape, world_size)
     full = torch.randn(shape)
     for rank in range(world_size):  # the check reads the global layout, so every rank raises
         p = torch.nn.Parameter(lay.shard(full, rank).clone())
@@ -432,7 +432,7 @@ def test_layout_cutting_a_quantization_block_is_rejected_on_every_rank(world_siz
         with pytest.raises(ValueError, match=r"layers\.0\.w1\.weight.*world size.*blocks=AdamW8bit\.blocks"):
             AdamW8bit([p])
     # A small tensor keeps fp32 state, so any layout is fine for it.
-    small = RaggedShard.even_rows((7, 3), world_size)
+    small = RaggedLayout.even_rows((7, 3), world_size)
     q = torch.nn.Parameter(small.shard(torch.randn(7, 3), 0).clone())
     set_shard_info(q, ShardInfo.of(fqn="norm.weight", shape=(7, 3), spec=elements(1), layout=small, rank=0))
     assert not AdamW8bit([q], compile=False).is_quantized(q)

@@ -21,7 +21,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed
 from fsdp_optim.optimizers import Muon
 from fsdp_optim.optimizers._muon import DEFAULT_NS_COEFFICIENTS, assign_owners, newton_schulz
-from fsdp_optim.sharding import RaggedShard, elements, expert, whole
+from fsdp_optim.sharding import RaggedLayout, elements, expert, whole
 
 STEPS = 3
 
@@ -49,19 +49,19 @@ def _init(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch.float32
 
 
 # ---- layouts ------------------------------------------------------------------------------
-def owner_layout(shape, world_size: int, owner: int) -> RaggedShard:
+def owner_layout(shape, world_size: int, owner: int) -> RaggedLayout:
     """All of the tensor on ``owner`` (what a ragged plan does with a matrix); other ranks empty."""
     n = math.prod(shape)
-    return RaggedShard(tuple(shape), tuple([0] * (owner + 1) + [n] * (world_size - owner)))
+    return RaggedLayout(tuple(shape), tuple([0] * (owner + 1) + [n] * (world_size - owner)))
 
 
-def uneven_layout(shape, world_size: int, unit: int = 1) -> RaggedShard:
+def uneven_layout(shape, world_size: int, unit: int = 1) -> RaggedLayout:
     """Uneven, ``unit``-aligned ranges (rank r gets a share ~ r + 1): divides nothing."""
     n = math.prod(shape)
     units = -(-n // unit)
     tot = world_size * (world_size + 1) // 2
     cuts = [min(units * (r * (r + 1) // 2) // tot * unit, n) for r in range(world_size)] + [n]
-    return RaggedShard(tuple(shape), tuple(cuts))
+    return RaggedLayout(tuple(shape), tuple(cuts))
 
 
 # ---- the reference ------------------------------------------------------------------------
@@ -262,13 +262,13 @@ def _sub_matrix_case(world_size, *, split: bool, large: bool = False):
             b = list(uneven_layout(s, world_size, unit=unit).bounds)
             for i in range(1, world_size):
                 b[i] = max(b[i - 1], b[i] + unit if 0 < b[i] < b[-1] and specs[k].is_boundary(s, b[i]) else b[i])
-            layouts[k] = RaggedShard(s, tuple(b))
+            layouts[k] = RaggedLayout(s, tuple(b))
         else:  # whole sub-matrices spread over the ranks (block starts), uneven
             starts = specs[k].block_starts(s)
             idx = [len(starts) - 1 - (len(starts) - 1) * (world_size - r) * (world_size - r + 1)
                    // (world_size * (world_size + 1)) for r in range(world_size)] + [len(starts) - 1]
             idx[0] = 0
-            layouts[k] = RaggedShard(s, tuple(starts[i] for i in idx))
+            layouts[k] = RaggedLayout(s, tuple(starts[i] for i in idx))
             assert layouts[k].is_aligned(specs[k])
     subs = {k: specs[k].matrices(s) for k, s in shapes.items()}
     return shapes, specs, layouts, subs
@@ -559,7 +559,7 @@ def test_assign_owners_balances_and_is_deterministic():
 
 def test_bad_layout_raises_naming_the_parameter_and_the_fix():
     full = torch.randn(6, 4)
-    layout = RaggedShard((6, 4), (0, 10, 24))  # cuts a row and the matrix, not recorded as split
+    layout = RaggedLayout((6, 4), (0, 10, 24))  # cuts a row and the matrix, not recorded as split
     p = make_sharded_param(full, spec=whole(), layout=layout, fqn="blocks.0.w")
     with pytest.raises(ValueError, match=r"blocks\.0\.w.*Muon\.blocks"):
         Muon([p])
@@ -575,7 +575,7 @@ def test_error_is_raised_on_every_rank():
     full = torch.randn(6, 4)
 
     def fn():
-        p = make_sharded_param(full, spec=whole(), layout=RaggedShard((6, 4), (0, 8, 24)), fqn="w")
+        p = make_sharded_param(full, spec=whole(), layout=RaggedLayout((6, 4), (0, 8, 24)), fqn="w")
         Muon([p])
 
     with pytest.raises(DistributedTestError, match=r"ranks with errors: \[0, 1\]"):
@@ -790,7 +790,7 @@ def test_fully_shard_with_explicit_embedding_and_head_equals_torch(world_size):
 
 def test_explicit_group_errors_and_ignored_settings():
     full = torch.randn(6, 4)
-    p = make_sharded_param(full, spec=elements(1), layout=RaggedShard((6, 4), (0, 24)), fqn="model.out.weight")
+    p = make_sharded_param(full, spec=elements(1), layout=RaggedLayout((6, 4), (0, 24)), fqn="model.out.weight")
     with pytest.raises(ValueError, match=r"model\.out\.weight.*use_muon=True.*embedding_and_head"):
         Muon([{"params": [p], "use_muon": True}])
     q = torch.nn.Parameter(torch.randn(5))

@@ -29,7 +29,7 @@ from fsdp_optim.optimizers import (
     record_max_logits,
     recorded_max_logits,
 )
-from fsdp_optim.sharding import RaggedShard, elements
+from fsdp_optim.sharding import RaggedLayout, elements
 
 VOCAB, DIM, SEQ = 13, 16, 6
 
@@ -417,7 +417,7 @@ def test_sharded_clip_on_ragged_pieces_cutting_rows_is_bitwise(world_size):
 
     # element-granular, uneven, mid-row and mid-head cuts; an empty rank in wk
     cuts = {2: ((0, 77, 192), (0, 0, 96)), 3: ((0, 50, 121, 192), (0, 30, 30, 96))}[world_size]
-    lq, lk = RaggedShard((16, 12), cuts[0]), RaggedShard((8, 12), cuts[1])
+    lq, lk = RaggedLayout((16, 12), cuts[0]), RaggedLayout((8, 12), cuts[1])
 
     def fn():
         out = []

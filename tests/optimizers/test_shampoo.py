@@ -17,7 +17,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed, seeded_tensors
 from fsdp_optim.optimizers import Shampoo
 from fsdp_optim.optimizers._shampoo import matrix_inverse_root, shampoo_blocks
-from fsdp_optim.sharding import RaggedShard, elements, expert, rows
+from fsdp_optim.sharding import RaggedLayout, elements, expert, rows
 from fsdp_optim.sharding._shard_info import ShardInfo, set_shard_info
 from tests.optimizers.test_linalg import _at, last_param_after
 
@@ -52,7 +52,7 @@ def _grads(step):
     return seeded_tensors(SHAPES, 100 + step)
 
 
-def strip_layout(shape, spec, world_size, shift: int) -> RaggedShard:
+def strip_layout(shape, spec, world_size, shift: int) -> RaggedLayout:
     """Uneven strip-aligned ranges (rank r gets ~ (r + shift) % W + 1 shares; some may be empty)."""
     geom = shampoo_blocks(tuple(shape), K, spec)
     numel = math.prod(shape)
@@ -64,7 +64,7 @@ def strip_layout(shape, spec, world_size, shift: int) -> RaggedShard:
         acc += w
         bounds.append(starts[round(geom.num_strips * acc / tot)])
     bounds.append(numel)
-    return RaggedShard(tuple(shape), tuple(bounds))
+    return RaggedLayout(tuple(shape), tuple(bounds))
 
 
 def run(world_size: int, *, count_comms: bool = False, steps: int = STEPS, opt_kw=None, dtype=torch.float32):
@@ -502,7 +502,7 @@ def test_block_geometry_tiles_every_element_and_factor(shape, spec):
     starts = [geom.strip_start_row(i) * geom.cols for i in range(geom.num_strips)]
     total = geom.factor_numel(0, geom.num_strips)
     for cuts in itertools.combinations_with_replacement(starts + [numel], 2):
-        layout = RaggedShard(shape, (0, *cuts, numel))
+        layout = RaggedLayout(shape, (0, *cuts, numel))
         seen = torch.zeros(numel, dtype=torch.int32)
         ranges = []
         for r in range(3):
@@ -551,7 +551,7 @@ def test_state_dict_keys_and_shapes_same_on_every_rank_and_after_step(world_size
 
 def test_layout_that_cuts_a_strip_raises_naming_the_parameter_and_the_fix():
     full = torch.randn(9, 4)
-    layout = RaggedShard((9, 4), (0, 12, 36))  # elements(1)-style cut after row 3: inside a 4-row strip
+    layout = RaggedLayout((9, 4), (0, 12, 36))  # elements(1)-style cut after row 3: inside a 4-row strip
 
     def fn():
         p = make_sharded_param(full, spec=elements(1), layout=layout, fqn="layers.0.w")
@@ -560,7 +560,7 @@ def test_layout_that_cuts_a_strip_raises_naming_the_parameter_and_the_fix():
     with pytest.raises(DistributedTestError, match=r"ranks with errors: \[0, 1\]") as e:
         run_distributed(fn, world_size=2)
     assert "layers.0.w" in str(e.value) and "Shampoo.rule(max_preconditioner_dim=4)" in str(e.value)
-    ok = make_sharded_param(full, spec=elements(1), layout=RaggedShard((9, 4), (0, 16, 36)), fqn="w")
+    ok = make_sharded_param(full, spec=elements(1), layout=RaggedLayout((9, 4), (0, 16, 36)), fqn="w")
     Shampoo([ok], max_preconditioner_dim=4)  # strips whole: accepted whatever the recorded spec
 
 
@@ -570,8 +570,8 @@ def test_a_group_refused_for_its_layout_leaves_the_optimizer_as_it_was():
     full = torch.randn(9, 4)
 
     def fn():
-        good = make_sharded_param(full, spec=elements(1), layout=RaggedShard((9, 4), (0, 16, 36)), fqn="w")
-        bad = make_sharded_param(full, spec=elements(1), layout=RaggedShard((9, 4), (0, 12, 36)), fqn="layers.0.w")
+        good = make_sharded_param(full, spec=elements(1), layout=RaggedLayout((9, 4), (0, 16, 36)), fqn="w")
+        bad = make_sharded_param(full, spec=elements(1), layout=RaggedLayout((9, 4), (0, 12, 36)), fqn="layers.0.w")
         opt = Shampoo([good], max_preconditioner_dim=4)
         with pytest.raises(ValueError, match="layers.0.w"):
             opt.add_param_group({"params": [bad]})

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from fsdp_optim._testing import make_sharded_param, run_distributed
 from fsdp_optim.optimizers import Shampoo
 from fsdp_optim.optimizers._shampoo import shampoo_blocks
-from fsdp_optim.sharding import RaggedShard
+from fsdp_optim.sharding import RaggedLayout
 from tests.optimizers.test_shampoo import K, OPT, SHAPES, _grads, _init, _spec, run_layouts
 
 STEPS = 5
@@ -27,7 +27,7 @@ CONFIGS = {
 }  # fmt: skip
 
 
-def row_layout(shape, spec, world_size: int, seed: int) -> RaggedShard:
+def row_layout(shape, spec, world_size: int, seed: int) -> RaggedLayout:
     """Random ranges of ``shape`` cut on rows of the merged view (some empty), at least one boundary
     inside a strip when there is more than one row."""
     geom = shampoo_blocks(tuple(shape), K, spec)
@@ -38,14 +38,14 @@ def row_layout(shape, spec, world_size: int, seed: int) -> RaggedShard:
     if rows > 1 and all(geom.is_strip_boundary(c * cols) for c in cuts):
         cuts[-1] = next(r for r in range(1, rows) if not geom.is_strip_boundary(r * cols))  # cut inside a strip
         cuts.sort()
-    return RaggedShard(tuple(shape), (0, *(c * cols for c in cuts), numel))
+    return RaggedLayout(tuple(shape), (0, *(c * cols for c in cuts), numel))
 
 
 def run(world_size: int, opt_kw, *, split: bool = True, steps: int = STEPS, seed: int = 0):
     """Params per SHAPES, ``split``: row layouts recorded as split; else one rank (rank 0) holds all."""
     specs = {k: _spec(k, s) for k, s in SHAPES.items()}
     if world_size == 1 or not split:
-        layouts = {k: RaggedShard(s, (0, *[math.prod(s)] * world_size)) for k, s in SHAPES.items()}
+        layouts = {k: RaggedLayout(s, (0, *[math.prod(s)] * world_size)) for k, s in SHAPES.items()}
     else:
         layouts = {k: row_layout(s, specs[k], world_size, seed + i) for i, (k, s) in enumerate(SHAPES.items())}
 
@@ -194,7 +194,7 @@ def test_soap_strip_rule_keeps_refusing_split_strips():
     full = torch.randn(9, 4)
 
     def fn():
-        p = make_sharded_param(full, spec=rule("w", full, None), layout=RaggedShard((9, 4), (0, 12, 36)), fqn="w",
+        p = make_sharded_param(full, spec=rule("w", full, None), layout=RaggedLayout((9, 4), (0, 12, 36)), fqn="w",
                                split=True)  # fmt: skip
         with pytest.raises(ValueError, match="SOAP"):
             SOAP([p], block_size=4)
@@ -209,7 +209,7 @@ def test_split_strip_cut_off_a_merged_row_is_refused():
 
     def fn():
         spec = Shampoo.rule(max_preconditioner_dim=K)("w", full, None)  # rows(4): one strip, rows of 10
-        p = make_sharded_param(full, spec=spec, layout=RaggedShard((3, 5, 2), (0, 4, 30)), fqn="w", split=True)
+        p = make_sharded_param(full, spec=spec, layout=RaggedLayout((3, 5, 2), (0, 4, 30)), fqn="w", split=True)
         with pytest.raises(ValueError, match=r"split strips cut on rows of its merged shape \(3, 5, 2\)"):
             Shampoo([p], max_preconditioner_dim=K)
 

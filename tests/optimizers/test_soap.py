@@ -18,7 +18,7 @@ from fsdp_optim.optimizers import SOAP
 from fsdp_optim.optimizers._preconditioner import outer as _outer
 from fsdp_optim.optimizers._soap import _rotate, reference_merge_dims
 from fsdp_optim.optimizers._shampoo import shampoo_blocks
-from fsdp_optim.sharding import RaggedShard, elements, whole
+from fsdp_optim.sharding import RaggedLayout, elements, whole
 from tests.optimizers.test_linalg import last_param_after
 from tests.optimizers.test_shampoo import _split64, assert_step_refused_changing_nothing
 
@@ -197,7 +197,7 @@ def _layout(shape, spec, world_size, shift, block_size):
     numel = math.prod(shape)
     if block_size is None:  # whole tensors: all on rank `shift % W`
         owner = shift % world_size
-        return RaggedShard(tuple(shape), tuple([0] * (owner + 1) + [numel] * (world_size - owner)))
+        return RaggedLayout(tuple(shape), tuple([0] * (owner + 1) + [numel] * (world_size - owner)))
     geom = shampoo_blocks(tuple(shape), block_size, spec)
     starts = [geom.strip_start_row(i) * geom.cols for i in range(geom.num_strips)] + [numel]
     weights = [(r + shift) % world_size for r in range(world_size)]
@@ -207,7 +207,7 @@ def _layout(shape, spec, world_size, shift, block_size):
         acc += w
         bounds.append(starts[round(geom.num_strips * acc / tot)])
     bounds.append(numel)
-    return RaggedShard(tuple(shape), tuple(bounds))
+    return RaggedLayout(tuple(shape), tuple(bounds))
 
 
 def _assemble(outs, key_fn):
@@ -336,7 +336,7 @@ def test_whole_tensor_mode_rejects_a_split_tensor_naming_it_and_the_fix():
     full = torch.randn(6, 4)
 
     def fn():
-        p = make_sharded_param(full, spec=whole(), layout=RaggedShard((6, 4), (0, 8, 24)), fqn="layers.0.w")
+        p = make_sharded_param(full, spec=whole(), layout=RaggedLayout((6, 4), (0, 8, 24)), fqn="layers.0.w")
         SOAP([p])
 
     with pytest.raises(DistributedTestError, match=r"ranks with errors: \[0, 1\]") as e:
@@ -344,15 +344,15 @@ def test_whole_tensor_mode_rejects_a_split_tensor_naming_it_and_the_fix():
     assert "layers.0.w" in str(e.value) and "SOAP.rule(block_size=None)" in str(e.value)
 
     def fn2():
-        p = make_sharded_param(full, spec=elements(1), layout=RaggedShard((6, 4), (0, 4, 24)), fqn="w")
+        p = make_sharded_param(full, spec=elements(1), layout=RaggedLayout((6, 4), (0, 4, 24)), fqn="w")
         SOAP([p], block_size=4)
 
     with pytest.raises(DistributedTestError, match="SOAP.rule\\(block_size=4\\)"):
         run_distributed(fn2, world_size=2)
 
     def fn3():  # a group refused for its layout is taken back out: the optimizer is as it was
-        good = make_sharded_param(full, spec=whole(), layout=RaggedShard((6, 4), (0, 0, 24)), fqn="w")
-        bad = make_sharded_param(full, spec=whole(), layout=RaggedShard((6, 4), (0, 8, 24)), fqn="layers.0.w")
+        good = make_sharded_param(full, spec=whole(), layout=RaggedLayout((6, 4), (0, 0, 24)), fqn="w")
+        bad = make_sharded_param(full, spec=whole(), layout=RaggedLayout((6, 4), (0, 8, 24)), fqn="layers.0.w")
         opt = SOAP([good])
         with pytest.raises(ValueError, match="layers.0.w"):
             opt.add_param_group({"params": [bad]})

@@ -21,7 +21,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import fsdp_optim
 from fsdp_optim._testing import run_distributed, train_steps
 from fsdp_optim.optimizers import WholeTensorOptimizer
-from fsdp_optim.sharding import PlanConfig, RaggedShard, elements, whole
+from fsdp_optim.sharding import PlanConfig, RaggedLayout, elements, whole
 from fsdp_optim.sharding._shard_info import ShardInfo, set_shard_info, shard_info
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
@@ -45,18 +45,18 @@ def make_data(shapes, num_steps: int, seed: int = 0):
     return params, grads
 
 
-def owner_layouts(shapes, world_size: int, seed: int) -> list[RaggedShard]:
+def owner_layouts(shapes, world_size: int, seed: int) -> list[RaggedLayout]:
     """Each tensor whole on one random rank (others empty), as a ragged plan places whole blocks."""
     rng = random.Random(seed)
     out = []
     for s in shapes:
         n = torch.Size(s).numel()
         r = rng.randrange(world_size)
-        out.append(RaggedShard(tuple(s), tuple(0 if i <= r else n for i in range(world_size + 1))))
+        out.append(RaggedLayout(tuple(s), tuple(0 if i <= r else n for i in range(world_size + 1))))
     return out
 
 
-def sharded(full: torch.Tensor, lay: RaggedShard, rank: int, fqn: str) -> nn.Parameter:
+def sharded(full: torch.Tensor, lay: RaggedLayout, rank: int, fqn: str) -> nn.Parameter:
     p = nn.Parameter(lay.shard(full, rank).clone())
     set_shard_info(p, ShardInfo.of(fqn=fqn, shape=lay.shape, spec=whole(), layout=lay, rank=rank))
     return p
@@ -236,7 +236,7 @@ def test_state_dict_round_trip_with_a_scheduler_restores_hyperparameters_as_torc
 
 def test_a_rank_owning_nothing_skips_and_plain_parameters_are_stepped_everywhere():
     full = torch.randn(6, 4)
-    lay = RaggedShard((6, 4), (0, 24, 24))  # rank 1 holds nothing
+    lay = RaggedLayout((6, 4), (0, 24, 24))  # rank 1 holds nothing
     p = sharded(full, lay, 1, "w")
     plain = nn.Parameter(torch.randn(3))
     opt = WholeTensorOptimizer([p, plain], torch.optim.NAdam, lr=1e-2)
@@ -249,14 +249,14 @@ def test_a_rank_owning_nothing_skips_and_plain_parameters_are_stepped_everywhere
 
 def test_errors_name_the_parameter_and_the_fix():
     full = torch.randn(7, 5)
-    lay = RaggedShard((7, 5), (0, 15, 35))  # rows cut across two ranks
+    lay = RaggedLayout((7, 5), (0, 15, 35))  # rows cut across two ranks
     p = nn.Parameter(lay.shard(full, 0).clone())
     set_shard_info(p, ShardInfo.of(fqn="layers.0.w1.weight", shape=(7, 5), spec=elements(1), layout=lay, rank=0))
     with pytest.raises(ValueError, match=r"layers\.0\.w1\.weight.*\(7, 5\).*world size 2.*blocks=WholeTensorOptimizer\.blocks"):
         WholeTensorOptimizer([p], torch.optim.Adafactor)
     with pytest.raises(ValueError, match="optimizer_class"):
         WholeTensorOptimizer([nn.Parameter(torch.zeros(2))], "adam")
-    q = sharded(torch.randn(3, 3), RaggedShard((3, 3), (0, 9)), 0, "q")
+    q = sharded(torch.randn(3, 3), RaggedLayout((3, 3), (0, 9)), 0, "q")
     opt = WholeTensorOptimizer([q], torch.optim.Adafactor)
     opt.optim.state[opt._view(q)] = {"step": torch.tensor(1.0), "note": "a string"}
     with pytest.raises(ValueError, match="state 'note' is a str, not a tensor"):

@@ -27,7 +27,7 @@ from fsdp_optim.sharding import (
     Layout,
     Placement,
     PlanConfig,
-    RaggedShard,
+    RaggedLayout,
     TensorSpec,
     elements,
     expert,
@@ -55,7 +55,7 @@ def _placements(tensors, offsets, bounds) -> tuple[Placement, ...]:
     for (name, shape, spec), off in zip(tensors, offsets):
         n = math.prod(shape)
         tb = tuple(min(max(b - off, 0), n) for b in bounds)
-        out.append(Placement(name=name, shape=shape, spec=spec, offset=off, shard=RaggedShard(shape, tb)))
+        out.append(Placement(name=name, shape=shape, spec=spec, offset=off, shard=RaggedLayout(shape, tb)))
     return tuple(out)
 
 

@@ -1,4 +1,4 @@
-"""RaggedShard: every block-aligned split of small shapes round-trips bitwise; DTensor interop."""
+"""RaggedLayout: every block-aligned split of small shapes round-trips bitwise; DTensor interop."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from fsdp_optim._testing import run_distributed
 from fsdp_optim.sharding import (
-    RaggedShard,
+    RaggedLayout,
     block_aligned_splits,
     chunk_bounds,
     elements,
@@ -56,13 +56,13 @@ def test_every_block_aligned_split_round_trips(shape, spec, world_size):
 
 
 def test_misaligned_layout_is_rejected_with_names():
-    layout = RaggedShard((4, 6), (0, 9, 24))
+    layout = RaggedLayout((4, 6), (0, 9, 24))
     with pytest.raises(ValueError, match=r"layer.w .*ranks 0 and 1.*element 9.*rows\(1\)"):
         layout.check(rows(1), "layer.w")
     with pytest.raises(ValueError, match="must rise"):
-        RaggedShard((4,), (0, 3, 2, 4))
+        RaggedLayout((4,), (0, 3, 2, 4))
     with pytest.raises(ValueError, match="pieces"):
-        RaggedShard((4,), (0, 2, 4)).unshard([torch.zeros(4)])
+        RaggedLayout((4,), (0, 2, 4)).unshard([torch.zeros(4)])
 
 
 def test_chunk_bounds_matches_torch_chunk():
@@ -101,4 +101,4 @@ def test_dtensor_needs_row_alignment():
         pass
 
     with pytest.raises(ValueError, match="row-aligned"):
-        to_dtensor(torch.zeros(1), RaggedShard((2, 2), (0, 1, 4)), _Mesh())
+        to_dtensor(torch.zeros(1), RaggedLayout((2, 2), (0, 1, 4)), _Mesh())

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import fsdp_optim
 from fsdp_optim._testing import run_distributed
-from fsdp_optim.sharding import BucketPlan, DistributedBuffer, Layout, Placement, RaggedShard, elements
+from fsdp_optim.sharding import BucketPlan, DistributedBuffer, Layout, Placement, RaggedLayout, elements
 from fsdp_optim.sharding.plan import LinkModel, WireMode, choose_wire_mode, grouped_seconds, padded_seconds
 from tests._models import TinyConfig, TinyTransformer, assert_close_after_adamw, make_batch
 
@@ -30,7 +30,7 @@ def _three_tensors(bounds: tuple[int, ...], layout: Layout, name: str) -> Bucket
         numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
         local = tuple(min(max(b - offset, 0), numel) for b in bounds)
         placements.append(Placement(name=f"t{i}", shape=shape, spec=elements(1), offset=offset,
-                                    shard=RaggedShard(shape, local), split=False))  # fmt: skip
+                                    shard=RaggedLayout(shape, local), split=False))  # fmt: skip
         offset += numel
     return BucketPlan(name=name, layout=layout, placements=tuple(placements), rank_bounds=tuple(bounds), itemsize=4)
 

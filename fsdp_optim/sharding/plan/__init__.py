@@ -1,4 +1,4 @@
-"""Layout math: block specs, RaggedShard ranges, the plan, the planner, its cost model, reports and
+"""Layout math: block specs, RaggedLayout ranges, the plan, the planner, its cost model, reports and
 model presets, and the wire model of ragged collectives. Pure functions on shapes: nothing here touches a process group or a device, so a plan
 for 16K ranks is computed (and tested) on one CPU."""
 
@@ -8,7 +8,7 @@ from ._planner import plan_model
 from ._cost import tensor_cost
 from ._experts import expert_ranges, token_splits
 from ._presets import PRESETS, ModelPreset, preset_buckets, preset_names, preset_shapes
-from ._ragged import RaggedShard, block_aligned_splits, chunk_bounds
+from ._ragged import RaggedLayout, block_aligned_splits, chunk_bounds
 from ._report import PlanStats
 from ._wire import (
     WIRE_CHOICES,
@@ -40,7 +40,7 @@ __all__ = [
     "Plan",
     "PlanConfig",
     "PlanStats",
-    "RaggedShard",
+    "RaggedLayout",
     "TensorSpec",
     "WIRE_CHOICES",
     "WireMode",

@@ -3,7 +3,7 @@
 A bucket is laid out in one *global* flat buffer; rank ``r`` stores the segment
 ``[rank_bounds[r], rank_bounds[r + 1])`` of it. Tensors sit at ``offset`` in that buffer,
 contiguous, with padding only between tensors. From the two follows each tensor's
-``RaggedShard`` (its own per-rank element ranges).
+``RaggedLayout`` (its own per-rank element ranges).
 
 - EVEN buckets: ``rank_bounds[r] == r * S`` (one ``all_gather_into_tensor`` /
   ``reduce_scatter_tensor``), padding where a block would otherwise cross a rank boundary.
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ._blocks import BlockSpec, default_rule
-from ._ragged import RaggedShard
+from ._ragged import RaggedLayout
 from ._report import plan_report, plan_stats
 
 __all__ = ["Layout", "TensorSpec", "Placement", "BucketPlan", "Plan", "PlanConfig", "LocalPiece", "config_for_rules"]
@@ -143,7 +143,7 @@ class Placement:
     spec: BlockSpec
     offset: int
     """Start of the tensor in the bucket's global flat buffer."""
-    shard: RaggedShard
+    shard: RaggedLayout
     """This tensor's per-rank element ranges."""
     split: bool = False
     """A matrix block of this tensor was cut across ranks (the optimizer exchanges it)."""

@@ -108,12 +108,12 @@ from ._blocks import align_down, align_up
 from ._plan import BucketPlan, Layout, Placement, Plan, PlanConfig, TensorSpec
 from ._cost import _cost_profile, _cum_cost, _UniformCost, tensor_cost
 from ._pour import pour_ragged
-from ._ragged import RaggedShard
+from ._ragged import RaggedLayout
 from ._report import PlanStats, block_sizes, plan_report, plan_stats, whole_block_bound
 
 __all__ = ["plan_model", "tensor_cost", "PlanStats", "plan_stats", "plan_report"]  # the last three re-exported from _report
 
-# Placements keep their RaggedShard bounds as plain tuples up to this world size; above it the
+# Placements keep their RaggedLayout bounds as plain tuples up to this world size; above it the
 # bounds are a lazy view of the bucket's rank bounds (W * num_tensors Python ints would take
 # seconds and gigabytes at W = 16384). Both behave the same through indexing and iteration.
 _EAGER_BOUNDS_MAX_WORLD = 256
@@ -614,7 +614,7 @@ class _ClippedBounds(Sequence):
         return f"_ClippedBounds(offset={self._offset}, numel={self._numel}, world_size={len(self) - 1})"
 
 
-def _make_shard(shape: tuple[int, ...], rank_bounds: tuple[int, ...], rb_np: np.ndarray, offset: int) -> RaggedShard:
+def _make_shard(shape: tuple[int, ...], rank_bounds: tuple[int, ...], rb_np: np.ndarray, offset: int) -> RaggedLayout:
     numel = math.prod(shape)
     w = len(rank_bounds) - 1
     if w <= _EAGER_BOUNDS_MAX_WORLD:
@@ -622,8 +622,8 @@ def _make_shard(shape: tuple[int, ...], rank_bounds: tuple[int, ...], rb_np: np.
     else:
         bounds = _ClippedBounds(rank_bounds, offset, numel)
     # Valid by construction (rank bounds rise from 0 to >= offset + numel: clipped, they rise from 0
-    # to numel), so skip RaggedShard's O(W) validation; BucketPlan.check() re-verifies in the tests.
-    shard = object.__new__(RaggedShard)
+    # to numel), so skip RaggedLayout's O(W) validation; BucketPlan.check() re-verifies in the tests.
+    shard = object.__new__(RaggedLayout)
     object.__setattr__(shard, "shape", tuple(int(s) for s in shape))
     object.__setattr__(shard, "bounds", bounds)
     return shard

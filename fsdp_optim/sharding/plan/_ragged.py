@@ -1,4 +1,4 @@
-"""RaggedShard: the layout of one tensor over the ranks of a shard group.
+"""RaggedLayout: the layout of one tensor over the ranks of a shard group.
 
 Rank ``r`` holds elements ``[bounds[r], bounds[r + 1])`` of the row-major flattened
 tensor. Ranges are contiguous, in rank order, cover the tensor exactly once, may be empty
@@ -18,14 +18,14 @@ import torch
 from ._blocks import BlockSpec
 
 __all__ = [
-    "RaggedShard",
+    "RaggedLayout",
     "chunk_bounds",
     "block_aligned_splits",
 ]
 
 
 @dataclass(frozen=True)
-class RaggedShard:
+class RaggedLayout:
     """Per-rank contiguous element ranges of one tensor (see module docstring)."""
 
     shape: tuple[int, ...]
@@ -38,16 +38,16 @@ class RaggedShard:
         b = self.bounds
         if len(b) < 2 or b[0] != 0 or b[-1] != self.numel or any(x > y for x, y in itertools.pairwise(b)):
             raise ValueError(
-                f"RaggedShard bounds {list(b)} must rise from 0 to numel={self.numel} (shape {self.shape})"
+                f"RaggedLayout bounds {list(b)} must rise from 0 to numel={self.numel} (shape {self.shape})"
             )
 
     # ---- constructors -------------------------------------------------------------
     @classmethod
-    def from_sizes(cls, shape: Sequence[int], sizes: Sequence[int]) -> RaggedShard:
+    def from_sizes(cls, shape: Sequence[int], sizes: Sequence[int]) -> RaggedLayout:
         return cls(tuple(shape), tuple(itertools.accumulate(sizes, initial=0)))
 
     @classmethod
-    def even_rows(cls, shape: Sequence[int], world_size: int) -> RaggedShard:
+    def even_rows(cls, shape: Sequence[int], world_size: int) -> RaggedLayout:
         """The layout of DTensor ``Shard(0)`` (``torch.chunk`` of dim 0)."""
         shape = tuple(shape)
         row = math.prod(shape[1:]) if shape else 1
@@ -138,10 +138,10 @@ def chunk_bounds(n: int, world_size: int) -> list[int]:
     return [min(r * c, n) for r in range(world_size + 1)]
 
 
-def block_aligned_splits(shape: Sequence[int], spec: BlockSpec, world_size: int) -> Iterator[RaggedShard]:
+def block_aligned_splits(shape: Sequence[int], spec: BlockSpec, world_size: int) -> Iterator[RaggedLayout]:
     """Every block-aligned layout of ``shape`` over ``world_size`` ranks (brute force; small shapes)."""
     starts = spec.block_starts(shape)
     numel = math.prod(shape)
     inner = starts[:-1] if numel else []
     for cuts in itertools.combinations_with_replacement(inner + [numel], world_size - 1):
-        yield RaggedShard(tuple(shape), (0, *cuts, numel))
+        yield RaggedLayout(tuple(shape), (0, *cuts, numel))

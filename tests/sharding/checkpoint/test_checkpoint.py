@@ -24,7 +24,7 @@ from torch import nn
 
 import fsdp_optim
 from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed
-from fsdp_optim.sharding import RaggedShard, elements
+from fsdp_optim.sharding import RaggedLayout, elements
 from fsdp_optim.sharding.checkpoint import (
     MANIFEST,
     FlatShardTensor,
@@ -84,13 +84,13 @@ SHAPES = {
 }
 
 
-def _random_layout(shape, spec, world_size, rng: random.Random) -> RaggedShard:
+def _random_layout(shape, spec, world_size, rng: random.Random) -> RaggedLayout:
     """A random block-aligned layout; often with empty ranks (a ragged plan's)."""
     starts = spec.block_starts(shape)
     numel = math.prod(shape)
     inner = starts[:-1] if numel else [0]
     cuts = sorted(rng.choice(inner + [numel]) for _ in range(world_size - 1))
-    return RaggedShard(tuple(shape), (0, *cuts, numel))
+    return RaggedLayout(tuple(shape), (0, *cuts, numel))
 
 
 def _module_of(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
