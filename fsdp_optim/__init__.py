@@ -6,16 +6,14 @@ The optimizers are ``fsdp_optim.optimizers``; layouts, plans and the optimizer c
 """
 
 from . import _quiet_torchao, sharding  # noqa: F401  (_quiet_torchao: see its docstring)
-from ._param_groups import global_shape, param_groups
+from ._param_groups import param_groups
 from .sharding import (
     Float8AllGather,
     MixedPrecisionPolicy,
     ShardedModule,
-    ShardInfo,
     clip_grad_norm_,
     fully_shard,
     init_weights,
-    shard_info,
     sharded_plan,
     suggest_mesh,
 )
@@ -31,20 +29,17 @@ from .sharding.checkpoint import (
 __all__ = [
     "Float8AllGather",
     "MixedPrecisionPolicy",
-    "ShardInfo",
     "ShardedModule",
     "clip_grad_norm_",
     "export_hf",
     "full_state_dict",
     "fully_shard",
-    "global_shape",
     "init_weights",
     "load_checkpoint",
     "load_full_state_dict",
     "load_hf",
     "param_groups",
     "save_checkpoint",
-    "shard_info",
     "sharded_plan",
     "sharding",
     "suggest_mesh",

@@ -142,22 +142,22 @@ def make_sharded_param(
     spec: "BlockSpec",
     layout: "RaggedLayout",
     fqn: str = "",
-    bucket: int = 0,
     split: bool = False,
+    mesh: Any = None,
 ) -> "torch.nn.Parameter":
-    """This rank's flat piece of ``full`` as a sharded ``nn.Parameter`` with its ``ShardInfo``, as
-    ``fully_shard`` would make it (for optimizer tests that need no model). Call inside a group."""
+    """This rank's piece of ``full`` as a sharded parameter (a ``RaggedDTensor`` laid out by ``layout``
+    on ``mesh``, default the world), as ``fully_shard`` would make it (for optimizer tests that need
+    no model). Call inside an initialized process group."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
-    from .sharding import ShardInfo, set_shard_info
+    from .sharding import RaggedShard, distribute_ragged
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    p = torch.nn.Parameter(layout.shard(full.detach(), rank).clone())
-    set_shard_info(
-        p,
-        ShardInfo.of(fqn=fqn, shape=tuple(full.shape), spec=spec, layout=layout, rank=rank, bucket=bucket, split=split),
-    )
+    if mesh is None:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    p = torch.nn.Parameter(distribute_ragged(full.detach(), mesh, [RaggedShard(layout, spec, split=split)]))
+    p._fqn = fqn
     return p
 
 
@@ -178,6 +178,15 @@ def random_block_layout(shape, world_size: int, seed: int, *, block: int, empty_
     return RaggedLayout(tuple(shape), (0, *cuts, numel))
 
 
+def _grad_like(p: Any, g: "torch.Tensor", layout: Any, rank: int) -> "torch.Tensor":
+    """``g`` (a full gradient) as ``p``'s gradient: its piece under ``p``'s layout for a sharded ``p``."""
+    from .sharding import RaggedDTensor, distribute_ragged
+
+    if isinstance(p, RaggedDTensor):
+        return distribute_ragged(g, p.device_mesh, p.placements)
+    return (layout.shard(g, rank) if layout is not None else g).clone()
+
+
 def seeded_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, "torch.Tensor"]:
     """``{name: torch.randn(shape)}`` from one generator seeded with ``seed`` (test inputs and gradients)."""
     import torch
@@ -196,7 +205,7 @@ def train_steps(opt: Any, params: list, grads: list[list["torch.Tensor"]], *, sc
         rank = dist.get_rank() if dist.is_initialized() else 0
     for gs in grads:
         for i, (p, g) in enumerate(zip(params, gs)):
-            p.grad = (layouts[i].shard(g, rank) if layouts is not None else g).clone()
+            p.grad = _grad_like(p, g, layouts[i] if layouts is not None else None, rank)
         opt.step()
         if scheduler is not None:
             scheduler.step()

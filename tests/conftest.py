@@ -28,3 +28,19 @@ def dist_run():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_process_group():
+    """A single-process gloo group for the test (a sharded parameter is a DTensor, which needs a process
+    group even for one rank), destroyed afterwards so later tests start without one."""
+    import gc
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        gc.collect()
+        dist.destroy_process_group()

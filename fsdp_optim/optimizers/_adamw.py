@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from ._base import StateShard, check_adam_hparams, checked_param_info, make_dcp_ready, param_info, profiled_step
+from ._base import StateShard, check_adam_hparams, checked_param_info, local_tensor, make_dcp_ready, param_info, per_element, profiled_step
 from ._rules import adamw_rule
 
 __all__ = ["AdamW", "adamw_update"]
@@ -147,10 +147,11 @@ class AdamW(torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=p.device)
         else:
             state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        local = local_tensor(p)  # (state is this rank's flat piece: no DTensor dispatch in the step)
+        state["exp_avg"] = torch.zeros_like(local, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(local, memory_format=torch.preserve_format)
         if group["amsgrad"]:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["max_exp_avg_sq"] = torch.zeros_like(local, memory_format=torch.preserve_format)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -161,8 +162,7 @@ class AdamW(torch.optim.Optimizer):
 
     def state_shards(self, p: Tensor) -> dict[str, StateShard]:
         """Per-element state: this rank's range of the parameter (see ``StateShard``)."""
-        info = param_info(p, self.blocks)
-        s = StateShard(info.numel, info.start, info.end)
+        s = per_element(param_info(p, self.blocks))
         return {k: s for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in self.state[p]}
 
     # ---- step -------------------------------------------------------------------------
@@ -183,8 +183,8 @@ class AdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:  # e.g. after load_state_dict of a state without this parameter
                     self._init_state(p, group)
-                params.append(p)
-                grads.append(p.grad)
+                params.append(local_tensor(p))
+                grads.append(local_tensor(p.grad))
                 exp_avgs.append(state["exp_avg"])
                 exp_avg_sqs.append(state["exp_avg_sq"])
                 if group["amsgrad"]:

@@ -11,12 +11,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..sharding import BlockRule, BlockSpec
-from ..sharding import RaggedLayout
+from ..sharding import LocalShard, RaggedDTensor, check_not_replaced, local_shard, local_tensor
 from ..sharding import materialize_all
-from ..sharding import ShardInfo, check_not_replaced, shard_info
 from ..sharding import ShardedState  # (re-exported: the checkpoint contract lives with the checkpoints)
 
-__all__ = ["range_pieces", "param_info", "checked_param_info", "require_spec", "check_adam_hparams", "make_dcp_ready", "StateShard", "ShardedState", "apply_update", "discard_last_group"]
+__all__ = ["range_pieces", "param_info", "checked_param_info", "require_spec", "check_adam_hparams", "make_dcp_ready", "StateShard", "ShardedState", "apply_update", "discard_last_group", "local_tensor", "per_element", "state_range"]
 
 
 def range_pieces(bounds: Sequence[int], offset: int, numel: int) -> tuple[tuple[int, int, int], ...]:
@@ -47,12 +46,18 @@ class StateShard(NamedTuple):
     elements and be contiguous (checkpoints read it with ``reshape(-1)``). Keys not listed by
     ``state_shards`` (e.g. ``step``) are replicated: equal on every rank. State is created
     eagerly in ``__init__`` so that keys and shapes are the same before and after the first
-    step (a checkpoint can be loaded into a fresh optimizer).
+    step (a checkpoint can be loaded into a fresh optimizer). ``bounds`` holds every shard rank's
+    range (``state_range`` computes it from the parameter's rank bounds), so the state is a
+    ``RaggedDTensor`` on the parameter's mesh in ``state_dict()`` without any communication.
     """
 
     global_numel: int
     start: int
     end: int
+    bounds: tuple[int, ...] | None = None
+    """Every shard rank's start in the global vector, then ``global_numel`` (``world_size + 1`` values):
+    the layout checkpoints and ``state_dict()`` give the state (a ``RaggedDTensor``). ``None`` only for
+    a parameter held whole by one rank."""
 
 
 def profiled_step(step: Callable) -> Callable:
@@ -66,46 +71,56 @@ def profiled_step(step: Callable) -> Callable:
     return wrapper
 
 
-def param_info(p: torch.Tensor, rule: BlockRule, *, name: str = "") -> ShardInfo:
-    """The ``ShardInfo`` of ``p``; for a plain parameter, a one-rank layout holding all of it with
-    the spec ``rule`` gives from its shape (names and owner modules are unknown there)."""
-    info = shard_info(p)
-    if info is not None:
-        if p.numel() > 0 and p.untyped_storage().nbytes() == 0:  # a lazy (meta-built, unused) bucket
-            materialize_all()  # so the optimizer's state is made from real values
-        return info
+def state_range(info: LocalShard, state_before: Callable[[int], int]) -> StateShard:
+    """The ``StateShard`` of a global state vector laid out by ``info``'s rank bounds:
+    ``state_before(b)`` is the number of state elements of the blocks that start before flat parameter
+    offset ``b`` (per-element state: ``b`` itself; one scale per 256-block: ``ceil(b / 256)``)."""
+    bounds = tuple(int(state_before(b)) for b in info.layout.bounds)
+    return StateShard(bounds[-1], bounds[info.rank], bounds[info.rank + 1], bounds)
+
+
+def per_element(info: LocalShard) -> StateShard:
+    """The ``StateShard`` of state with one element per parameter element: the parameter's own range."""
+    return StateShard(info.numel, info.start, info.end, tuple(info.layout.bounds))
+
+
+def param_info(p: torch.Tensor, rule: BlockRule, *, name: str = "") -> LocalShard:
+    """The ``LocalShard`` of ``p`` (read from the ``RaggedDTensor``); for a plain parameter, one rank
+    holding all of it with the spec ``rule`` gives from its shape (names and owner modules are unknown there)."""
+    if isinstance(p, RaggedDTensor):
+        if p.numel() > 0 and p._local_tensor.untyped_storage().nbytes() == 0 and p._local_tensor.numel() > 0:
+            materialize_all()  # a lazy (meta-built, unused) bucket: the optimizer's state is made from real values
+        return local_shard(p, name=name)
     check_not_replaced([p], owner="the optimizer")
     shape = tuple(p.shape)
     spec = rule(name, p, None)
     spec.check(shape, name or f"parameter of shape {shape}")
-    return ShardInfo.of(
-        fqn=name, shape=shape, spec=spec, layout=RaggedLayout(shape, (0, p.numel())), rank=0, group=None
-    )
+    return LocalShard.whole(shape, spec, fqn=name)
 
 
 def checked_param_info(
     p: torch.Tensor, rule: BlockRule, *, optimizer: str, blocks: str, name: str = "", whole_blocks: bool = False
-) -> ShardInfo:
+) -> LocalShard:
     """``param_info`` plus the checks every optimizer makes: the local piece has the size its layout
-    gives this rank; with ``whole_blocks`` (optimizers that view blocks as matrices) also no DTensor
-    and no non-contiguous plain parameter."""
-    if whole_blocks and isinstance(p, DTensor):
+    gives this rank; with ``whole_blocks`` (optimizers that view blocks as matrices) also no DTensor of
+    torch's placements and no non-contiguous plain parameter."""
+    if whole_blocks and isinstance(p, DTensor) and not isinstance(p, RaggedDTensor):
         raise ValueError(
-            f"{optimizer}: parameter {name or '<unnamed>'} is a DTensor (PyTorch FSDP2 / TP); shard the model "
-            f"with fsdp_optim's fully_shard(..., blocks={blocks}) or pass plain tensors"
+            f"{optimizer}: parameter {name or '<unnamed>'} is a DTensor with placements {p.placements} (PyTorch "
+            f"FSDP2 / TP); shard the model with fsdp_optim's fully_shard(..., blocks={blocks}) or pass plain tensors"
         )
     info = param_info(p, rule, name=name)
-    if info.local_numel != p.numel():
+    if info.local_numel != local_tensor(p).numel():
         raise ValueError(
-            f"{optimizer}: parameter {info.fqn or '<unnamed>'} holds {p.numel()} elements but its layout gives "
-            f"rank {info.rank} {info.local_numel} (shape {info.shape}, world size {info.world_size})"
+            f"{optimizer}: parameter {info.fqn or '<unnamed>'} holds {local_tensor(p).numel()} elements but its layout "
+            f"gives rank {info.rank} {info.local_numel} (shape {info.shape}, world size {info.world_size})"
         )
-    if whole_blocks and shard_info(p) is None and not p.is_contiguous():
+    if whole_blocks and not isinstance(p, RaggedDTensor) and not p.is_contiguous():
         raise ValueError(f"{optimizer}: plain parameter {name or '<unnamed>'} (shape {info.shape}) must be contiguous")
     return info
 
 
-def require_spec(info: ShardInfo, ok: bool, *, optimizer: str, need: str, blocks: str) -> None:
+def require_spec(info: LocalShard, ok: bool, *, optimizer: str, need: str, blocks: str) -> None:
     """Raise the standard error when a parameter's layout breaks what ``optimizer`` needs."""
     if ok:
         return
@@ -165,11 +180,11 @@ def discard_last_group(optimizer: torch.optim.Optimizer, plans: dict[torch.Tenso
 
 def make_dcp_ready(optimizer: torch.optim.Optimizer) -> None:
     """Make ``optimizer.state_dict()`` / ``load_state_dict()`` DCP-ready when any parameter is
-    sharded (sharded state as ``FlatShardTensor`` of its global form, as FSDP2 does with DTensor),
+    sharded (sharded state as ``RaggedDTensor`` s of its global form, as FSDP2 does with DTensor),
     so ``torch.distributed.checkpoint`` save/load on them directly reshards across world sizes."""
     from ..sharding import register_optimizer_hooks
 
-    if any(shard_info(p) is not None for g in optimizer.param_groups for p in g["params"]):
+    if any(isinstance(p, RaggedDTensor) for g in optimizer.param_groups for p in g["params"]):
         register_optimizer_hooks(optimizer)
 
 

@@ -2,7 +2,7 @@
 
 [Note: Muon on shards]
 Muon's update of a matrix is ``NS(momentum-updated gradient)``, a function of the *whole*
-matrix. The spec recorded on each parameter (``ShardInfo.spec``) says what a matrix is:
+matrix. The spec recorded on each parameter (``RaggedShard.spec`` of its placement) says what a matrix is:
 ``whole()`` (the parameter), ``whole(row_splits=...)`` (per-head / fused-QKV sub-matrices,
 each orthogonalized on its own) and ``expert()`` (``[E, r, c]``: E matrices). Every other
 parameter (embeddings, output head, norms, biases: specs that are not matrix blocks), and every
@@ -14,7 +14,7 @@ Everything but Newton–Schulz is element-wise (momentum ``lerp``, weight decay,
 where the matrix is:
 - a matrix lying wholly in this rank's range (what ragged plans give every matrix) is
   orthogonalized locally: no communication;
-- a matrix the planner had to cut (``ShardInfo.split``; cut on row boundaries) is sent to one
+- a matrix the planner had to cut (``RaggedShard.split``; cut on row boundaries) is sent to one
   *owner* rank, orthogonalized there and its pieces sent back: per shard group with split
   matrices exactly one ``all_to_all_single`` pair per step (all buckets together), every rank
   taking part (empty pieces included). Owners are fixed at construction by a longest-first
@@ -78,9 +78,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..sharding import BlockRule, expert, whole
-from ..sharding import ShardInfo, shard_info
+from ..sharding import LocalShard, RaggedDTensor
 from ._adamw import adamw_update
-from ._base import range_pieces, StateShard, checked_param_info, make_dcp_ready, require_spec, profiled_step
+from ._base import range_pieces, StateShard, checked_param_info, local_tensor, make_dcp_ready, per_element, require_spec, profiled_step
 from ._rules import ambiguous_name_guess, muon_rule
 
 __all__ = ["Muon", "newton_schulz", "adjust_lr"]
@@ -220,7 +220,7 @@ class _Run(NamedTuple):
 
 
 class _ParamPlan(NamedTuple):
-    info: ShardInfo
+    info: LocalShard
     use_muon: bool
     runs: tuple[_Run, ...]
     """Matrices lying wholly in this rank's piece, grouped for batched Newton–Schulz."""
@@ -324,7 +324,7 @@ def _cut(m: tuple[int, int, int], bounds: Sequence[int]) -> bool:
     return i < len(bounds) - 1 and bounds[i] < m[0] + m[1] * m[2]
 
 
-def _plan_param(info: ShardInfo, *, use_muon: bool) -> _ParamPlan:
+def _plan_param(info: LocalShard, *, use_muon: bool) -> _ParamPlan:
     if not use_muon:
         return _ParamPlan(info, False, (), ())
     local, split = [], []
@@ -488,7 +488,7 @@ class Muon(torch.optim.Optimizer):
         for name, p in named:
             info = self._info(p, name)
             (muon if info.spec.is_matrix else adamw).append((name, p) if name is not None else p)
-            plain = shard_info(p) is None
+            plain = not isinstance(p, RaggedDTensor)
             unnamed += plain and name is None and info.spec.is_matrix
             if len(info.shape) not in (2, 3):
                 continue
@@ -497,7 +497,7 @@ class Muon(torch.optim.Optimizer):
             elif not plain and not info.spec.is_matrix:  # the rule given here would make it a matrix
                 if self._rule(info.fqn, torch.empty(info.shape, device="meta"), None).is_matrix:
                     unexpected.append((info.fqn or f"<shape {info.shape}>", info.spec))
-        if any(shard_info(p) is not None and shard_info(p).spec.is_matrix for _, p in named):
+        if any(isinstance(p, RaggedDTensor) and p.ragged.spec.is_matrix for _, p in named):
             unexpected = []  # sharded with a Muon rule: its element-wise specs were decided (nn.Embedding by type)
         if unexpected:
             warnings.warn(
@@ -584,18 +584,18 @@ class Muon(torch.optim.Optimizer):
         for name, p in zip(names, group["params"]):
             info = self._info(p, name)
             if group["use_muon"] and not info.spec.is_matrix:
-                info = self._as_matrix(info, plain=shard_info(p) is None)
+                info = self._as_matrix(info, plain=not isinstance(p, RaggedDTensor))
             if group["use_muon"]:
                 self._check_layout(info)
             self._plans[p] = _plan_param(info, use_muon=group["use_muon"])
             self._init_state(p, group["use_muon"])
         self._exchanges = None
 
-    def _as_matrix(self, info: ShardInfo, *, plain: bool) -> ShardInfo:
+    def _as_matrix(self, info: LocalShard, *, plain: bool) -> LocalShard:
         """A parameter put in a ``use_muon=True`` group whose spec is not a matrix block."""
         if plain and len(info.shape) in (2, 3):
             spec = whole() if len(info.shape) == 2 else expert()
-            return ShardInfo.of(fqn=info.fqn, shape=info.shape, spec=spec, layout=info.layout, rank=0, group=None)
+            return info._replace(spec=spec)
         where = ("it is a plain tensor of that shape" if plain else
                  "fully_shard recorded an element-wise spec (the block rule took it for an embedding, a head, a "
                  "bias or a vector)")  # fmt: skip
@@ -606,13 +606,13 @@ class Muon(torch.optim.Optimizer):
             "and head, or move it to a use_muon=False group"
         )
 
-    def _info(self, p: Tensor, name: str | None) -> ShardInfo:
+    def _info(self, p: Tensor, name: str | None) -> LocalShard:
         return checked_param_info(
             p, self._rule, optimizer="Muon", blocks="Muon.blocks", name=name or "", whole_blocks=True
         )
 
     @staticmethod
-    def _check_layout(info: ShardInfo) -> None:
+    def _check_layout(info: LocalShard) -> None:
         spec, layout = info.spec, info.layout
         if not spec.is_matrix:
             return
@@ -628,16 +628,16 @@ class Muon(torch.optim.Optimizer):
     def _init_state(self, p: Tensor, use_muon: bool) -> None:
         state = self.state[p]
         if use_muon:
-            state.setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+            state.setdefault("momentum_buffer", torch.zeros_like(local_tensor(p), memory_format=torch.preserve_format))
         else:
             state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
-            state.setdefault("exp_avg", torch.zeros_like(p, memory_format=torch.preserve_format))
-            state.setdefault("exp_avg_sq", torch.zeros_like(p, memory_format=torch.preserve_format))
+            state.setdefault("exp_avg", torch.zeros_like(local_tensor(p), memory_format=torch.preserve_format))
+            state.setdefault("exp_avg_sq", torch.zeros_like(local_tensor(p), memory_format=torch.preserve_format))
 
     def state_shards(self, p: Tensor) -> dict[str, StateShard]:
         """Every state tensor of ``p`` is per element: this rank's range of the flat parameter."""
         info = self._plans[p].info
-        shard = StateShard(info.numel, info.start, info.end)
+        shard = per_element(info)
         if self._plans[p].use_muon:
             return {"momentum_buffer": shard}
         return {"exp_avg": shard, "exp_avg_sq": shard}
@@ -744,7 +744,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p in updates] if group["use_muon"] else []
             if params and group["weight_decay"] != 0:  # x * 1.0 == x: skipping it changes no bits
-                _decay(params, 1 - group["lr"] * group["weight_decay"])
+                _decay([local_tensor(p) for p in params], 1 - group["lr"] * group["weight_decay"])
         group_of = {p: g for g in self.param_groups if g["use_muon"] for p in g["params"]}
         jobs = self._local_jobs(updates, group_of)
         for ex in self._exchanges:
@@ -793,7 +793,7 @@ class Muon(torch.optim.Optimizer):
             for p in params:
                 if p.grad.is_sparse or torch.is_complex(p):
                     raise RuntimeError("Muon does not support sparse gradients or complex parameters")
-            grads = [p.grad for p in params]
+            grads = [local_tensor(p.grad) for p in params]
             bufs = [self.state[p]["momentum_buffer"] for p in params]
             mom = group["momentum"]
             torch._foreach_lerp_(bufs, grads, 1 - mom)
@@ -810,7 +810,7 @@ class Muon(torch.optim.Optimizer):
         for sp in ex.sends:  # my pieces of NS(split matrix), or of the new parameter values
             if sp.param not in updates:
                 continue
-            dst = sp.param.view(-1)[sp.local_offset : sp.local_offset + sp.n]
+            dst = local_tensor(sp.param).view(-1)[sp.local_offset : sp.local_offset + sp.n]
             got = mine[sp.back_at : sp.back_at + sp.n]
             if sp.with_param:
                 dst.copy_(got.view(dst.dtype))
@@ -829,7 +829,7 @@ class Muon(torch.optim.Optimizer):
         for p, upd in updates.items():
             g = group_of[p]
             key = (tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
-            flat = p.view(-1)
+            flat = local_tensor(p).view(-1)
             for run in self._plans[p].runs:
                 rc = run.rows * run.cols
                 stack = self.batched and _stacks_well(run.rows, run.cols, p.device)
@@ -893,7 +893,7 @@ class Muon(torch.optim.Optimizer):
             else:
                 piece.copy_(u.piece(lo, hi))
             if sp.with_param:
-                send[sp.at + sp.n : sp.at + 2 * sp.n].view(sp.param.dtype).copy_(sp.param.view(-1)[lo:hi])
+                send[sp.at + sp.n : sp.at + 2 * sp.n].view(sp.param.dtype).copy_(local_tensor(sp.param).view(-1)[lo:hi])
         recv = torch.empty(sum(ex.recv_sizes), dtype=torch.bfloat16, device=ex.device)
         dist.all_to_all_single(recv, send, list(ex.recv_sizes), list(ex.send_sizes), group=ex.group)
         for om in ex.owned:
@@ -913,11 +913,11 @@ class Muon(torch.optim.Optimizer):
         """Find parameters with a non-finite gradient, agreed over every shard group (one all_reduce
         of one flag per parameter each), before anything changes; raise or skip on every rank."""
         params = [p for g in self.param_groups for p in g["params"]]
-        with_grad = [(i, p) for i, p in enumerate(params) if p.grad is not None and p.grad.numel()]
+        with_grad = [(i, p) for i, p in enumerate(params) if p.grad is not None and local_tensor(p.grad).numel()]
         device = params[0].device if params else torch.device("cpu")
         flags = torch.zeros(len(params), dtype=torch.int32, device=device)
         if with_grad:
-            norms = torch._foreach_norm([p.grad for _, p in with_grad], float("inf"))  # NaN/inf survive max|g|
+            norms = torch._foreach_norm([local_tensor(p.grad) for _, p in with_grad], float("inf"))  # NaN/inf survive max|g|
             idx = torch.tensor([i for i, _ in with_grad], device=device)
             flags[idx] = (~torch.isfinite(torch.stack(norms))).int()
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -925,7 +925,7 @@ class Muon(torch.optim.Optimizer):
         groups: list[Any] = []
         for p in params:
             info = self._plans[p].info
-            if shard_info(p) is not None and info.world_size > 1 and not any(info.group is g for g in groups):
+            if isinstance(p, RaggedDTensor) and info.world_size > 1 and not any(info.group is g for g in groups):
                 groups.append(info.group)
         for g in groups:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=g)
@@ -964,8 +964,8 @@ class Muon(torch.optim.Optimizer):
             if p.grad.is_sparse:
                 raise RuntimeError("Muon's AdamW fallback does not support sparse gradients")
             st = self.state[p]
-            params.append(p)
-            grads.append(p.grad)
+            params.append(local_tensor(p))
+            grads.append(local_tensor(p.grad))
             exp_avgs.append(st["exp_avg"])
             exp_avg_sqs.append(st["exp_avg_sq"])
             steps.append(st["step"])

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._base import discard_last_group, make_dcp_ready, profiled_step
+from ._base import discard_last_group, local_tensor, make_dcp_ready, profiled_step
 from ._linalg import aligned, batched_ok
 
 __all__ = [
@@ -132,7 +132,7 @@ def graft_rescale_(pre: Tensor, graft: Tensor) -> Tensor:
 class BlockPreconditioner(torch.optim.Optimizer):
     """Base of the optimizers that precondition whole blocks on each rank (see [Note: preconditioner
     base]). Subclasses set ``_name``, keep a plan per parameter in ``self._plans`` (with ``name`` and
-    ``info``, its ``ShardInfo``) and implement ``_resolve_group``, ``_plan_group``, ``_step_param``
+    ``info``, its ``LocalShard``) and implement ``_resolve_group``, ``_plan_group``, ``_step_param``
     and ``_step_group_batched``."""
 
     _name: ClassVar[str]
@@ -202,7 +202,7 @@ class BlockPreconditioner(torch.optim.Optimizer):
         host sync per step). Raised before any state changes ([Note: non-finite gradients])."""
         if not params:
             return
-        flags = torch.stack([torch.isfinite(p.grad).all() for p in params]).tolist()
+        flags = torch.stack([torch.isfinite(local_tensor(p.grad)).all() for p in params]).tolist()
         bad = [self._plans[p] for p, ok in zip(params, flags) if not ok]
         if bad:
             names = ", ".join(f"{b.name} (shape {tuple(b.info.shape)})" for b in bad)

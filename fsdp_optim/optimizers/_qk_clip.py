@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..sharding import shard_info
+from ..sharding import local_shard, local_tensor
 
 __all__ = [
     "ClipStats",
@@ -201,8 +201,7 @@ def _is_attention(m: nn.Module) -> bool:
 
 
 def _global_shape(p: torch.Tensor) -> tuple[int, ...]:
-    info = shard_info(p)
-    return tuple(info.shape) if info is not None else tuple(p.shape)
+    return tuple(p.shape)  # (a sharded parameter is a DTensor of the global shape)
 
 
 def _layer(name: str, m: nn.Module) -> _Layer:
@@ -225,8 +224,11 @@ def _layer(name: str, m: nn.Module) -> _Layer:
                 f"{what}: {proj} has a bias; qk_clip_ scales weight rows only, which would leave the bias "
                 f"unscaled. Use {proj} = nn.Linear(..., bias=False)"
             )
-        if type(w).__name__ == "DTensor" or type(getattr(w, "data", None)).__name__ == "DTensor":
-            raise ValueError(f"{what}: {proj}.weight is a DTensor; shard with fsdp_optim.fully_shard instead")
+        if type(w).__name__ == "DTensor":
+            raise ValueError(
+                f"{what}: {proj}.weight is a DTensor with placements {w.placements} (FSDP2 / TP); shard with "
+                "fsdp_optim.fully_shard instead"
+            )
     n_heads = m.n_heads
     n_kv = getattr(m, "n_kv_heads", None) or n_heads
     wq, wk = wq_mod.weight, wk_mod.weight
@@ -270,14 +272,14 @@ def _layers(modules_or_model: nn.Module | Iterable[nn.Module]) -> list[_Layer]:
 
 def _scale_rows_(p: torch.Tensor, row0: int, nrows: int, factor: float) -> None:
     """``W[row0 : row0 + nrows] *= factor`` on the global weight, applied to the piece this rank holds."""
-    info = shard_info(p)
+    info = local_shard(p)
     if info is None:
         p.data[row0 : row0 + nrows].mul_(factor)
         return
     cols = info.shape[1]
     lo, hi = max(row0 * cols, info.start), min((row0 + nrows) * cols, info.end)
     if lo < hi:
-        p.data.view(-1)[lo - info.start : hi - info.start].mul_(factor)
+        local_tensor(p).view(-1)[lo - info.start : hi - info.start].mul_(factor)
 
 
 def _check_tau(tau: float) -> float:

@@ -62,8 +62,8 @@ import torch
 from torch import Tensor
 
 from ..sharding import BlockRule, elements
-from ..sharding import ShardInfo
-from ._base import StateShard, check_adam_hparams, checked_param_info, make_dcp_ready, require_spec, profiled_step
+from ..sharding import LocalShard
+from ._base import StateShard, check_adam_hparams, checked_param_info, local_tensor, make_dcp_ready, per_element, require_spec, profiled_step, state_range
 
 __all__ = ["QUANTIZE_MIN_NUMEL", "QuantFormat", "FORMAT_8BIT", "FORMAT_4BIT", "quantize_blockwise", "dequantize_blockwise"]
 
@@ -173,7 +173,7 @@ def dequantize_blockwise(
 
 class _Kind(NamedTuple):
     quantized: bool
-    info: ShardInfo
+    info: LocalShard
 
 
 @cache
@@ -283,11 +283,11 @@ class QuantizedAdamW(torch.optim.Optimizer):
             if quantized:
                 # As torchao's zeros(): code 0 everywhere, scale 0 (so every value is 0).
                 state[f"{name}_codes"] = torch.zeros(
-                    self._format.num_code_bytes(p.numel()), dtype=torch.uint8, device=p.device
+                    self._format.num_code_bytes(local_tensor(p).numel()), dtype=torch.uint8, device=p.device
                 )
                 state[f"{name}_scale"] = torch.zeros(num_blocks, dtype=torch.float32, device=p.device)
             else:
-                state[name] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state[name] = torch.zeros_like(local_tensor(p), memory_format=torch.contiguous_format)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -326,18 +326,17 @@ class QuantizedAdamW(torch.optim.Optimizer):
         """Codes and fp32 moments: the parameter's range (in bytes for packed codes); scales: the
         range of this rank's blocks."""
         quantized, info = self._kind(p)
-        elems = StateShard(info.numel, info.start, info.end)
+        elems = per_element(info)
         if not quantized:
             return {k: elems for k, _ in _MOMENTS if k in self.state[p]}
         cpb = self._format.codes_per_byte
         # A rank's range starts on a block boundary (a multiple of codes_per_byte) and ends on one or
         # at the tensor's end, so its codes are whole bytes of the global byte vector. An empty range
         # may sit at the end of a tensor of odd length: it holds no byte (not the half-used last one).
-        lo = info.start // cpb
-        hi = -(-info.end // cpb) if info.end > info.start else lo
-        code_bytes = StateShard(self._format.num_code_bytes(info.numel), lo, hi)
+        # (as a function of a rank bound b: the bytes before b; the last bound, numel, counts a partial byte)
+        code_bytes = state_range(info, lambda b: -(-b // cpb) if b == info.numel else b // cpb)
         bs = self.block_size
-        blocks = StateShard(-(-info.numel // bs), -(-info.start // bs), -(-info.end // bs))
+        blocks = state_range(info, lambda b: -(-b // bs))
         out = {}
         for name, _ in _MOMENTS:
             if f"{name}_codes" in self.state[p]:
@@ -354,7 +353,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
             if quantized and f"{name}_codes" in state:
                 out[name] = dequantize_blockwise(
                     state[f"{name}_codes"], state[f"{name}_scale"], signed=signed, block_size=self.block_size,
-                    fmt=self._format, numel=p.numel(),
+                    fmt=self._format, numel=local_tensor(p).numel(),
                 )
             elif name in state:
                 out[name] = state[name].reshape(-1).float()
@@ -409,7 +408,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
                         continue
                     self._check_grad(p)
                     self.state[p]["step"] += 1
-                    if p.numel():
+                    if local_tensor(p).numel():
                         self._step_span(fn, [p], group["amsgrad"], args)
         return loss
 
@@ -451,17 +450,17 @@ class QuantizedAdamW(torch.optim.Optimizer):
         """One step call on the flat span of ``piece`` (adjacent parameters, contiguous state)."""
         state0 = self.state[piece[0]]
         step = state0["step"]
-        if len(piece) > 1 and not _adjacent(piece):  # storage replaced since the runs were built
+        if len(piece) > 1 and not _adjacent([local_tensor(p) for p in piece]):  # storage replaced since the runs were built
             for p in piece:
                 self._step_span(fn, [p], amsgrad, args)
             return
         quantized = self._kind(piece[0]).quantized
         if len(piece) == 1 and not quantized:  # as torchao: the parameter's own shape and strides
-            p = piece[0]
-            fn(p.detach(), p.grad, step, state0["exp_avg"], state0["exp_avg_sq"], state0.get("max_exp_avg_sq"), *args)
+            p, g = local_tensor(piece[0]), local_tensor(piece[0].grad)
+            fn(p.detach(), g, step, state0["exp_avg"], state0["exp_avg_sq"], state0.get("max_exp_avg_sq"), *args)
             return
-        flat = _span([p.detach() for p in piece])
-        grads = [p.grad for p in piece]
+        flat = _span([local_tensor(p).detach() for p in piece])
+        grads = [local_tensor(p.grad) for p in piece]
         grad = _span(grads) if _adjacent(grads) else torch.cat([g.reshape(-1) for g in grads])
         span_state = {k: _span([self.state[p][k] for p in piece]) for k in state0 if k != "step"}
         if quantized:
@@ -554,16 +553,17 @@ def _adjacent_runs(params: list[Tensor], kind: Callable[[Tensor], _Kind], block_
     """Maximal runs of ``params`` (one parameter group) adjacent in memory, in memory order, that one
     step call may cover ([Note: runs]): same dtype and kind; quantized ones must end on a block
     boundary except the run's last."""
-    items = [p for p in params if p.numel() > 0 and p.is_contiguous()]
-    items.sort(key=lambda p: (p.device.type, p.device.index or 0, p.untyped_storage().data_ptr(), p.data_ptr()))
+    L = local_tensor  # (runs are found on the local pieces; the parameters stay the keys)
+    items = [p for p in params if L(p).numel() > 0 and L(p).is_contiguous()]
+    items.sort(key=lambda p: (p.device.type, p.device.index or 0, L(p).untyped_storage().data_ptr(), L(p).data_ptr()))
     runs: list[list[Tensor]] = []
     for p in items:
         run = runs[-1] if runs else None
         if (
             run is not None
-            and _adjacent([run[-1], p])
+            and _adjacent([L(run[-1]), L(p)])
             and kind(p).quantized == kind(run[-1]).quantized
-            and (not kind(p).quantized or run[-1].numel() % block_size == 0)
+            and (not kind(p).quantized or L(run[-1]).numel() % block_size == 0)
         ):
             run.append(p)
         else:

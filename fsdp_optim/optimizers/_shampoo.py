@@ -87,7 +87,7 @@ run bitwise. Without split strips the step issues no collectives.
 
 [Note: Shampoo split strips]
 With ``PlanConfig(balance="auto")`` (``Shampoo.rule`` declares ``splits_blocks``) the planner may cut
-a strip across ranks on rows of the merged view (the plan records it: ``ShardInfo.split``; any row of
+a strip across ranks on rows of the merged view (the plan records it: ``LocalShard.split``; any row of
 dim 0 is one, a merged row being a product of trailing dims). Such a *split strip*:
 - has its factors (every block's ``factor_matrices`` and ``inv_factor_matrices``) on one *owner*, the
   rank holding its first element. A rank's factors are the strips whose first element it holds
@@ -127,8 +127,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..sharding import BlockRule
-from ..sharding import ShardInfo, shard_info
-from ._base import range_pieces, StateShard, apply_update, checked_param_info, require_spec
+from ..sharding import LocalShard, RaggedDTensor
+from ._base import range_pieces, StateShard, apply_update, checked_param_info, local_tensor, per_element, require_spec, state_range
 from ._linalg import aligned, bmm, eigh
 from ._preconditioner import (
     BlockPreconditioner, Grafting, factor_ema_, graft_rescale_, grafting_direction, outer, outer_batched, square_view,
@@ -174,7 +174,7 @@ class _OwnedStrip(NamedTuple):
 
 class _ParamPlan(NamedTuple):
     name: str
-    info: ShardInfo
+    info: LocalShard
     geom: BlockGeometry
     strips: tuple[int, int]
     """The strips ``[s0, s1)`` whose first element this rank holds: their factors live here."""
@@ -284,7 +284,7 @@ class _Exchange(NamedTuple):
     """The split parameters with the dtype and device the exchange was planned for."""
 
 
-def _plan_param(name: str, info: ShardInfo, geom: BlockGeometry) -> _ParamPlan:
+def _plan_param(name: str, info: LocalShard, geom: BlockGeometry) -> _ParamPlan:
     if info.numel == 0:
         return _ParamPlan(name, info, geom, (0, 0), ())
     start, end, bounds, cols = info.start, info.end, info.layout.bounds, geom.cols
@@ -503,7 +503,7 @@ class Shampoo(BlockPreconditioner):
         self._rule = blocks
         self._exchanges: tuple[_Exchange, ...] | None = None
         super().__init__(params, defaults, batched=batched)
-        if blocks is not None and self._plans and all(shard_info(t) is not None for t in self._plans):
+        if blocks is not None and self._plans and all(isinstance(t, RaggedDTensor) for t in self._plans):
             warnings.warn("Shampoo: blocks= is ignored: every parameter is sharded and its recorded spec is used",
                           stacklevel=2)  # fmt: skip
 
@@ -557,11 +557,11 @@ class Shampoo(BlockPreconditioner):
                     v.fill_diagonal_(1.0)
             state["inv_factor_matrices"] = inv
         if group["grafting"] != Grafting.NONE.value:
-            state.setdefault("grafting_state", torch.zeros(p.numel(), **f32))
+            state.setdefault("grafting_state", torch.zeros(local_tensor(p).numel(), **f32))
         if group["betas"][0] > 0:
-            state.setdefault("filtered_grad", torch.zeros(p.numel(), **f32))
+            state.setdefault("filtered_grad", torch.zeros(local_tensor(p).numel(), **f32))
         if group["momentum"] > 0:
-            state.setdefault("momentum_buffer", torch.zeros(p.numel(), **f32))
+            state.setdefault("momentum_buffer", torch.zeros(local_tensor(p).numel(), **f32))
 
     def state_shards(self, p: Tensor) -> dict[str, StateShard]:
         """Per-element keys: the parameter's range; factor keys: this rank's blocks' factors, flattened
@@ -571,8 +571,8 @@ class Shampoo(BlockPreconditioner):
         info, geom = plan.info, plan.geom
         s0, s1 = plan.strips
         n = geom.num_strips
-        elem = StateShard(info.numel, info.start, info.end)
-        fac = StateShard(geom.factor_numel(0, n), geom.factor_numel(0, s0), geom.factor_numel(0, s1))
+        elem = per_element(info)
+        fac = state_range(info, lambda b: geom.factor_numel(0, geom.strip_at(b)))
         out = {"factor_matrices": fac, "inv_factor_matrices": fac}
         for key in ("grafting_state", "filtered_grad", "momentum_buffer"):
             if key in self.state[p]:
@@ -607,7 +607,7 @@ class Shampoo(BlockPreconditioner):
         graft, gb2 = Grafting(group["grafting"]), group["grafting_beta2"]
         state["step"] += 1
         t = int(state["step"].item())
-        g = p.grad.reshape(-1).float()
+        g = local_tensor(p.grad).reshape(-1).float()
         if graft is not Grafting.NONE:
             update_grafting_(state["grafting_state"], g, graft, gb2)
         if beta1 > 0:
@@ -630,7 +630,7 @@ class Shampoo(BlockPreconditioner):
 
     def _finish(self, c: _Ctx, group: dict[str, Any]) -> None:
         """Weight decay, momentum and the update ([Note: Shampoo step] 5)."""
-        d, flat = c.direction, c.p.view(-1)
+        d, flat = c.direction, local_tensor(c.p).view(-1)
         if group["weight_decay"] != 0:
             d = d.add(flat, alpha=group["weight_decay"])
         mu = group["momentum"]
@@ -871,7 +871,7 @@ class Shampoo(BlockPreconditioner):
         allp = [p for g in self.param_groups for p in g["params"]]
         rank = dist.get_rank()
         flags = torch.stack([
-            torch.isfinite(p.grad).all().logical_not() if p.grad is not None else torch.tensor(False, device=p.device)
+            torch.isfinite(local_tensor(p.grad)).all().logical_not() if p.grad is not None else torch.tensor(False, device=p.device)
             for p in allp
         ]).int() * (rank + 1)  # fmt: skip
         for ex in exchanges:

@@ -67,8 +67,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..sharding import BlockRule, BlockSpec, ShardInfo, elements, whole
-from ._base import StateShard, apply_update, checked_param_info, require_spec
+from ..sharding import BlockRule, BlockSpec, LocalShard, elements, whole
+from ._base import StateShard, apply_update, checked_param_info, local_tensor, per_element, require_spec, state_range
 from ._linalg import aligned, batched_ok, bmm, eigh, qr_q
 from ._preconditioner import BlockPreconditioner, factor_ema_, outer, outer_batched, square_view
 from ._rules import shampoo_rule
@@ -129,7 +129,7 @@ class _Unit(NamedTuple):
 
 class _Plan(NamedTuple):
     name: str
-    info: ShardInfo
+    info: LocalShard
     units: tuple[_Unit, ...]
     factor_shard: StateShard
     elem_shard: StateShard
@@ -253,18 +253,21 @@ class SOAP(BlockPreconditioner):
             self._plans[p] = plan
             st = self.state[p]
             st.setdefault("step", torch.tensor(0.0))
-            st.setdefault("exp_avg", torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
-            st.setdefault("exp_avg_sq", torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
+            n_local = local_tensor(p).numel()
+            st.setdefault("exp_avg", torch.zeros(n_local, dtype=torch.float32, device=p.device))
+            st.setdefault("exp_avg_sq", torch.zeros(n_local, dtype=torch.float32, device=p.device))
             n = plan.factor_shard.end - plan.factor_shard.start
             st.setdefault("GG", torch.zeros(n, dtype=torch.float32, device=p.device))
             st.setdefault("Q", torch.zeros(n, dtype=torch.float32, device=p.device))
 
-    def _whole_plan(self, name: str, info: ShardInfo, group: dict[str, Any]) -> _Plan:
+    def _whole_plan(self, name: str, info: LocalShard, group: dict[str, Any]) -> _Plan:
         shape = tuple(info.shape)
         numel = math.prod(shape)
+        fac_total = self._unit_factor_numel(self._whole_shape(shape, group)[0], group) if numel else 0
+        # (the factors live with the tensor's one owner: before it none, from its end all)
+        factor_shard = state_range(info, lambda b: fac_total if numel and b >= numel else 0)
         if info.local_numel == 0 or numel == 0:
-            fac_total = self._unit_factor_numel(self._whole_shape(shape, group)[0], group) if numel else 0
-            return _Plan(name, info, (), StateShard(fac_total, 0, 0), StateShard(numel, 0, 0))
+            return _Plan(name, info, (), factor_shard, per_element(info))
         ushape, to_u, from_u = self._whole_shape(shape, group)
         offs, total = self._factor_offsets(ushape, 0, group)
 
@@ -274,8 +277,7 @@ class SOAP(BlockPreconditioner):
         def store(flat: Tensor, u: Tensor) -> None:
             flat.copy_(from_u(u).reshape(-1))
 
-        return _Plan(name, info, (_Unit(ushape, to_unit, store, (0, numel), offs),), StateShard(total, 0, total),
-                     StateShard(numel, 0, numel))  # fmt: skip
+        return _Plan(name, info, (_Unit(ushape, to_unit, store, (0, numel), offs),), factor_shard, per_element(info))
 
     def _whole_shape(self, shape: tuple[int, ...], group: dict[str, Any]):
         """The unit shape of a whole tensor and the maps flat <-> unit (reference merge_dims / channels_last)."""
@@ -293,16 +295,17 @@ class SOAP(BlockPreconditioner):
 
     def _block_plan(self, name: str, info, geom: BlockGeometry, group: dict[str, Any]) -> _Plan:
         if info.numel == 0:
-            return _Plan(name, info, (), StateShard(0, 0, 0), StateShard(0, 0, 0))
+            return _Plan(name, info, (), state_range(info, lambda b: 0), per_element(info))
         tails = geom.tail_chunks
 
         def strip_numel(i: int) -> int:
             r = geom.strip_rows(i)
             return sum(self._unit_factor_numel((r, *(n for _, n in t)), group) for t in tails)
 
-        s0 = geom.strip_at(info.start)
-        before = sum(strip_numel(i) for i in range(s0))
-        total = before + sum(strip_numel(i) for i in range(s0, geom.num_strips))
+        prefix = [0]  # factor elements of the strips before strip i
+        for i in range(geom.num_strips):
+            prefix.append(prefix[-1] + strip_numel(i))
+        factor_shard = state_range(info, lambda b: prefix[geom.strip_at(b)])
         local_shape = (info.local_numel // geom.cols, *geom.dims[1:])
         units, off = [], 0
         for shape, index in geom.local_blocks(info.start, info.end):
@@ -315,8 +318,9 @@ class SOAP(BlockPreconditioner):
                 flat.view(local_shape)[index] = u
 
             units.append(_Unit(shape, to_unit, store, None, offs))
-        return _Plan(name, info, tuple(units), StateShard(total, before, before + off),
-                     StateShard(info.numel, info.start, info.end))  # fmt: skip
+        if factor_shard.end - factor_shard.start != off:
+            raise AssertionError(f"SOAP: {name}: {off} local factor elements, the state layout says {factor_shard}")
+        return _Plan(name, info, tuple(units), factor_shard, per_element(info))
 
     def state_shards(self, p: Tensor) -> dict[str, StateShard]:
         plan = self._plans[p]
@@ -330,7 +334,7 @@ class SOAP(BlockPreconditioner):
         t = int(st["step"].item())
         beta1, beta2 = group["betas"]
         sb = group["shampoo_beta"] if group["shampoo_beta"] >= 0 else beta2
-        g = p.grad.reshape(-1).float()
+        g = local_tensor(p.grad).reshape(-1).float()
         gg, qq = st["GG"], st["Q"]
         m_all, v_all = st["exp_avg"], st["exp_avg_sq"]
         if t == 1:
@@ -362,7 +366,7 @@ class SOAP(BlockPreconditioner):
                 n_dir = n_dir / (1e-30 + torch.mean(n_dir**2) ** 0.5)
             u.store(direction, n_dir)
             news.append((u, gu, m, v, qs))
-        apply_update(p.view(-1), direction, step_size, group["lr"] * group["weight_decay"])
+        apply_update(local_tensor(p).view(-1), direction, step_size, group["lr"] * group["weight_decay"])
         for u, gu, m, v, qs in news:
             m = _rotate(m, qs, back=True)
             fs = [(square_view(gg, off, n), d) for d, (n, off) in enumerate(zip(u.shape, u.factors)) if off is not None]
@@ -396,7 +400,7 @@ class SOAP(BlockPreconditioner):
             plan, st = self._plans[p], self.state[p]
             st["step"] += 1
             t = int(st["step"].item())
-            g = p.grad.reshape(-1).float()
+            g = local_tensor(p.grad).reshape(-1).float()
             ctx.append((p, plan, st, t, g, torch.empty_like(g)))
             phase = 0 if t == 1 else (2 if (t - 1) % freq == 0 else 1)  # first call / Adam / Adam + refresh
             for u in plan.units:
@@ -450,7 +454,7 @@ class SOAP(BlockPreconditioner):
             step_size = group["lr"]
             if group["correct_bias"]:
                 step_size = step_size * (1 - beta2**s) ** 0.5 / (1 - beta1**s)
-            apply_update(p.view(-1), direction, step_size, group["lr"] * group["weight_decay"])
+            apply_update(local_tensor(p).view(-1), direction, step_size, group["lr"] * group["weight_decay"])
 
         for shape, phase, items, gs, ms, vs, qs in post:
             ms = _rotate_batched(ms, qs, back=True)

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from ..sharding import BlockSpec, elements, whole
-from ..sharding import ShardInfo, shard_info
+from ..sharding import LocalShard, RaggedDTensor, local_shard, local_tensor
 from ._base import profiled_step
 
 __all__ = ["WholeTensorOptimizer", "whole_tensor_rule"]
@@ -113,14 +113,14 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
         """The global-shape view of ``p`` if this rank owns it whole, ``None`` if it holds none of it."""
         if p in self._views:
             return self._views[p]
-        info = shard_info(p)
-        if info is None:
+        if not isinstance(p, RaggedDTensor):
             self._views[p] = p  # a plain parameter: every rank holds (and steps) it
             return p
+        info = local_shard(p)
         if info.local_numel == 0 and info.numel > 0:
             return None
         _check_whole(p, info)
-        view = nn.Parameter(p.detach().view(info.shape), requires_grad=p.requires_grad)
+        view = nn.Parameter(local_tensor(p).detach().view(info.shape), requires_grad=p.requires_grad)
         self._views[p] = view
         return view
 
@@ -148,9 +148,10 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
                 view = self._view(p)
                 if view is None or view is p:
                     continue
-                if view.data_ptr() != p.data_ptr() or view.device != p.device or view.dtype != p.dtype:
-                    view.data = p.detach().view(view.shape)  # the runtime moved the shard: follow it
-                view.grad = None if p.grad is None else p.grad.view(view.shape)
+                local = local_tensor(p)
+                if view.data_ptr() != local.data_ptr() or view.device != local.device or view.dtype != local.dtype:
+                    view.data = local.detach().view(view.shape)  # the runtime moved the shard: follow it
+                view.grad = None if p.grad is None else local_tensor(p.grad).view(view.shape)
         try:
             self.optim.step()
         finally:
@@ -222,7 +223,7 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
         return f"WholeTensorOptimizer({self.optimizer_class.__name__}, {len(self._views)} local parameters)"
 
 
-def _check_whole(p: Tensor, info: ShardInfo) -> None:
+def _check_whole(p: Tensor, info: LocalShard) -> None:
     if info.local_numel != info.numel:
         raise ValueError(
             f"WholeTensorOptimizer: parameter {info.fqn or '<unnamed>'} (shape {info.shape}, world size "
@@ -231,9 +232,9 @@ def _check_whole(p: Tensor, info: ShardInfo) -> None:
             "blocks=WholeTensorOptimizer.blocks) and a layout that keeps whole tensors "
             "(PlanConfig(layout='ragged', balance='whole'), or a padding_cap that never splits)"
         )
-    if p.numel() != info.numel:
+    if local_tensor(p).numel() != info.numel:
         raise ValueError(
-            f"WholeTensorOptimizer: parameter {info.fqn or '<unnamed>'} holds {p.numel()} elements but its "
+            f"WholeTensorOptimizer: parameter {info.fqn or '<unnamed>'} holds {local_tensor(p).numel()} elements but its "
             f"layout gives rank {info.rank} {info.local_numel}"
         )
 

@@ -11,7 +11,8 @@ Everything else in this package is private (``_``-prefixed modules).
 
 from ._buffer import CollectiveHandle, DistributedBuffer
 from ._clip import clip_grad_norm_
-from ._dtensor import from_dtensor, to_dtensor
+from ._dtensor import RaggedDTensor, distribute_ragged, is_ragged
+from ._placement import RaggedShard
 from ._expert_parallel import ExpertGroups, ExpertShard, expert_parallel, expert_parallel_groups, expert_shard
 from ._float8 import Float8AllGather, dequantize_blockwise, quantize_blockwise
 from ._fully_shard import ShardedModule, fully_shard, sharded_plan
@@ -19,7 +20,8 @@ from ._grouped_mm import grouped_linear
 from ._init import init_weights
 from ._mixed_precision import MixedPrecisionPolicy
 from ._runtime import materialize_all
-from ._shard_info import ShardInfo, check_not_replaced, set_shard_info, shard_info
+from ._local_shard import LocalShard, local_shard, local_tensor
+from ._replaced import check_not_replaced
 from .checkpoint import OwnedState, ShardedState, register_optimizer_hooks
 from .plan import (
     BlockKind,
@@ -70,7 +72,7 @@ __all__ = [
     "PlanConfig",
     "PlanStats",
     "RaggedLayout",
-    "ShardInfo",
+    "LocalShard",
     "ShardedState",
     "ShardedModule",
     "TensorSpec",
@@ -86,7 +88,10 @@ __all__ = [
     "expert_parallel_groups",
     "expert_ranges",
     "expert_shard",
-    "from_dtensor",
+    "distribute_ragged",
+    "is_ragged",
+    "RaggedDTensor",
+    "RaggedShard",
     "grouped_linear",
     "fully_shard",
     "heads",
@@ -97,11 +102,10 @@ __all__ = [
     "quantize_blockwise",
     "register_optimizer_hooks",
     "rows",
-    "set_shard_info",
-    "shard_info",
+    "local_shard",
+    "local_tensor",
     "sharded_plan",
     "tensor_cost",
     "suggest_mesh",
-    "to_dtensor",
     "whole",
 ]

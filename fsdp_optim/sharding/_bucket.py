@@ -63,20 +63,22 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.profiler import record_function
 
 from ._buffer import CollectiveHandle, DistributedBuffer, zero_ranges
 from ._context import CommContext, Streams, TrainingState
-from ._expert_parallel import expert_shard
 from ._float8 import Float8AllGather, Float8Gather, tile_aligned
 from ._mixed_precision import MixedPrecisionPolicy
-from ._shard_info import ShardInfo, mark_replaced, set_shard_info, shard_info
-from .plan import BucketPlan, WireMode, choose_wire_mode
+from ._dtensor import RaggedDTensor
+from ._replaced import mark_replaced, rename_replaced
+from .plan import BucketPlan, Placement, WireMode, choose_wire_mode
 
 __all__ = ["BucketConfig", "BucketEntry", "BucketPhase", "BucketState", "run_post_accumulate_grad_hooks"]
 
@@ -95,6 +97,10 @@ class BucketConfig:
     """``PlanConfig.wire``: how ragged segments travel (see [Note: wire format])."""
     replicate_group: dist.ProcessGroup | None = None
     num_replicas: int = 1
+    param_spec: Callable[[Placement, torch.dtype], DTensorSpec] | None = None
+    """A placement's ``DTensorSpec``: the sharded parameter's mesh and ``RaggedShard`` (set by setup)."""
+    is_expert: bool = False
+    """An expert-parallel root's bucket: its tensors' DTensor layouts span the world (global coordinates)."""
 
 
 class BucketEntry(Protocol):
@@ -151,6 +157,7 @@ class _Bucket:
         self.entries = entries
         self.ctx = ctx
         self.is_root = config.is_root
+        self.is_expert = config.is_expert
         mp = config.mp_policy
         master = entries[0].dtype
         self.param_dtype = mp.param_dtype or master
@@ -173,8 +180,8 @@ class _Bucket:
         self.num_replicas = config.num_replicas
         self.replicate_group = config.replicate_group if config.num_replicas > 1 else None
         self._native_avg = self.replicate_group is not None and "nccl" in str(dist.get_backend(self.replicate_group))
-        self.sharded = self._shard_entries(config.group)  # flat views into the segment
-        self.expected_ptrs = [sp.data_ptr() for sp in self.sharded]
+        self.sharded = self._shard_entries(config)  # RaggedDTensors viewing the segment
+        self.expected_ptrs = [sp._local_tensor.data_ptr() for sp in self.sharded]
         if self._lazy:
             self.buffer.drop_segment()
         # Gathered buffer (compute dtype) and unsharded parameters: views into its ``.data``, so the
@@ -219,26 +226,52 @@ class _Bucket:
     def __repr__(self) -> str:
         return f"_Bucket({self.plan.name!r}, {self.where.value}, {self.phase.value})"
 
-    def _shard_entries(self, group: dist.ProcessGroup | None) -> list[nn.Parameter]:
-        """This rank's piece of every entry as a parameter viewing the segment, with its ``ShardInfo``;
-        the entries' full tensors are dropped and the originals marked replaced."""
+    def _shard_entries(self, config: BucketConfig) -> list[nn.Parameter]:
+        """This rank's piece of every entry as a sharded parameter (a ``RaggedDTensor`` viewing the
+        segment); the entries' full tensors are dropped and the originals marked replaced. A parameter
+        an absorbed root sharded keeps its object: it is re-laid out (``adopt_moved``) once its piece moved."""
         sharded = []
+        self._to_adopt: list[tuple[int, torch.Tensor, DTensorSpec]] = []
         with torch.no_grad():
-            for e, pl, view in zip(self.entries, self.plan.placements, self.buffer.local_views()):
+            for i, (e, pl, view) in enumerate(zip(self.entries, self.plan.placements, self.buffer.local_views())):
+                spec = config.param_spec(pl, self.buffer.dtype)
+                if isinstance(e.param, RaggedDTensor):
+                    self._to_adopt.append((i, view, spec))
+                    sharded.append(e.param)
+                    e.full = None
+                    continue
                 if e.full is not None:
                     a, b = pl.shard.range(self.rank)
                     view.copy_(e.full.detach().reshape(-1)[a:b])
-                sp = nn.Parameter(view, requires_grad=e.requires_grad)
-                set_shard_info(
-                    sp,
-                    ShardInfo(placement=pl, rank=self.rank, group=group, bucket=self.index, expert=expert_shard(e.param)),
-                )  # fmt: skip
+                sp = nn.Parameter(RaggedDTensor._from_local_and_spec(view, spec), requires_grad=e.requires_grad)
+                sp._local_tensor = view  # (Parameter() took a detached alias: keep the segment view itself)
+                sp._fqn = e.fqn
                 sharded.append(sp)
                 e.full = None
-                if e.param is not sp:
-                    mark_replaced(e.param, e.fqn, replacement=sp)
+                mark_replaced(e.param, e.fqn, replacement=sp)
                 e.param = sp  # drop the original (full) tensor: it is not kept alive by the runtime
         return sharded
+
+    def grad_view(self, i: int, view: torch.Tensor) -> RaggedDTensor:
+        """Parameter ``i``'s gradient: its flat view of the gradient segment, with the parameter's layout."""
+        sp = self.sharded[i]
+        spec = sp._spec
+        if spec.tensor_meta.dtype != view.dtype:  # (the segment has the parameter's dtype)
+            raise AssertionError(f"fully_shard internal error: gradient segment {view.dtype} for a {spec.tensor_meta.dtype} parameter")
+        return RaggedDTensor._from_local_and_spec(view, spec)
+
+    def adopt_moved(self) -> None:
+        """Point the parameters of absorbed roots at this bucket's segment and layout, once their pieces
+        moved here: the same objects (whoever holds them sees the new layout), their old gradients dropped."""
+        for i, view, spec in self._to_adopt:
+            sp = self.sharded[i]
+            sp.grad = None
+            sp._local_tensor = view
+            sp._spec = spec
+            sp._fqn = self.entries[i].fqn
+            rename_replaced(sp, sp._fqn)
+        self._to_adopt = []
+        self.expected_ptrs = [sp._local_tensor.data_ptr() for sp in self.sharded]
 
     @property
     def trainable_local(self) -> list[int]:
@@ -256,17 +289,16 @@ class _Bucket:
         return self.where in (BucketState.GATHERING, BucketState.UNSHARDED)
 
     def release(self) -> None:
-        """Drop this (absorbed) bucket's storage. Its modules already hold the new root's parameters
-        (it was resharded at the start of the new root's build), so nothing is re-registered."""
+        """Drop this (absorbed) bucket's storage. Its parameters now view the absorbing buckets' segments
+        (``adopt_moved``) and its modules hold them (it was resharded at the start of the new root's
+        build), so nothing is re-registered."""
         if self.where is BucketState.RELEASED:
             return
-        self.settle()
+        if self.where is BucketState.REDUCING:
+            self.wait_reduces()
         if self.gather_handle is not None:
             self.gather_handle.wait()
             self.gather_handle = None
-        for sp in self.sharded:
-            mark_replaced(sp, shard_info(sp).fqn)
-            sp.data = sp.data.new_empty(0)  # the segment is freed even if someone holds the parameter
         self.buffer = self.gathered = self.flat_grad = self.flat_views = self.grad_seg = self.fp8_gather = None
         self.sharded, self.unsharded, self.entries = [], [], []
         self.where = BucketState.RELEASED
@@ -290,7 +322,7 @@ class _Bucket:
         if not self._lazy or self.where is BucketState.RELEASED:
             return
         self.buffer.allocate_segment()
-        self.expected_ptrs = [sp.data_ptr() for sp in self.sharded]  # the storage moved: see rebind()
+        self.expected_ptrs = [sp._local_tensor.data_ptr() for sp in self.sharded]  # the storage moved
         self._lazy = False
 
     def gather_full(self) -> torch.Tensor:
@@ -328,27 +360,32 @@ class _Bucket:
             self.gathered.untyped_storage().resize_(self._gathered_nbytes)
 
     def rebind(self) -> None:
-        """Re-point sharded parameters whose ``.data`` was replaced (``module.to_empty`` / ``.to``)."""
+        """Re-point sharded parameters whose local piece was replaced (``module.to_empty`` / ``.to``:
+        ``nn.Module._apply`` sets ``param.data``, which swaps the RaggedDTensor's local tensor): copy its
+        values into the segment and view the segment again. A dtype or device the bucket does not keep
+        raises (the module was converted after sharding)."""
         if self._lazy:  # (``to_empty`` gave uninitialized memory: the zeros stand for it)
             self.materialize()
             return
+        views = None
         for i, (sp, ptr) in enumerate(zip(self.sharded, self.expected_ptrs)):
-            if sp.data_ptr() == ptr and sp.dtype == self.buffer.dtype:
+            new = sp._local_tensor
+            if new.data_ptr() == ptr and new.dtype == self.buffer.dtype == sp._spec.tensor_meta.dtype:
                 continue
-            new, view = sp.data, self.buffer.local_views()[i]
+            views = views if views is not None else self.buffer.local_views()
+            view = views[i]
             if new.dtype != view.dtype or (new.device != view.device and new.device.type != "meta"):
                 raise ValueError(
-                    f"fully_shard: parameter {shard_info(sp).fqn!r} (shape {tuple(shard_info(sp).shape)}) was "
-                    f"converted to {new.dtype} on {new.device} after sharding, but its bucket keeps {view.dtype} "
-                    f"on {view.device} (module.to(dtype) / .double() / .to(device) after fully_shard). "
-                    "Convert or move the model before calling fully_shard, or compute in another dtype with "
+                    f"fully_shard: parameter {self.entries[i].fqn!r} (shape {tuple(sp.shape)}) was converted to "
+                    f"{new.dtype} on {new.device} after sharding, but its bucket keeps {view.dtype} on {view.device} "
+                    "(module.to(dtype) / .double() / .to(device) after fully_shard). Convert or move the model before "
+                    "calling fully_shard, or compute in another dtype with "
                     "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...))"
                 )
-            if sp.numel() > 0 or new.numel() > 0:
+            if new.numel() and new.device.type != "meta" and new.data_ptr() != view.data_ptr():
                 with torch.no_grad():
-                    if new.device.type != "meta":
-                        view.copy_(new.reshape(-1))
-                sp.data = view
+                    view.copy_(new.reshape(-1))
+            sp._local_tensor = view
 
     # ---- gather / free ---------------------------------------------------------------------
     def unshard(self) -> None:
@@ -599,7 +636,7 @@ class _Bucket:
                 if g is None:
                     view.zero_()
                 else:
-                    view.copy_(g.reshape(-1))
+                    view.copy_((g._local_tensor if isinstance(g, RaggedDTensor) else g).reshape(-1))
         self.grad_seg = seg
         return True
 
@@ -659,7 +696,7 @@ class _Bucket:
                 self.ctx.unarrived.append((self, i, views[i]))
                 continue
             if sp.grad is None or not _same_view(sp.grad, views[i]):
-                sp.grad = views[i]
+                sp.grad = self.grad_view(i, views[i])
             if got:
                 received.append(sp)
         self.ctx.arrivals.append((self, trainable, has_grad))
@@ -749,4 +786,7 @@ def run_post_accumulate_grad_hooks(params: list[nn.Parameter], streams: Streams,
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` (a gradient: a RaggedDTensor) views exactly ``b`` (a flat view of the gradient segment)."""
+    if isinstance(a, RaggedDTensor):
+        a = a._local_tensor
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device

@@ -1,17 +1,15 @@
-"""``clip_grad_norm_`` over sharded gradients: one all-reduce for the whole model."""
+"""``clip_grad_norm_`` over sharded gradients: one reduction per mesh for the whole model."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from ._dist import is_distributed, same_group
-from ._shard_info import shard_info
-
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "total_norm"]
 
 
 def clip_grad_norm_(
@@ -20,16 +18,17 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     *,
     error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """Clip the gradient norm of ``parameters`` in place, as ``torch.nn.utils.clip_grad_norm_`` does
-    on the unsharded model, and return the total norm (the same on every rank).
+    on the unsharded model, and return the total norm as a plain tensor (the same on every rank).
 
-    Sharded parameters contribute their local pieces; the partial sums (``sum |g|^p``, or the max for
-    ``inf``) of every rank are combined with ONE all-reduce over their shard group. Plain (unsharded,
-    replicated) parameters are counted once, after the reduction. Every rank of the group must call
-    it with the same parameter list (ranks whose pieces are empty still join the all-reduce).
-    Expert-parallel parameters (``expert_parallel``) add their partial sums over their replicas and
-    their EP group (two more all-reduces): each expert element is counted once. Accumulated in fp32 (float64 for fp64 gradients).
+    ``torch.nn.utils.clip_grad_norm_`` itself is right on sharded parameters (their gradients are
+    ``RaggedDTensor``s whose norms are ``Partial``, reduced when used) and returns a ``DTensor``; this one
+    also: accumulates in fp32 (float64 for fp64 gradients; torch uses the gradients' dtype, so bf16
+    gradients give a bf16 norm), takes parameters on several meshes at once (expert-parallel experts
+    beside the dense model: one reduction per mesh), and refuses a negative ``max_norm`` (torch accepts it
+    and flips the sign of every gradient). Every rank must call it with the same parameter list.
 
     Tolerance: the total norm equals torch's on the unsharded model to fp32 rounding, not bitwise:
     torch sums each tensor whole, here each rank sums its pieces and the ranks' sums are added, so
@@ -38,36 +37,12 @@ def clip_grad_norm_(
     carries that on (4 steps of the README's loop: ~4e-7 for AdamW, ~1.5e-3 for Muon, whose bf16
     Newton-Schulz turns last-bit differences into bf16 rounding flips). Runs without clipping, or
     where the norm stays below ``max_norm``, keep the optimizers' bitwise W-invariance.
-
-    A negative (or NaN) ``max_norm`` raises a ``ValueError``: torch accepts it and flips the sign of
-    every gradient.
     """
     params = [parameters] if torch.is_tensor(parameters) else list(parameters)
     _check_args(max_norm, norm_type)
     norm_type = float(norm_type)
-    experts = [p for p in params if (i := shard_info(p)) is not None and i.expert is not None]
-    sharded, plain, group = _by_sharding([p for p in params if not any(p is q for q in experts)])
-    grads_ex = [p.grad for p in experts if p.grad is not None]
-    grads_sh = [p.grad for p in sharded if p.grad is not None]
-    grads_pl = [p.grad for p in plain if p.grad is not None]
-    all_grads = grads_ex + grads_sh + grads_pl
-    device = all_grads[0].device if all_grads else (params[0].device if params else torch.device("cpu"))
-    dtype = torch.float64 if any(g.dtype == torch.float64 for g in all_grads) else torch.float32
-    inf = norm_type == math.inf
-
-    total = _partial_norm(grads_sh, norm_type, dtype, device)
-    if sharded and is_distributed(group):
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
-    if experts:
-        # Expert-parallel pieces: each element lives on one rank of (its replicas x its EP group).
-        part = _partial_norm(grads_ex, norm_type, dtype, device)
-        info = shard_info(experts[0])
-        for g in (info.group, info.expert.group):
-            if is_distributed(g):
-                dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=g)
-        total = torch.maximum(total, part) if inf else total + part
-    rest = _partial_norm(grads_pl, norm_type, dtype, device)
-    total = torch.maximum(total, rest) if inf else (total + rest) ** (1.0 / norm_type)
+    grads = [p.grad for p in params if p.grad is not None]
+    total = total_norm(grads, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
@@ -76,11 +51,56 @@ def clip_grad_norm_(
         )
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in all_grads:
+    for g in grads:
         by_dtype.setdefault((g.device, g.dtype), []).append(g.detach())
     for (dev, dt), gs in by_dtype.items():
-        torch._foreach_mul_(gs, clip_coef.to(device=dev, dtype=dt))
+        if foreach is False:
+            for g in gs:
+                g.mul_(clip_coef.to(device=dev, dtype=dt))
+        else:
+            torch._foreach_mul_(gs, clip_coef.to(device=dev, dtype=dt))
     return total
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all of ``grads`` together as one plain tensor (every rank the same): per mesh, the
+    foreach norms of its tensors (``Partial``, reduced once), then combined with the plain tensors'."""
+    norm_type = float(norm_type)
+    inf = norm_type == math.inf
+    all_grads = [g for g in grads if g is not None]
+    device = all_grads[0].device if all_grads else torch.device("cpu")
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in all_grads) else torch.float32
+    parts: list[torch.Tensor] = []
+    by_mesh: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    plain: list[torch.Tensor] = []
+    for g in all_grads:
+        if isinstance(g, DTensor):
+            by_mesh.setdefault(id(g.device_mesh), (g.device_mesh, []))[1].append(g)
+        else:
+            plain.append(g)
+    for _, gs in by_mesh.values():
+        norms = []
+        for (_, _), group in _by_device_dtype(gs).items():
+            norms.extend(torch._foreach_norm(group, norm_type, dtype=dtype))
+        part = torch.linalg.vector_norm(torch.stack(norms), norm_type)  # (a Partial: reduced once, here)
+        parts.append(part.full_tensor().to(device))
+    if plain:
+        norms = []
+        for (_, _), group in _by_device_dtype([g for g in plain if g.numel()]).items():
+            norms.extend(n.to(device) for n in torch._foreach_norm(group, norm_type, dtype=dtype))
+        if norms:
+            parts.append(torch.linalg.vector_norm(torch.stack(norms), norm_type))
+    if not parts:
+        return torch.zeros((), dtype=dtype, device=device)
+    stacked = torch.stack([p.to(dtype) for p in parts])
+    return stacked.max() if inf else torch.linalg.vector_norm(stacked, norm_type)
+
+
+def _by_device_dtype(gs: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in gs:
+        out.setdefault((g.device, g.dtype), []).append(g.detach())
+    return out
 
 
 def _check_args(max_norm: float | torch.Tensor, norm_type: float) -> None:
@@ -97,39 +117,3 @@ def _check_args(max_norm: float | torch.Tensor, norm_type: float) -> None:
     norm_type = float(norm_type)
     if not (norm_type == math.inf or norm_type > 0):
         raise ValueError(f"clip_grad_norm_: norm_type must be positive or inf, got {norm_type}")
-
-
-def _by_sharding(
-    params: list[torch.Tensor],
-) -> tuple[list[torch.Tensor], list[torch.Tensor], dist.ProcessGroup | None]:
-    """``(sharded, plain, the sharded ones' group)``; sharded parameters of two groups are refused."""
-    sharded, plain, group = [], [], None
-    for p in params:
-        info = shard_info(p)
-        if info is None:
-            plain.append(p)
-            continue
-        if sharded and not same_group(group, info.group):
-            raise ValueError(
-                f"clip_grad_norm_: parameter {info.fqn} is sharded over a different process group than the others; "
-                "clip each model's parameters separately"
-            )
-        group = info.group
-        sharded.append(p)
-    return sharded, plain, group
-
-
-def _partial_norm(grads: list[torch.Tensor], norm_type: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``sum |g|^p`` (the max for ``inf``) over ``grads``: one foreach norm per (device, dtype) group,
-    accumulated in ``dtype`` (no per-tensor loop; torch.nn.utils.get_total_norm does the same per
-    group, in the gradients' own dtype)."""
-    inf = norm_type == math.inf
-    acc = torch.zeros((), dtype=dtype, device=device)
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        if g.numel():
-            groups.setdefault((g.device, g.dtype), []).append(g.detach())
-    for gs in groups.values():
-        norms = torch.stack(torch._foreach_norm(gs, norm_type, dtype=dtype)).to(device)
-        acc = torch.maximum(acc, norms.max()) if inf else acc + (norms**norm_type).sum()
-    return acc

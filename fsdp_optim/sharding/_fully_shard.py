@@ -47,11 +47,11 @@ from .plan import BlockRule
 from ._float8 import Float8AllGather
 from ._mixed_precision import MixedPrecisionPolicy
 from .plan import Plan, PlanConfig
-from .checkpoint import install_dcp_ready_hook, register_state_dict_hooks
+from .checkpoint import register_state_dict_hooks
 from ._expert_parallel import expert_shard
 from ._runtime import _STATE, _buckets_under, _ModuleState, _runtime_of
 from ._setup import _class_name, _is_managed_inside, _resolve_mesh, build_runtime
-from ._shard_info import shard_info
+from ._dtensor import RaggedDTensor
 
 __all__ = ["fully_shard", "ShardedModule", "sharded_plan"]
 
@@ -97,7 +97,7 @@ def fully_shard(
     """
     modules = _as_modules(module)
     _check_arguments(blocks, reshard_after_forward, mp_policy, plan_config, fp8_all_gather)
-    group, rank, world_size, device, replicate_group, num_replicas = _resolve_mesh(mesh)
+    resolved = _resolve_mesh(mesh)
     for m in modules:
         existing = getattr(m, _STATE, None)
         if existing is not None:
@@ -106,23 +106,24 @@ def fully_shard(
                 f"{existing.world_size}); call fully_shard once per module, inner modules first, the root last"
             )
         for name, p in m.named_parameters():
-            info = shard_info(p)
-            if info is not None and not _is_managed_inside(m, p):
+            if isinstance(p, RaggedDTensor) and not _is_managed_inside(m, p):
                 raise ValueError(
-                    f"fully_shard: parameter {name} (shape {tuple(info.shape)}) of {_class_name(m)} is already "
-                    f"sharded (as {info.fqn}) by a fully_shard call on a module outside this one: either an "
+                    f"fully_shard: parameter {name} (shape {tuple(p.shape)}) of {_class_name(m)} is already "
+                    f"sharded (as {getattr(p, '_fqn', '')}) by a fully_shard call on a module outside this one: either an "
                     "enclosing module (call fully_shard on inner modules before their root) or another model sharing "
                     "this module (e.g. a student and a teacher: shard one module containing both, or give each its "
                     "own copy)"
                 )
     state = _ModuleState(
         modules=modules,
-        group=group,
-        rank=rank,
-        world_size=world_size,
-        device=device,
-        replicate_group=replicate_group,
-        num_replicas=num_replicas,
+        group=resolved.group,
+        rank=resolved.rank,
+        world_size=resolved.world_size,
+        device=resolved.device,
+        replicate_group=resolved.replicate_group,
+        num_replicas=resolved.num_replicas,
+        device_mesh=resolved.device_mesh,
+        shard_dim=resolved.shard_dim,
         blocks=blocks,
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy,
@@ -130,6 +131,7 @@ def fully_shard(
         fp8_all_gather=fp8_all_gather,
         separate_root=_is_experts(modules),
     )
+    ep_size = next((expert_shard(p).ep_size for m in modules for p in m.parameters()), 1) if state.separate_root else 1
     classes = [type(m) for m in modules]
     for m, cls in zip(modules, classes):
         if not issubclass(cls, ShardedModule):
@@ -142,13 +144,11 @@ def fully_shard(
             m.__class__ = cls
         raise
     for m in modules:
-        register_state_dict_hooks(m)  # DCP-ready m.state_dict() / load_state_dict()
-    install_dcp_ready_hook()  # ... and optimizer.state_dict() of any optimizer over sharded parameters
+        register_state_dict_hooks(m)  # load_state_dict() of full tensors; assign=True keeps the runtime's objects
     if state.separate_root:
         # The experts' owners receive tokens from every rank of their EP group: their gradients are
         # averaged over the whole data-parallel world, not only over this call's mesh.
-        ep_size = next(shard_info(p).expert.ep_size for m in modules for p in m.parameters())
-        modules[0].set_gradient_divide_factor(world_size * num_replicas * ep_size)
+        modules[0].set_gradient_divide_factor(resolved.world_size * resolved.num_replicas * ep_size)
     return module
 
 
@@ -244,8 +244,8 @@ class ShardedModule:
                 for owner, _ in e.owners:
                     if not _reads_no_weight_in_backward(owner):
                         raise ValueError(
-                            f"set_unshard_in_backward(False): parameter {shard_info(sp).fqn} (shape "
-                            f"{tuple(shard_info(sp).shape)}) of {_class_name(owner)} is in this bucket; only "
+                            f"set_unshard_in_backward(False): parameter {e.fqn} (shape "
+                            f"{tuple(sp.shape)}) of {_class_name(owner)} is in this bucket; only "
                             "nn.Embedding weights can skip the gather in backward (an embedding's backward reads "
                             "the indices only). Give the embedding its own fully_shard call and set it there"
                         )

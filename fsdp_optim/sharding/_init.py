@@ -69,7 +69,7 @@ def init_weights(module: nn.Module, init_fn: Callable[[nn.Module], None] | None 
                 if new is not None and new.data_ptr() != full.data_ptr():
                     full.copy_(new.detach().reshape(full.shape))
                 info_range = b.plan.placements[i].shard.range(b.rank)
-                p.detach().copy_(full.reshape(-1)[info_range[0] : info_range[1]])
+                p._local_tensor.copy_(full.reshape(-1)[info_range[0] : info_range[1]])
                 m._parameters[name] = p
             for bid, kk in list(last_use.items()):
                 if kk == k:

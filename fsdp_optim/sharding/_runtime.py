@@ -31,19 +31,19 @@ post-backward autograd Function and the guards through torch's global optimizer 
 ``mesh`` may be a 2-D ``DeviceMesh`` ``(replicate, shard)`` (``init_device_mesh(device, (R, S),
 mesh_dim_names=("replicate", "shard"))``; dims found by those names, else dim 0 replicates and dim 1
 shards). Invariant: *every replica holds the same layout and the same values*. The planner runs
-over the shard axis only (plan world size S; ``ShardInfo.group`` / ``.rank`` are the shard group and
-the shard rank), identically on every replica (the plan fingerprint is agreed across replicas at
-setup), so shard rank s of every replica stores the same segment. All-gathers and the
+over the shard axis only (plan world size S; a sharded parameter's placements are ``(Replicate(),
+RaggedShard(...))`` on the 2-D mesh, the ``RaggedShard`` coordinates being the shard ranks),
+identically on every replica (the plan fingerprint is agreed across replicas at setup), so shard rank s of every replica stores the same segment. All-gathers and the
 reduce-scatter stay inside the shard group; after the reduce-scatter (AVG over S) each rank
 all-reduces its reduced segment, 1/S of the bucket, with the ranks holding the same segment in
 the other replicas (AVG over R, one collective per bucket; skipped where the segment is empty, on
 every replica alike): the result is the mean over all R * S ranks, bit-identical on every replica,
-so the optimizers, which see only ``ShardInfo`` (the shard group), run unchanged, without
+so the optimizers, which read only the ragged dimension (``local_shard``), run unchanged, without
 communication, and keep the replicas equal. With gradient accumulation without sync neither
 collective runs until the synced backward. The all-reduce of bucket i is issued once its
 reduce-scatter is done, when bucket i+1's reduce-scatter is issued, and waited for one bucket
-later. ``clip_grad_norm_`` reduces over ``ShardInfo.group`` only (replicas hold equal gradients);
-checkpoints write one copy because every replica offers DCP the same chunks under the same keys
+later. Norms (``clip_grad_norm_``) are ``Partial`` on the shard dimension only (replicas hold equal
+gradients); checkpoints write one copy because every replica offers DCP the same chunks under the same keys
 and DCP keeps one of each (``dedup_save_plans``); a load reads this rank's range whatever the
 mesh.
 
@@ -66,6 +66,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._bucket import BucketPhase, BucketState, _Bucket, run_post_accumulate_grad_hooks
@@ -73,7 +75,8 @@ from ._context import CommContext, TrainingState
 from ._float8 import Float8AllGather
 from ._mixed_precision import MixedPrecisionPolicy
 from .plan import Plan, PlanConfig
-from ._shard_info import check_not_replaced, shard_info
+from ._dtensor import RaggedDTensor
+from ._replaced import check_not_replaced
 
 if TYPE_CHECKING:
     from .plan import BlockRule
@@ -96,6 +99,11 @@ class _ModuleState:
     device: torch.device
     replicate_group: dist.ProcessGroup | None = None
     num_replicas: int = 1
+    device_mesh: DeviceMesh
+    """The sharded parameters' mesh (``RaggedShard`` on ``shard_dim``, ``Replicate()`` on the other)."""
+    shard_dim: int = 0
+    param_spec: Callable | None = None
+    """How a planned tensor becomes a ``DTensorSpec`` (set by setup at this call's planning)."""
     blocks: BlockRule | None
     reshard_after_forward: bool | None
     """``None``: ``True`` for an inner bucket, ``False`` for the root (resolved at setup)."""
@@ -419,7 +427,7 @@ class _Runtime:
         received = []
         for b, i, view in pending:
             if any(summed[q] > 0 for q in at.get((id(b), i), ())):
-                b.sharded[i].grad = view
+                b.sharded[i].grad = b.grad_view(i, view)
                 received.append(b.sharded[i])
         run_post_accumulate_grad_hooks(received, self.ctx.streams, None)
 
@@ -559,45 +567,19 @@ def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     params = [p for g in optimizer.param_groups for p in g["params"]]
     check_not_replaced(params, owner=f"{type(optimizer).__name__} (at its first step)")
     materialize_all()  # lazy (meta-built, unused) buckets: the optimizer's state goes on the real device
-    sharded = [shard_info(p) for p in params]
-    multi = [i for i in sharded if i is not None and i.world_size > 1]
+    multi = [p for p in params if isinstance(p, RaggedDTensor) and p.ragged.num_shards > 1]
     if multi:
-        plain = [p for p, i in zip(params, sharded) if i is None and p.requires_grad]
+        plain = [p for p in params if not isinstance(p, DTensor) and p.requires_grad]
         if plain:
             warnings.warn(
                 f"{type(optimizer).__name__}: {len(plain)} trainable parameter(s) (shapes "
                 f"{[tuple(p.shape) for p in plain[:4]]}{' ...' if len(plain) > 4 else ''}) are not managed by "
-                f"fully_shard while others are sharded over {multi[0].world_size} ranks: their gradients are not "
-                "averaged across ranks and the ranks will drift apart. Call fully_shard on the model's root module "
-                "too (it shards every parameter the inner calls did not)",
+                f"fully_shard while others are sharded over {multi[0].ragged.num_shards} ranks: their gradients are "
+                "not averaged across ranks and the ranks will drift apart. Call fully_shard on the model's root "
+                "module too (it shards every parameter the inner calls did not)",
                 stacklevel=3,
             )
-    if multi:
-        _warn_if_grouped_by_local_dim(optimizer)
     _CHECKED_OPTIMIZERS[optimizer] = num_params
-
-
-def _warn_if_grouped_by_local_dim(optimizer: torch.optim.Optimizer) -> None:
-    """A sharded parameter is 1-D locally, so param groups made with ``p.dim() >= 2`` (the usual
-    "decay matrices, not norms and biases") put every matrix in the no-decay group and leave the
-    decay group empty. Cheap to see at the first step: an empty group that decays beside a group
-    that does not decay but holds sharded matrices."""
-    groups = optimizer.param_groups
-    decays_nothing = any(g.get("weight_decay", 0) and not g["params"] for g in groups)
-    if not decays_nothing:
-        return
-    for g in groups:
-        matrices = [i for p in g["params"] if (i := shard_info(p)) is not None and len(i.shape) >= 2]
-        if not g.get("weight_decay", 0) and matrices:
-            warnings.warn(
-                f"{type(optimizer).__name__}: a param group with weight_decay > 0 is empty while a group without "
-                f"weight decay holds {len(matrices)} sharded matrices (e.g. {matrices[0].fqn}, global shape "
-                f"{tuple(matrices[0].shape)}): a sharded parameter is 1-D on each rank, so a `p.dim() >= 2` test "
-                "sees none. Group by the global shape: fsdp_optim.param_groups(model, weight_decay=...) or "
-                "fsdp_optim.global_shape(p)",
-                stacklevel=4,
-            )
-            return
 
 
 def _optimizer_post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -30,15 +30,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 
 from ._bucket import BucketConfig, _Bucket
 from ._context import CommContext, Streams
@@ -46,8 +49,10 @@ from ._dist import agree_on_error, device_of_backend, same_group
 from ._expert_parallel import expert_shard
 from ._mixed_precision import MixedPrecisionPolicy
 from ._runtime import _STATE, _ModuleState, _Runtime
-from ._shard_info import replacement_of, shard_info, was_replaced
-from .plan import BlockSpec, Plan, PlanConfig, TensorSpec, config_for_rules, default_rule, plan_model
+from ._dtensor import RaggedDTensor, ragged_spec
+from ._placement import RaggedShard
+from ._replaced import replacement_of, was_replaced
+from .plan import BlockSpec, Plan, PlanConfig, RaggedLayout, TensorSpec, config_for_rules, default_rule, plan_model
 
 logger = logging.getLogger(__name__)  # a child of "fsdp_optim": logging.getLogger("fsdp_optim").setLevel(...)
 
@@ -55,25 +60,45 @@ logger = logging.getLogger(__name__)  # a child of "fsdp_optim": logging.getLogg
 # ---------------------------------------------------------------------------------------------
 # Mesh
 # ---------------------------------------------------------------------------------------------
-def _resolve_mesh(
-    mesh: Any,
-) -> tuple[dist.ProcessGroup | None, int, int, torch.device, dist.ProcessGroup | None, int]:
-    """``(shard group, shard rank, shard size, device, replicate group, number of replicas)``."""
-    from torch.distributed.device_mesh import DeviceMesh
+class ResolvedMesh(NamedTuple):
+    """What ``fully_shard``'s ``mesh`` argument resolves to."""
 
+    group: dist.ProcessGroup
+    """The shard group (the planner's ranks)."""
+    rank: int
+    world_size: int
+    device: torch.device
+    replicate_group: dist.ProcessGroup | None
+    num_replicas: int
+    device_mesh: DeviceMesh
+    """The sharded parameters' ``DeviceMesh`` (1-D, or HSDP's 2-D)."""
+    shard_dim: int
+    """The mesh dimension their ``RaggedShard`` placement lies on."""
+
+
+def _no_process_group_error() -> ValueError:
+    env_world = os.environ.get("WORLD_SIZE", "1")
+    launched = env_world.isdigit() and int(env_world) > 1
+    return ValueError(
+        (f"fully_shard: WORLD_SIZE={env_world} in the environment (launched by torchrun?) but no process group is "
+         "initialized; call torch.distributed.init_process_group(...) before fully_shard (or pass mesh=...)")
+        if launched else
+        ("fully_shard: no process group is initialized. A sharded parameter is a DTensor, which lives on a "
+         "DeviceMesh: call torch.distributed.init_process_group(...) first (under torchrun), or for one process "
+         "torch.distributed.init_process_group('gloo', store=torch.distributed.HashStore(), rank=0, world_size=1)")
+    )  # fmt: skip
+
+
+def _resolve_mesh(mesh: Any) -> ResolvedMesh:
+    """``fully_shard``'s ``mesh``: None (the world), a ``ProcessGroup``, or a 1-D / 2-D ``DeviceMesh``."""
     initialized = dist.is_available() and dist.is_initialized()
-    if mesh is None:
-        if not initialized:
-            env_world = os.environ.get("WORLD_SIZE", "1")
-            if env_world.isdigit() and int(env_world) > 1:
-                raise ValueError(
-                    f"fully_shard: WORLD_SIZE={env_world} in the environment (launched by torchrun?) but no process "
-                    "group is initialized, so every rank would train alone as a world of one; call "
-                    "torch.distributed.init_process_group(...) before fully_shard (or pass mesh=...)"
-                )
-            return None, 0, 1, torch.device("cpu"), None, 1
-        group = dist.group.WORLD
-        return group, dist.get_rank(group), dist.get_world_size(group), device_of_backend(group), None, 1
+    if not initialized:
+        raise _no_process_group_error()
+    if mesh is None or isinstance(mesh, dist.ProcessGroup):
+        group = dist.group.WORLD if mesh is None else mesh
+        device = device_of_backend(group)
+        device_mesh = DeviceMesh.from_group(group, device.type)
+        return ResolvedMesh(group, dist.get_rank(group), dist.get_world_size(group), device, None, 1, device_mesh, 0)
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim not in (1, 2):
             raise ValueError(
@@ -85,16 +110,14 @@ def _resolve_mesh(
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         if mesh.ndim == 1:
-            return mesh.get_group(), mesh.get_local_rank(), mesh.size(), device, None, 1
+            return ResolvedMesh(mesh.get_group(), mesh.get_local_rank(), mesh.size(), device, None, 1, mesh, 0)
         names = tuple(mesh.mesh_dim_names or ())
         by_name = {"replicate", "shard"} <= set(names)
         rep, shard = (names.index("replicate"), names.index("shard")) if by_name else (0, 1)
-        return (
+        return ResolvedMesh(
             mesh.get_group(shard), mesh.get_local_rank(shard), mesh.size(shard), device,
-            mesh.get_group(rep), mesh.size(rep),
+            mesh.get_group(rep), mesh.size(rep), mesh, shard,
         )  # fmt: skip
-    if isinstance(mesh, dist.ProcessGroup):
-        return mesh, dist.get_rank(mesh), dist.get_world_size(mesh), device_of_backend(mesh), None, 1
     raise ValueError(
         f"mesh must be a 1-D or 2-D (replicate, shard) DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}"
     )
@@ -205,7 +228,7 @@ def _discover(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry]]:
     for pid, (where, r) in mapped.items():
         if pid not in direct:  # the call that replaced it is not under this one
             raise ValueError(
-                f"fully_shard: {where} (shape {tuple(shard_info(r).shape)}) shares its parameter with a module "
+                f"fully_shard: {where} (shape {tuple(r.shape)}) shares its parameter with a module "
                 "sharded by a separate fully_shard call, not nested in this one. "
                 "Modules sharing a parameter (e.g. a tied embedding and output head) must be sharded by one call "
                 "containing all of them: call fully_shard on their common parent (e.g. the root) and not on each"
@@ -262,9 +285,8 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
                 f"{root.world_size}; call fully_shard on the experts module itself first, over the ranks that hold "
                 "the same experts (expert_parallel_groups(...).replicas), then on the enclosing modules"
             )
-        info = shard_info(p)
-        if info is not None:
-            e.shape, e.requires_grad = tuple(info.shape), p.requires_grad
+        if isinstance(p, RaggedDTensor):  # sharded by an inner call: planned again here
+            e.shape, e.requires_grad = tuple(p.shape), p.requires_grad
             e.dtype = p.dtype
             probe = torch.empty(e.shape, dtype=p.dtype, device="meta")
             probe = nn.Parameter(probe, requires_grad=p.requires_grad)
@@ -351,7 +373,7 @@ def _differences(mine: dict[str, str] | None, theirs: dict[str, str] | None) -> 
     return ", ".join(_FINGERPRINT_PARTS[k] for k in mine if mine[k] != theirs.get(k)) or "the planned layout"
 
 
-def _agree(err: BaseException | None, root: _ModuleState, fingerprint: Any) -> None:
+def _agree(err: BaseException | None, root: _ModuleState, fingerprint: Any, world_payload: Any = None) -> list[Any] | None:
     """All ranks exchange their verdict (and a plan fingerprint) so an error raises everywhere.
 
     HSDP: first within the shard group, then the shard group's verdict across the replicate group,
@@ -384,8 +406,11 @@ def _agree(err: BaseException | None, root: _ModuleState, fingerprint: Any) -> N
                 )
         except Exception as e:  # noqa: BLE001
             problem = e
+    if root.separate_root:  # (expert parallel: the world also learns each rank's experts' layouts)
+        return agree_on_error(problem, group=None, what="fully_shard (experts)", payload=world_payload)
     if problem is not None:
         raise problem
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,7 +453,7 @@ def _plan_under(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry], l
     error raises everywhere, see [Note: agreeing on errors]). Returns the recorded modules, the
     parameters, the modules that own a bucket (plan order) and the plan."""
     err: BaseException | None = None
-    fingerprint = None
+    fingerprint = mine = None
     try:
         states, entries = _discover(root)
         _validate(root, states, entries)
@@ -448,9 +473,11 @@ def _plan_under(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry], l
         ]
         plan = plan_model(specs, world_size=root.world_size, config=_plan_config(root, states))
         fingerprint = _fingerprint(root, plan, bucket_states)
+        mine = _expert_layout_of(root, entries, plan) if root.separate_root else None
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         err = e
-    _agree(err, root, fingerprint)
+    every = _agree(err, root, fingerprint, mine)
+    root.param_spec = _expert_param_spec(root, every) if root.separate_root else _param_spec(root)
     return states, entries, bucket_states, plan
 
 
@@ -500,6 +527,7 @@ def _build_buckets(
         b = _Bucket(index=i, plan=bp, entries=ordered, config=_bucket_config(st, root), ctx=ctx, lazy=lazy)
         if absorbs[i]:
             _move_pieces(b, old_pieces, old_bucket_of)
+        b.adopt_moved()
         buckets[i] = b
         # Free each absorbed bucket as soon as all of its pieces have moved: the old and the new
         # shards are never both alive whole (setup peak ~ one shard plus a few buckets).
@@ -535,7 +563,7 @@ def _interleaved_by_gainer(
         gain = np.diff(np.asarray(bp.rank_bounds, dtype=np.int64))
         for e in ordered_entries[i]:
             sp = sources.get(id(e.param))
-            old = np.diff(np.asarray(shard_info(sp).layout.bounds, dtype=np.int64)) if sp is not None else None
+            old = np.diff(np.asarray(sp.ragged.bounds, dtype=np.int64)) if sp is not None else None
             if old is not None and len(old) == len(gain):  # (a mismatch is refused when moving)
                 gain = gain - old
         queues.setdefault(int(np.argmax(gain)), []).append(i)
@@ -555,9 +583,91 @@ def _reshard_after_forward(st: _ModuleState, root: _ModuleState) -> bool:
     return st is not root or st.separate_root
 
 
+def _param_spec(root: _ModuleState):
+    """A planned tensor's ``DTensorSpec`` on the root's mesh: ``RaggedShard`` on the shard dimension,
+    ``Replicate()`` on the replicas'."""
+    mesh, dim = root.device_mesh, root.shard_dim
+
+    def spec(pl, dtype: torch.dtype):
+        placements = [Replicate()] * mesh.ndim
+        placements[dim] = RaggedShard(pl.shard, pl.spec, split=pl.split)
+        return ragged_spec(mesh, placements, pl.shape, dtype)
+
+    return spec
+
+
+def _expert_layout_of(root: _ModuleState, entries: list[_Entry], plan: Plan) -> dict[str, Any]:
+    """This rank's share of an expert-parallel root: its EP coordinate, its shard rank over the ranks
+    holding the same experts, and each tensor's first expert and slice bounds (for ``_expert_param_spec``)."""
+    es = {e.fqn: expert_shard(e.param) for e in entries}
+    first = next(iter(es.values()))
+    if root.num_replicas > 1:
+        raise ValueError(
+            f"fully_shard: the experts module {_describe(root)} was given a 2-D (HSDP) mesh; shard it over the "
+            "ranks holding the same experts, a 1-D group: fully_shard(experts, mesh=expert_parallel_groups(ep)"
+            ".replicas) (the rest of the model may use HSDP)"
+        )
+    return {
+        "ep_rank": first.ep_rank,
+        "ep_size": first.ep_size,
+        "shard_rank": root.rank,
+        "shard_size": root.world_size,
+        "tensors": {
+            pl.name: (es[pl.name].first_expert, es[pl.name].global_shape, tuple(pl.shard.bounds))
+            for b in plan.buckets for pl in b.placements
+        },  # fmt: skip
+    }
+
+
+def _expert_param_spec(root: _ModuleState, every: list[dict[str, Any]]):
+    """[Note: expert-parallel parameters as DTensors]
+    An expert-parallel weight is one DTensor of its whole ``[E, ...]`` shape: the experts of EP rank
+    ``e`` are split again over the ranks holding them (shard rank ``d``), so the world holds it as
+    one flat, contiguous partition ordered by ``(e, d)``: coordinate ``e * R + d`` holds
+    ``first_expert(e) * row + slice_bounds_e[d]`` onward (``row`` = one expert's elements). Its mesh
+    is the world in that order (``DeviceMesh.from_group`` of the world group with that rank order),
+    with one ``RaggedShard`` of those global bounds: ``full_tensor``, norms, checkpoints and optimizer
+    state all use global coordinates, as for any other sharded parameter. Gathers and reductions of
+    the runtime stay within the shard group (the bucket's plan is the slice's). Built from the world's
+    layouts, exchanged once at setup (the world-wide agreement of the experts' call)."""
+    world = len(every)
+    ep_size, shard_size = every[0]["ep_size"], every[0]["shard_size"]
+    cells = sorted((info["ep_rank"], info["shard_rank"], r) for r, info in enumerate(every))
+    if ep_size * shard_size != world or [(e, d) for e, d, _ in cells] != [
+        (e, d) for e in range(ep_size) for d in range(shard_size)
+    ]:
+        raise ValueError(
+            f"fully_shard: the experts' ranks do not tile the world ({world} ranks; ep_size {ep_size} x "
+            f"{shard_size} ranks per expert): shard every rank's experts module over expert_parallel_groups(ep)"
+            ".replicas, with every rank of the world in one EP group"
+        )
+    order = [r for _, _, r in cells]
+    mesh = DeviceMesh.from_group(
+        [dist.group.WORLD], root.device.type, mesh=torch.tensor(order), mesh_dim_names=("expert_shard",)
+    )
+    layouts: dict[str, RaggedShard] = {}
+
+    def spec(pl, dtype: torch.dtype):
+        rs = layouts.get(pl.name)
+        if rs is None:
+            _, shape, _ = every[order[0]]["tensors"][pl.name]
+            row = math.prod(shape[1:])
+            starts = []
+            for r in order:
+                first, _, bounds = every[r]["tensors"][pl.name]
+                starts.append(first * row + bounds[every[r]["shard_rank"]])
+            layout = RaggedLayout(tuple(shape), (*starts, math.prod(shape)))
+            rs = layouts[pl.name] = RaggedShard(layout, pl.spec, split=pl.split)
+        return ragged_spec(mesh, [rs], rs.shape, dtype)
+
+    return spec
+
+
 def _bucket_config(st: _ModuleState, root: _ModuleState) -> BucketConfig:
     """A bucket's settings: its own call's, else the root's (plan-wide ones are the root's)."""
     return BucketConfig(
+        param_spec=root.param_spec,
+        is_expert=root.separate_root,
         group=root.group,
         device=root.device,
         mp_policy=st.mp_policy or root.mp_policy or MixedPrecisionPolicy(),
@@ -621,13 +731,13 @@ def _move_pieces(bucket: _Bucket, old: list[nn.Parameter | None], old_bucket_of:
     for i, (sp, pl) in enumerate(zip(old, bucket.plan.placements)):
         if sp is None:
             continue
-        old_layout = shard_info(sp).layout
+        old_layout = sp.ragged.layout
         if old_layout.bounds[-1] != pl.shard.bounds[-1] or old_layout.world_size != world:
             raise AssertionError(f"absorbing {pl.name}: old layout {old_layout} does not match the new world")
         if not old_bucket_of[id(sp)].is_materialized:  # never used: uninitialized, sent as zeros (the same collectives)
-            piece = torch.zeros(sp.numel(), dtype=dtype, device=device)
+            piece = torch.zeros(sp._local_tensor.numel(), dtype=dtype, device=device)
         else:
-            piece = sp.detach().reshape(-1).to(device=device, dtype=dtype)
+            piece = sp._local_tensor.detach().reshape(-1).to(device=device, dtype=dtype)
         with torch.no_grad():
             if world == 1:
                 new_views[i].copy_(piece)

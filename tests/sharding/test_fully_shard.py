@@ -34,7 +34,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 import fsdp_optim
 from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import adamw_rule, muon_rule, shampoo_rule
-from fsdp_optim.sharding import PlanConfig, elements, whole
+from torch.distributed.tensor import DTensor
+
+from fsdp_optim.sharding import PlanConfig, RaggedDTensor, RaggedShard, elements, local_shard, whole
 from fsdp_optim.sharding._fully_shard import _STATE
 from tests._models import TinyConfig, TinyTransformer, make_batch
 
@@ -123,6 +125,8 @@ def test_training_parity_with_single_process_adamw(world_size):
     ref_losses, ref_state = _reference()
     batches = _batches()
 
+    ref_shapes = {n: p.shape for n, p in _new_model().named_parameters()}
+
     def fn():
         w, r = dist.get_world_size(), dist.get_rank()
         results = []
@@ -137,11 +141,13 @@ def test_training_parity_with_single_process_adamw(world_size):
                 loss = _loss(model, _local(x, w, r), _local(y, w, r))
                 loss.backward()
                 assert frozen.grad is None and not frozen.requires_grad
-                for p in model.parameters():
-                    info = fsdp_optim.shard_info(p)
-                    assert p.ndim == 1 and p.numel() == info.local_numel
+                for name, p in model.named_parameters():
+                    assert isinstance(p, RaggedDTensor) and p.shape == ref_shapes[name], name
+                    a, b = p.local_range
+                    assert p.to_local().numel() == b - a
                     if p.requires_grad:
-                        assert p.grad is not None and p.grad.shape == p.shape
+                        assert isinstance(p.grad, RaggedDTensor) and p.grad.shape == p.shape
+                        assert p.grad.placements == p.placements
                 opt.step()
                 opt.zero_grad(set_to_none=step % 2 == 0)
                 losses.append(_mean_over_ranks(loss))
@@ -168,27 +174,38 @@ def test_training_parity_with_single_process_adamw(world_size):
         assert any(empty for rule_name, layout, _, _, empty, _ in out[0] if layout == "ragged")
 
 
-def test_single_process_without_process_group_is_bitwise():
-    """No process group at all: one rank, the collectives become copies; bitwise equal."""
+def test_without_process_group_is_refused_with_the_one_line_fix():
+    """No process group at all: a sharded parameter is a DTensor, which needs a DeviceMesh; the error
+    names the single-process group that makes it work (as FSDP2 needs one too), and then one process
+    trains bitwise like the unsharded model."""
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=r"no process group is initialized.*init_process_group\('gloo', store=torch"):
+        _shard(_new_model(), muon_rule(), layout="ragged")
     ref_losses, ref_state = _reference(2)
-    model = _shard(_new_model(), muon_rule(), layout="ragged")
-    opt = _opt(model.parameters())
-    losses = []
-    for x, y in _batches(2):
-        loss = _loss(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    assert losses == ref_losses
-    _assert_close_params(fsdp_optim.full_state_dict(model), ref_state, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = _shard(_new_model(), muon_rule(), layout="ragged")
+        opt = _opt(model.parameters())
+        losses = []
+        for x, y in _batches(2):
+            loss = _loss(model, x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses == ref_losses
+        _assert_close_params(fsdp_optim.full_state_dict(model), ref_state, world_size=1)
+        del model, opt
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------
 # Sharded parameters as the optimizers see them
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("world_size", [3])
-def test_sharded_params_are_flat_views_with_shard_info(world_size):
+def test_sharded_params_are_ragged_dtensors_viewing_the_segment(world_size):
     def fn():
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -204,24 +221,30 @@ def test_sharded_params_are_flat_views_with_shard_info(world_size):
         names = dict(model.named_parameters())
         assert "output.weight" not in names  # tied: named once, as the embedding
         for name, p in names.items():
-            assert isinstance(p, torch.nn.Parameter)
-            info = fsdp_optim.shard_info(p)
-            assert info.fqn == name and info.rank == r and info.world_size == world_size
-            assert info.shape == tuple(full[name].shape)
-            assert torch.equal(p.detach(), full[name].reshape(-1)[info.start : info.end])
+            assert isinstance(p, torch.nn.Parameter) and isinstance(p, DTensor) and type(p) is RaggedDTensor
+            info = local_shard(p)
+            assert p._fqn == name and info.rank == r and info.world_size == world_size and p.device_mesh == mesh
+            assert tuple(p.shape) == info.shape == tuple(full[name].shape) and p.ndim == full[name].ndim
+            (rs,) = p.placements
+            assert isinstance(rs, RaggedShard) and rs.bounds == info.layout.bounds and p.local_range == (info.start, info.end)
+            assert torch.equal(p.to_local(), full[name].reshape(-1)[info.start : info.end])
+            assert torch.equal(p.full_tensor(), full[name])
             st = getattr(model.layers[0], _STATE) if name.startswith("layers.0.") else None
             if st is not None and st.bucket.buffer.segment_numel > 0:  # views into the segment / grad segment
                 seg = st.bucket.buffer.segment
-                assert p.untyped_storage().data_ptr() == seg.untyped_storage().data_ptr()
+                assert p.to_local().untyped_storage().data_ptr() == seg.untyped_storage().data_ptr()
                 if p.requires_grad:
-                    gptr = st.bucket.sharded[0].grad.untyped_storage().data_ptr()
-                    assert p.grad.untyped_storage().data_ptr() == gptr != seg.untyped_storage().data_ptr()
+                    gptr = st.bucket.sharded[0].grad.to_local().untyped_storage().data_ptr()
+                    gp = p.grad.to_local().untyped_storage().data_ptr()
+                    assert gp == gptr != seg.untyped_storage().data_ptr()
             if info.spec.is_matrix and not info.split and info.local_numel:
                 assert info.is_whole  # a whole Muon matrix on one rank
         # zero_grad(set_to_none=True) frees the gradient segments, as plain PyTorch frees gradients.
         import weakref
 
-        segs = [weakref.ref(p.grad._base) for p in names.values() if p.grad is not None and p.grad._base is not None]
+        locals_ = [p.grad.to_local() for p in names.values() if p.grad is not None]
+        segs = [weakref.ref(g._base) for g in locals_ if g._base is not None]
+        del locals_
         assert segs
         torch.optim.AdamW(model.parameters()).zero_grad(set_to_none=True)
         # gloo's worker thread may still hold the finished reduce-scatter's work object (and so the
@@ -233,7 +256,7 @@ def test_sharded_params_are_flat_views_with_shard_info(world_size):
         assert all(ref() is None for ref in segs)
         # Every matrix lives whole on exactly one rank.
         return sorted(
-            (n, fsdp_optim.shard_info(p).local_numel) for n, p in names.items() if fsdp_optim.shard_info(p).spec.is_matrix
+            (n, local_shard(p).local_numel) for n, p in names.items() if p.ragged.spec.is_matrix
         )
 
     out = run_distributed(fn, world_size=world_size)
@@ -371,22 +394,8 @@ def test_prefetch_is_issued_before_the_current_bucket_computes():
 # Gradient accumulation and clipping
 # ---------------------------------------------------------------------------------------------
 def _full_grads(model) -> dict[str, torch.Tensor]:
-    """Global gradients from the shards (a test helper: one all-gather per bucket)."""
-    out = {}
-    for m in model.modules():
-        st = getattr(m, _STATE, None)
-        if st is None or st.bucket is None:
-            continue
-        b = st.bucket
-        seg = torch.zeros_like(b.buffer.segment)
-        for sp, view in zip(b.sharded, b.buffer.local_views(seg)):
-            if sp.grad is not None:
-                view.copy_(sp.grad)
-        flat = b.buffer.all_gather(src=seg)
-        for e, view in zip(b.entries, b.buffer.full_views(flat)):
-            if e.requires_grad:
-                out[e.fqn] = view.clone()
-    return out
+    """Global gradients (each sharded gradient's full_tensor(): one all-gather each)."""
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _accum_batch():
@@ -491,7 +500,8 @@ def test_clip_grad_norm_matches_single_process(world_size):
     for rank_out in run_distributed(fn, world_size=world_size):
         for (norm, grads, counts), (ref_norm, ref_clipped) in zip(rank_out, refs):
             assert norm == pytest.approx(ref_norm, rel=1e-5)
-            assert counts == ({"c10d.allreduce_": 1} if world_size > 1 else {})  # one all-reduce
+            # one all-reduce: the Partial norm, reduced when it is used
+            assert counts == ({"c10d_functional.all_reduce": 1} if world_size > 1 else {}), counts
             for n, g in ref_clipped.items():
                 torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7)
 
@@ -555,6 +565,7 @@ def test_mixed_precision_bf16_compute_fp32_master_and_reduction(world_size):
                 torch.testing.assert_close(grads[n], g, rtol=2e-2, atol=2e-3)  # bf16 sums over sub-batches
 
 
+@pytest.mark.usefixtures("one_process_group")
 # ---------------------------------------------------------------------------------------------
 # Bad input: ValueError naming the parameter and the fix, on every rank, before any collective
 # ---------------------------------------------------------------------------------------------
@@ -568,6 +579,7 @@ def test_sharding_twice_and_inner_after_root_raise():
         fsdp_optim.fully_shard(model.layers[0].attn)
 
 
+@pytest.mark.usefixtures("one_process_group")
 def test_reshard_after_forward_as_an_int_is_refused_not_read_as_true():
     """FSDP2's ``reshard_after_forward=8`` (reshard to 8 ranks after forward) was silently read as True."""
     with pytest.raises(ValueError, match="reshard_after_forward must be True, False or None, got 8; FSDP2's int form"):
@@ -579,6 +591,7 @@ def test_reshard_after_forward_as_an_int_is_refused_not_read_as_true():
         model.set_reshard_after_forward(None)
 
 
+@pytest.mark.usefixtures("one_process_group")
 def test_the_root_keeps_its_bucket_by_default_and_frees_it_when_asked():
     """``reshard_after_forward=None`` (the default, as FSDP2): inner buckets are freed after forward,
     the root's kept for backward. An explicit ``True`` on the root frees it too (it was silently
@@ -601,6 +614,7 @@ def test_the_root_keeps_its_bucket_by_default_and_frees_it_when_asked():
     assert root_gathered_after_forward(model)
 
 
+@pytest.mark.usefixtures("one_process_group")
 @pytest.mark.parametrize(
     "rule,match",
     [
@@ -618,9 +632,9 @@ def test_bad_block_rule_raises_naming_the_parameter(rule, match):
         fsdp_optim.fully_shard(model, blocks=rule)
     # The failed call left the model untouched, so a corrected call works.
     assert list(model.parameters()) == before and not hasattr(model, _STATE)
-    assert all(fsdp_optim.shard_info(p) is None for p in model.parameters())
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
     fsdp_optim.fully_shard(model, blocks=adamw_rule)
-    assert all(fsdp_optim.shard_info(p) is not None for p in model.parameters())
+    assert all(isinstance(p, RaggedDTensor) for p in model.parameters())
 
 
 @pytest.mark.parametrize(
@@ -715,7 +729,7 @@ def test_balance_splits_matrices_only_for_rules_that_take_them():
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 fsdp_optim.fully_shard(model, blocks=rule)
-            split = any(fsdp_optim.shard_info(p).split for p in model.parameters())
+            split = any(p.ragged.split for p in model.parameters())
             out[name] = split, [str(w.message) for w in caught if "balance='whole'" in str(w.message)]
             del model
         return out
@@ -779,6 +793,7 @@ def test_an_embedding_not_gathered_in_backward_trains_bitwise_the_same(world_siz
             assert torch.equal(skipped[k], v), k
 
 
+@pytest.mark.usefixtures("one_process_group")
 def test_unshard_in_backward_is_refused_where_backward_reads_the_weight():
     model = _new_model()  # tied: the head reads the embedding's weight in backward
     fsdp_optim.fully_shard(model.layers[0])

@@ -5,31 +5,26 @@
   ``_checksums``, what a load may unpickle in ``_serialization``);
 - ``full_state_dict`` / ``load_full_state_dict``: plain full tensors (``_full_state``);
 - ``export_hf`` / ``load_hf``: Hugging Face safetensors folders (``_hf``);
-- ``register_state_dict_hooks`` / ``register_optimizer_hooks``: DCP-ready ``state_dict()`` (``_hooks``);
-- ``FlatShardTensor`` / ``flat_range_boxes``: a rank's flat piece as DCP sees it (``_flat_shard``);
+- ``register_state_dict_hooks`` / ``register_optimizer_hooks``: state-dict hooks (``_hooks``);
 - the optimizer contracts checkpoints rely on: ``ShardedState``, ``OwnedState`` (``_state``).
 
 See [Note: checkpoint layout] (``_state``) for what a checkpoint holds.
 """
 
 from ._files import MANIFEST
-from ._flat_shard import Box, FlatShardTensor, flat_range_boxes
 from ._full_state import full_state_dict, load_full_state_dict
 from ._hf import export_hf, load_hf
-from ._hooks import install_dcp_ready_hook, register_optimizer_hooks, register_state_dict_hooks
+from ._hooks import register_optimizer_hooks, register_state_dict_hooks
 from ._load import load_checkpoint
 from ._save import save_checkpoint
 from ._state import OwnedState, ShardedState, StateKind, model_state_dict
 
 __all__ = [
     "MANIFEST",
-    "Box",
-    "FlatShardTensor",
     "OwnedState",
     "ShardedState",
     "StateKind",
     "export_hf",
-    "flat_range_boxes",
     "full_state_dict",
     "load_checkpoint",
     "load_full_state_dict",
@@ -37,6 +32,5 @@ __all__ = [
     "model_state_dict",
     "register_optimizer_hooks",
     "register_state_dict_hooks",
-    "install_dcp_ready_hook",
     "save_checkpoint",
 ]

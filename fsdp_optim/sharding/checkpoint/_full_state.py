@@ -14,9 +14,7 @@ from torch import nn
 from .._bucket import _Bucket
 from .._dist import agree_on_error, is_distributed, rank_and_world_size
 from .._runtime import _runtimes_under, buckets_of
-from .._expert_parallel import ExpertShard
-from .._shard_info import ShardInfo, shard_info
-from ..plan import expert_ranges
+from .._dtensor import RaggedDTensor
 from ._serialization import type_name
 from ._state import check_keys, ensure_sharded
 
@@ -70,27 +68,13 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload:
 
 def whole_tensors(b: _Bucket, *, rank0_only: bool) -> list[torch.Tensor] | None:
     """The bucket's tensors, whole, in placement order: one gather in its shard group (to the group's
-    rank 0 only with ``rank0_only``: ``None`` on the other ranks); expert-parallel slices are then
-    joined over their EP group into the whole ``[E, ...]`` tensor (on every rank)."""
-    experts = [shard_info(sp).expert for sp in b.sharded]
-    if not any(es is not None for es in experts):
-        flat = gather_to_group_rank0(b) if rank0_only else b.gather_full()
-        return None if flat is None else b.full_views(flat)
-    views = b.full_views(b.gather_full())
-    return [v if es is None else _join_experts(v, es) for v, es in zip(views, experts)]
-
-
-def _join_experts(local: torch.Tensor, es: ExpertShard) -> torch.Tensor:
-    """The whole ``[E, ...]`` tensor from every EP rank's ``[E_local, ...]`` slice (one all-gather of
-    slices padded to the largest; ranks own contiguous expert ranges in rank order)."""
-    if es.ep_size == 1:
-        return local
-    counts = [len(r) for r in expert_ranges(es.num_experts, es.ep_size)]
-    pad = local.new_zeros((max(counts), *local.shape[1:]))
-    pad[: local.shape[0]].copy_(local)
-    pieces = [torch.empty_like(pad) for _ in counts]
-    dist.all_gather(pieces, pad, group=es.group)
-    return torch.cat([piece[:n] for piece, n in zip(pieces, counts)])
+    rank 0 only with ``rank0_only``: ``None`` on the other ranks); an expert-parallel bucket's tensors
+    each gathered whole over their mesh (every rank of the world holds a piece; on every rank)."""
+    if b.is_expert:
+        b.settle()
+        return [sp.full_tensor() for sp in b.sharded]
+    flat = gather_to_group_rank0(b) if rank0_only else b.gather_full()
+    return None if flat is None else b.full_views(flat)
 
 
 def gather_to_group_rank0(b: _Bucket) -> torch.Tensor | None:
@@ -136,7 +120,7 @@ def load_full_state_dict(
     holds_dict = not broadcast_from_rank0 or rank == 0
     full = full if full is not None else {}
     err = None
-    pairs: list[tuple[str, ShardInfo | None]] = []
+    pairs: list[tuple[str, RaggedDTensor | None]] = []
     try:
         ensure_sharded(model)
         params = dict(model.named_parameters(remove_duplicate=False))
@@ -148,8 +132,8 @@ def load_full_state_dict(
             if holds_dict and key not in full:
                 continue
             p = params.get(key)
-            info = shard_info(p) if p is not None else None
-            shape = info.global_shape if info is not None else tuple(own[key].shape)
+            info = p if isinstance(p, RaggedDTensor) else None
+            shape = tuple(own[key].shape)
             if holds_dict:
                 _check_source(key, full, shape, own[key].dtype)
             pairs.append((key, info))
@@ -162,14 +146,15 @@ def load_full_state_dict(
             for n, (key, info) in enumerate(pairs):
                 dst = targets[key]
                 try:
-                    src = _read_source(full, key, info.global_shape if info is not None else tuple(dst.shape))
+                    src = _read_source(full, key, tuple(dst.shape))
                 except Exception as e:  # noqa: BLE001 - a lazy source (load_hf) failing when read
                     state = f"the {n} tensors before it are loaded, the rest are not" if n else "nothing was loaded"
                     raise ValueError(
                         f"load_full_state_dict: cannot read {key}: {type(e).__name__}: {e}; {state}"
                     ) from e
                 if info is not None:
-                    dst.copy_(src.detach().reshape(-1)[info.global_start : info.global_start + info.local_numel])
+                    a, e = info.local_range
+                    dst._local_tensor.copy_(src.detach().reshape(-1)[a:e])
                 else:
                     dst.copy_(src)
         return
@@ -288,14 +273,14 @@ def _broadcast_full_state(
         names = [next((k for k in key_of_param.get(id(sp), []) if k in present), None) for sp in b.sharded]
         if not any(names):
             return
-        if any(shard_info(sp).expert is not None for sp in b.sharded):
+        if b.is_expert:
             for sp, name in zip(b.sharded, names):  # expert parallel: each whole [E, ...] tensor in turn
                 if name is not None:
-                    info = shard_info(sp)
-                    whole = torch.zeros(info.global_shape, dtype=b.buffer.dtype, device=b.buffer.device)
+                    whole = torch.zeros(sp.shape, dtype=b.buffer.dtype, device=b.buffer.device)
                     rank0_fills([(whole, name)])
                     dist.broadcast(whole, src=0)
-                    sp.detach().copy_(whole.reshape(-1)[info.global_start : info.global_start + info.local_numel])
+                    a, e = sp.local_range
+                    sp._local_tensor.copy_(whole.reshape(-1)[a:e])
                     done.update(key_of_param[id(sp)])
                     loaded.append(name)
             return
@@ -305,8 +290,8 @@ def _broadcast_full_state(
         dist.broadcast(flat, src=0)
         for sp, view, name in zip(b.sharded, views, names):
             if name is not None:
-                a, e = shard_info(sp).start, shard_info(sp).end
-                sp.detach().copy_(view.reshape(-1)[a:e])
+                a, e = sp.local_range
+                sp._local_tensor.copy_(view.reshape(-1)[a:e])
                 done.update(key_of_param[id(sp)])
                 loaded.append(name)
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from .._dist import agree_on_error, is_distributed, rank_and_world_size
 from .._runtime import buckets_of
-from .._shard_info import shard_info
+from .._dtensor import RaggedDTensor
 from ._entry import every_rank_entered
 from ._files import PublishError, foreign_entries, fsync, normalize, publish
 from ._full_state import load_full_state_dict, whole_tensors
@@ -110,7 +110,7 @@ def export_hf(
         if any(n for n, _ in mine):
             buckets.append((b, mine))
     # One file per bucket holding a named tensor, one for the rest if any: the count in every name.
-    num_files = len(buckets) + any(shard_info(t) is None for _, t in named)
+    num_files = len(buckets) + any(not isinstance(t, RaggedDTensor) for _, t in named)
 
     def fname(k: int) -> str:
         return f"model-{k:05d}-of-{num_files:05d}.safetensors"
@@ -208,7 +208,7 @@ class _Export:
 
     def write_rest_and_index(self, model: nn.Module, fname: str) -> None:
         """The tensors no bucket holds (unsharded parameters, buffers), then the index; files get ``open()``'s mode."""
-        rest = [(n, t, t) for n, t in _named_tensors(model) if shard_info(t) is None and id(t) not in self.written]
+        rest = [(n, t, t) for n, t in _named_tensors(model) if not isinstance(t, RaggedDTensor) and id(t) not in self.written]
         if rest:
             self.write_file(fname, rest)
         files = sorted(set(self.weight_map.values()))

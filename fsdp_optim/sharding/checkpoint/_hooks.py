@@ -1,29 +1,35 @@
-"""DCP-ready ``model.state_dict()`` / ``optimizer.state_dict()`` (as FSDP2's DTensors): hooks that
-wrap sharded parameters and optimizer state as ``FlatShardTensor`` and take them (or full tensors)
-back on load.
+"""State-dict hooks of sharded models and of fsdp_optim's optimizers.
 
-Integration: ``fully_shard``'s root call runs ``register_state_dict_hooks(root)``; an optimizer runs
-``register_optimizer_hooks(optimizer)`` (e.g. at the end of its ``__init__``). ``save_checkpoint`` /
-``load_checkpoint`` need neither.
+A sharded parameter is a ``RaggedDTensor``, so ``model.state_dict()`` is DCP-ready as it is (as
+FSDP2's DTensors), and torch's ``get_model_state_dict(..., full_state_dict=True)`` gathers it
+through ``RaggedDTensor.redistribute``; torch's optimizers make their state from the parameters
+(``RaggedDTensor`` s too). What remains here:
+
+- ``register_state_dict_hooks(module)`` (``fully_shard``'s calls): reshard a bucket left gathered
+  before ``state_dict()``; let ``load_state_dict`` take full (unsharded) tensors and keep the
+  runtime's parameter objects under ``assign=True``;
+- ``register_optimizer_hooks(optimizer)`` (fsdp_optim's optimizers, at construction): they keep
+  their state as flat local pieces (no DTensor dispatch in a step), so ``state_dict()`` presents the
+  sharded keys as ``RaggedDTensor`` s of their global state vectors (``StateShard``) and
+  ``load_state_dict`` takes those, or the full tensors ``get_optimizer_state_dict(full_state_dict=True)``
+  gives, back.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import types
 import warnings
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
-from .._shard_info import shard_info
-from ._flat_shard import FlatShardTensor
-from ._state import ShardedState, StateKind, ensure_sharded, state_kinds, wrap_module_state, wrap_param
+from .._dtensor import RaggedDTensor
+from ._state import ShardedState, StateKind, ensure_sharded, state_kinds, state_tensor
 
-__all__ = ["install_dcp_ready_hook", "register_optimizer_hooks", "register_state_dict_hooks"]
+__all__ = ["register_optimizer_hooks", "register_state_dict_hooks"]
 
 
 _HOOKED = "_fsdp_optim_ckpt_hooks"
@@ -31,17 +37,16 @@ _HOOKED = "_fsdp_optim_ckpt_hooks"
 
 # [Note: load_state_dict(assign=True) on sharded parameters]
 # ``nn.Module.load_state_dict(sd, assign=True)`` replaces each parameter object by the state dict's
-# tensor. A sharded parameter is a view into its bucket's flat segment, which the runtime gathers
-# from and the reduce-scatter writes into; a new object there is read by no one (the load reported
-# success and loaded nothing). So for sharded parameters the root's pre-hook copies this rank's
-# range into the runtime's parameter (materializing a meta-built bucket first, as every load does)
-# and hands nn.Module that same parameter to assign: the objects, device and dtype stay the
-# runtime's (a dtype the state dict would have changed is warned about). Unsharded parameters and
-# buffers are assigned as torch does (so a meta-built model's buffers become real).
+# tensor. A sharded parameter views its bucket's flat segment, which the runtime gathers from and
+# the reduce-scatter writes into; a new object there is read by no one (the load reported success
+# and loaded nothing). So for sharded parameters the root's pre-hook copies this rank's range into
+# the runtime's parameter (materializing a meta-built bucket first, as every load does) and hands
+# nn.Module that same parameter to assign: the objects, device and dtype stay the runtime's (a dtype
+# the state dict would have changed is warned about). Unsharded parameters and buffers are assigned
+# as torch does (so a meta-built model's buffers become real).
 def register_state_dict_hooks(module: nn.Module) -> None:
-    """Make ``module.state_dict()`` return ``FlatShardTensor`` for sharded parameters (DCP-ready, as
-    FSDP2's DTensors) and ``module.load_state_dict()`` accept those or full tensors. Idempotent;
-    ``fully_shard``'s root calls it."""
+    """Reshard before ``module.state_dict()``; let ``module.load_state_dict()`` take full tensors, this
+    layout's ``RaggedDTensor`` s or replicated DTensors for sharded parameters. Idempotent."""
     if getattr(module, _HOOKED, False):
         return
     setattr(module, _HOOKED, True)
@@ -49,64 +54,67 @@ def register_state_dict_hooks(module: nn.Module) -> None:
     def pre_hook(mod: nn.Module, prefix: str, keep_vars: bool) -> None:
         ensure_sharded(mod)
 
-    def post_hook(mod: nn.Module, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        if _full_state_requested():  # see [Note: full state dicts through DCP's state_dict API]
-            _gather_module_state(mod, sd, prefix)
-        else:
-            wrap_module_state(mod, sd, prefix)
-
     def load_pre_hook(mod, sd, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
         ensure_sharded(mod)
         assign = bool(local_metadata.get("assign_to_params_buffers", False))
         inner = _inner_prefixes(mod)
         for name, p in mod.named_parameters(remove_duplicate=False):
             key = prefix + name
-            info = shard_info(p)
-            if info is None or key not in sd or name.startswith(inner):
+            if not isinstance(p, RaggedDTensor) or key not in sd or name.startswith(inner):
                 continue
             v = sd[key]
-            shape = tuple(v.shape) if torch.is_tensor(v) else None
-            whole = info.global_shape
-            span = (info.global_start, info.global_start + info.local_numel)
-            if shape is not None and shape != whole and not (whole == () and shape == (1,)):  # (nn.Module's)
-                # Compared with the global shape here: nn.Module compares with the local piece's, and a
-                # plain tensor of another model that happens to have this rank's flat length would load
-                # silently as every rank's piece. (A local piece is only accepted as FlatShardTensor.)
+            if not torch.is_tensor(v):
+                continue
+            whole = tuple(p.shape)
+            shape = tuple(v.shape)
+            if shape != whole and not (whole == () and shape == (1,)):  # (nn.Module's)
                 error_msgs.append(
                     f"size mismatch for {key}: copying a param with shape {torch.Size(v.shape)} from checkpoint, "
                     f"the shape in current model is {torch.Size(whole)}."
                 )
                 sd[key] = p  # nn.Module copies the parameter onto itself: nothing changes, nothing is missing
                 continue
-            if isinstance(v, FlatShardTensor):
-                if v.local_range != span:
-                    error_msgs.append(
-                        f"{key}: the FlatShardTensor holds [{v.local_range[0]}, {v.local_range[1]}) but this rank's "
-                        f"shard is [{span[0]}, {span[1]}); dcp.load into model.state_dict() to reshard"
-                    )
-                    continue
-                local = v.to_local()
-            elif torch.is_tensor(v):
-                local = v.detach().reshape(-1)[span[0] : span[1]]  # a full tensor: take this rank's range
-            else:
+            try:
+                local = _local_piece(p, v)
+            except ValueError as e:
+                error_msgs.append(f"{key}: {e}")
+                sd[key] = p
                 continue
-            if assign:  # see [Note: load_state_dict(assign=True) on sharded parameters]
-                if local.dtype != p.dtype:
-                    warnings.warn(
-                        f"load_state_dict(assign=True): {key} is {local.dtype} in the state dict but the sharded "
-                        f"parameter is {p.dtype}; assign=True cannot change a sharded parameter's dtype, the values "
-                        f"are copied as {p.dtype} (cast the model before fully_shard to change it)",
-                        stacklevel=3,
-                    )
-                with torch.no_grad():
-                    p.copy_(local)
-                sd[key] = p  # assigning the parameter to itself: nn.Module keeps the runtime's object
-            else:
-                sd[key] = local
+            if assign and local.dtype != p.dtype:  # see [Note: load_state_dict(assign=True) on sharded parameters]
+                warnings.warn(
+                    f"load_state_dict(assign=True): {key} is {local.dtype} in the state dict but the sharded "
+                    f"parameter is {p.dtype}; assign=True cannot change a sharded parameter's dtype, the values "
+                    f"are copied as {p.dtype} (cast the model before fully_shard to change it)",
+                    stacklevel=3,
+                )
+            with torch.no_grad():
+                p._local_tensor.copy_(local)
+            sd[key] = p  # the runtime's object: nn.Module copies it onto itself (or assigns it) unchanged
 
     module.register_state_dict_pre_hook(pre_hook)
-    module.register_state_dict_post_hook(post_hook)
     module.register_load_state_dict_pre_hook(load_pre_hook)
+
+
+def _local_piece(p: RaggedDTensor, v: torch.Tensor) -> torch.Tensor:
+    """This rank's flat piece of ``v`` for the sharded parameter ``p``: ``v``'s own piece when it is a
+    ``RaggedDTensor`` of ``p``'s layout, this rank's range of a full tensor (plain, or a replicated
+    DTensor). Other layouts need a collective: ``dcp.load`` reshards them."""
+    a, b = p.local_range
+    if isinstance(v, RaggedDTensor):
+        if not v.ragged.same_layout(p.ragged) or v.device_mesh != p.device_mesh:
+            raise ValueError(
+                f"the state dict's RaggedDTensor is laid out as {v.ragged} but this model's parameter as {p.ragged}; "
+                "dcp.load into model.state_dict() reshards between layouts"
+            )
+        return v._local_tensor
+    if isinstance(v, DTensor):
+        if not all(isinstance(pl, Replicate) for pl in v.placements):
+            raise ValueError(
+                f"the state dict holds a DTensor with placements {v.placements}; dcp.load into model.state_dict() "
+                "reshards it, or pass full tensors (DTensor.full_tensor())"
+            )
+        v = v.to_local()
+    return v.detach().reshape(-1)[a:b]
 
 
 def _inner_prefixes(mod: nn.Module) -> tuple[str, ...]:
@@ -116,57 +124,12 @@ def _inner_prefixes(mod: nn.Module) -> tuple[str, ...]:
     return tuple(f"{n}." for n, m in mod.named_modules(remove_duplicate=False) if n and getattr(m, _HOOKED, False))
 
 
-# [Note: full state dicts through DCP's state_dict API]
-# ``torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions(
-# full_state_dict=True))`` (and ``get_state_dict``) calls ``model.state_dict()`` and gathers the
-# DTensors and ShardedTensors in it into full tensors. A FlatShardTensor is neither, so each rank got
-# its own flat piece back as if it were the full tensor. torch tells the hook nothing of the options,
-# so the state-dict post hook looks for the ``_StateDictInfo`` of an enclosing ``_get_model_state_dict``
-# frame of that module: with ``full_state_dict`` set, sharded parameters are returned as full tensors
-# (gathered in the shard group, one parameter at a time, in the same order on every rank: every rank
-# calls ``get_model_state_dict``, as torch requires), which torch then offloads to the CPU and keeps on
-# rank 0 only under ``cpu_offload``, as for FSDP2. ``fsdp_optim.full_state_dict(model)`` does the same
-# with less memory (one bucket at a time). tests/sharding/checkpoint/test_full_state.py fails if a torch release
-# renames the frame.
-_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
-
-
-def _dcp_options(function: str) -> Any:
-    """The ``_StateDictInfo`` of an enclosing DCP ``function`` frame (``_get_model_state_dict`` or
-    ``_get_optim_state_dict``), or None outside one."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == _DCP_STATE_DICT:
-            return frame.f_locals.get("info")
-        frame = frame.f_back
-    return None
-
-
-def _full_state_requested() -> bool:
-    """Whether this ``state_dict()`` runs inside DCP's ``get_model_state_dict`` with ``full_state_dict=True``."""
-    return bool(getattr(_dcp_options("_get_model_state_dict"), "full_state_dict", False))
-
-
-def _gather_module_state(mod: nn.Module, sd: dict[str, Any], prefix: str) -> None:
-    """Replace ``mod``'s sharded parameters in ``sd`` by their full tensors (a collective per parameter;
-    those of submodules with their own hooks are theirs, gathered when their hook ran)."""
-    inner = _inner_prefixes(mod)
-    full: dict[int, torch.Tensor] = {}  # (tied parameters: gathered once)
-    for name, p in mod.named_parameters(remove_duplicate=False):
-        key, info = prefix + name, shard_info(p)
-        if info is None or key not in sd or name.startswith(inner):
-            continue
-        if id(p) not in full:
-            # (expert parallel: the pieces of the whole [E, ...] tensor lie on every rank of the world)
-            full[id(p)] = wrap_param(p, info).full_tensor(info.group if info.expert is None else None)
-        sd[key] = full[id(p)]
-
-
 def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
-    """Make ``optimizer.state_dict()`` DCP-ready: sharded state as ``FlatShardTensor`` (torch's
-    id-keyed layout otherwise); ``optimizer.load_state_dict()`` takes it back. A lazy optimizer
-    with no state yet gets it from one zero-learning-rate step (as ``torch.distributed.checkpoint.
-    state_dict`` does) so that a fresh optimizer's state dict has every key for ``dcp.load``."""
+    """Make ``optimizer.state_dict()`` DCP-ready: sharded state (``ShardedState.state_shards``) as
+    ``RaggedDTensor`` s of its global state vectors; ``optimizer.load_state_dict()`` takes them (or full
+    tensors) back. A lazy optimizer with no state yet gets it from one zero-learning-rate step (as
+    ``torch.distributed.checkpoint.state_dict`` does) so that a fresh optimizer's state dict has every
+    key for ``dcp.load``."""
     if getattr(optimizer, _HOOKED, False):
         return
     setattr(optimizer, _HOOKED, True)
@@ -178,10 +141,6 @@ def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
 
     def post_hook(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
         params = [p for g in opt.param_groups for p in g["params"]]
-        # [Note: full optimizer state through DCP's state_dict API]
-        full = getattr(_dcp_options("_get_optim_state_dict"), "full_state_dict", False)
-        if full:
-            _check_same_state_everywhere(opt, params, sd)
         new_state = {}
         for i, p in enumerate(params):
             if i not in sd["state"]:
@@ -190,10 +149,8 @@ def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
             entry = dict(sd["state"][i])
             for key, (kind, where) in kinds.items():
                 if kind == StateKind.SHARDED:
-                    shape, start = where
-                    entry[key] = FlatShardTensor(entry[key].detach().reshape(-1), shape=shape, start=start)
-                    if full:
-                        entry[key] = _whole(entry[key], p)
+                    shape, bounds = where
+                    entry[key] = state_tensor(p, entry[key].detach(), shape, bounds)
             new_state[i] = entry
         return {**sd, "state": new_state}
 
@@ -207,11 +164,8 @@ def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
         for i, entry in sd["state"].items():
             e = {}
             for k, v in entry.items():
-                if isinstance(v, FlatShardTensor):
-                    v = v.to_local()
-                elif torch.is_tensor(v) and i in by_id:
-                    v = _local_range_of_full(optimizer, by_id[i], i, k, v)
                 if torch.is_tensor(v) and i in by_id:
+                    v = _local_state(optimizer, by_id[i], i, k, v)
                     dtypes[(by_id[i], k)] = v.dtype
                 e[k] = v
             new_state[i] = e
@@ -228,6 +182,7 @@ def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
 
     optimizer.register_state_dict_pre_hook(pre_hook)
     optimizer.register_state_dict_post_hook(post_hook)
+
     # Unwrap before the optimizer's own load_state_dict (overrides read the dict before torch's
     # pre-hooks run); a bound method on the instance, so copies of the optimizer rebind it.
     def load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
@@ -237,104 +192,36 @@ def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
     optimizer.register_load_state_dict_post_hook(load_post_hook)
 
 
-# [Note: full optimizer state through DCP's state_dict API]
-# ``get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))`` (and
-# ``get_state_dict``) gathers DTensors; a FlatShardTensor is neither a DTensor nor a ShardedTensor, so
-# each rank got its own flat pieces back under the parameters' names, as if they were the full state.
-# As for the model ([Note: full state dicts through DCP's state_dict API]), the optimizer's state-dict
-# post hook finds the ``_StateDictInfo`` of the enclosing ``_get_optim_state_dict`` frame and, with
-# ``full_state_dict``, returns each sharded state tensor whole: per-element state in its parameter's
-# global shape, per-block state (Shampoo's factors) as its global flat vector, gathered in the
-# parameter's shard group (the world for expert-parallel experts), one tensor at a time, in parameter
-# order (torch requires every rank to call it). The keys to gather are checked to be the same on every
-# rank first (one object all-gather), so a rank without some state raises there instead of hanging.
-# Loading such a dict back (``set_optimizer_state_dict(..., full_state_dict=True)``) slices each rank's
-# range out of the full tensors in ``unwrap``.
-def _spans_ranks(p: torch.Tensor) -> bool:
-    info = shard_info(p)
-    return info is not None and (info.world_size > 1 or info.expert is not None)
-
-
-def _whole(piece: FlatShardTensor, p: torch.Tensor) -> torch.Tensor:
-    """The whole state tensor of ``piece``: gathered in ``p``'s shard group (the world for experts), or
-    the piece itself where ``p`` is not sharded across ranks."""
-    if not _spans_ranks(p):
-        return piece.to_local().reshape(piece.shape)
-    info = shard_info(p)
-    return piece.full_tensor(info.group if info.expert is None else None)
-
-
-def _check_same_state_everywhere(opt: torch.optim.Optimizer, params: list[torch.Tensor], sd: dict[str, Any]) -> None:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or not any(_spans_ranks(p) for p in params):
-        return  # nothing to gather: no collective (a plain model's optimizer, one process)
-    mine = [(i, sorted(k for k, (kind, _) in state_kinds(opt, p, f"param {i}").items() if kind == StateKind.SHARDED))
-            for i, p in enumerate(params) if i in sd["state"]]  # fmt: skip
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if any(e != every[0] for e in every):
-        bad = next(r for r, e in enumerate(every) if e != every[0])
-        raise ValueError(
-            f"get_optimizer_state_dict(full_state_dict=True): rank {bad} holds other sharded optimizer state than rank "
-            f"0 ({type(opt).__name__}: state exists for {len(every[bad])} vs {len(every[0])} parameters); every rank "
-            "must have stepped the same parameters. Take one optimizer step on every rank first, or use "
-            "fsdp_optim.save_checkpoint"
-        )
-
-
-def _local_range_of_full(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, key: str, v: torch.Tensor) -> torch.Tensor:
-    """A plain tensor given for sharded state ``key`` of ``p``: this rank's local piece as it is, or the
-    full state (``get_optimizer_state_dict(full_state_dict=True)``'s) sliced to this rank's range."""
+def _local_state(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, key: str, v: torch.Tensor) -> torch.Tensor:
+    """A state tensor given for ``key`` of ``p``, as the optimizer keeps it: this rank's flat piece of a
+    ``RaggedDTensor`` of this layout, the range of a full tensor (``get_optimizer_state_dict(
+    full_state_dict=True)``'s), a local piece as it is."""
     current = opt.state.get(p, {}).get(key)
-    if current is None or not torch.is_tensor(current):
-        return v
     kind, where = state_kinds(opt, p, f"param {i}").get(key, (None, None))
-    if kind != StateKind.SHARDED:
-        return v
-    shape, start = where
-    n_global, n_local = math.prod(shape), current.numel()
+    if isinstance(v, DTensor) and all(isinstance(pl, Replicate) for pl in v.placements):
+        v = v.to_local()
+    if kind != StateKind.SHARDED or current is None or not torch.is_tensor(current):
+        return v._local_tensor if isinstance(v, RaggedDTensor) else v
+    shape, bounds = where
+    me = p.shard_rank if isinstance(p, RaggedDTensor) else 0
+    start, end = bounds[me], bounds[me + 1]
+    if isinstance(v, RaggedDTensor):
+        if tuple(v.ragged.bounds) != tuple(bounds) or tuple(v.shape) != tuple(shape):
+            raise ValueError(
+                f"{type(opt).__name__}.load_state_dict: state {key!r} of param {i} is laid out as {v.ragged}, this "
+                f"optimizer's as bounds {list(bounds)} of shape {tuple(shape)}; dcp.load reshards between layouts"
+            )
+        return v._local_tensor.view(current.shape)
+    n_global, n_local = math.prod(shape), end - start
     if v.numel() == n_local:
-        return v
+        return v.reshape(current.shape)
     if v.numel() == n_global:
-        return v.reshape(-1)[start : start + n_local].view(current.shape)
-    info = shard_info(p)
+        return v.reshape(-1)[start:end].view(current.shape)
     raise ValueError(
-        f"{type(opt).__name__}.load_state_dict: state {key!r} of param {i} (global shape {tuple(info.global_shape) if info else tuple(p.shape)}) "
-        f"is a tensor of {v.numel()} elements, neither the full state ({n_global}) nor this rank's piece "
-        f"({n_local}, world size {info.world_size if info else 1}); pass the optimizer's own state_dict() or the "
-        "full one from get_optimizer_state_dict(..., full_state_dict=True)"
+        f"{type(opt).__name__}.load_state_dict: state {key!r} of param {i} (shape {tuple(p.shape)}) is a tensor of "
+        f"{v.numel()} elements, neither the full state ({n_global}) nor this rank's piece ({n_local}); pass the "
+        "optimizer's own state_dict() or the full one from get_optimizer_state_dict(..., full_state_dict=True)"
     )
-
-
-def install_dcp_ready_hook() -> None:
-    """Once per process: every optimizer over sharded parameters gets ``register_optimizer_hooks`` at its
-    first step (ours register them in ``__init__``), so that ``optimizer.state_dict()`` of a torch
-    optimizer is DCP-ready too. Before, a ``torch.optim`` optimizer without the explicit call gave each
-    rank's flat pieces as plain tensors under the same keys, which ``dcp.save`` takes for replicated
-    values and writes once (one rank's pieces): a silently wrong checkpoint."""
-    global _DCP_HOOK_INSTALLED
-    if _DCP_HOOK_INSTALLED:
-        return
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> parameters looked at
-
-    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if getattr(opt, _HOOKED, False):
-            return
-        num_params = sum(len(g["params"]) for g in opt.param_groups)
-        if checked.get(opt) == num_params:  # no sharded parameter, no group added since: O(groups) a step
-            return
-        if any(shard_info(p) is not None for g in opt.param_groups for p in g["params"]):
-            register_optimizer_hooks(opt)
-        checked[opt] = num_params
-
-    register_optimizer_step_pre_hook(hook)
-    _DCP_HOOK_INSTALLED = True
-
-
-_DCP_HOOK_INSTALLED = False
 
 
 def _init_lazy_state(opt: torch.optim.Optimizer) -> None:

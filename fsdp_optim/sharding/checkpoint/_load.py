@@ -16,11 +16,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .._dist import agree_on_error, rank_and_world_size
-from .._shard_info import shard_info
+from .._dtensor import RaggedDTensor
+from .._dtensor_ops import spec_with_dtype
 from ._checksums import check_files, check_listed, verify_checksums, verify_file
 from ._entry import every_rank_entered
 from ._files import normalize, own_file, read_manifest, resolve_path
-from ._flat_shard import FlatShardTensor
 from ._serialization import SafeLoadPlanner, SafeReader, from_bytes, root_cause, set_rng_state
 from ._state import (
     OwnedState,
@@ -32,6 +32,7 @@ from ._state import (
     model_state_dict,
     param_names,
     state_kinds,
+    state_tensor,
 )
 
 __all__ = ["load_checkpoint"]
@@ -156,10 +157,8 @@ def _plan_param_state(
         # A lazy (torch) optimizer before its first step: create the state it would.
         target = _fresh_state(p, name, saved_keys, saved)
         plan.fresh[id(p)] = (p, name, target)
-        info = shard_info(p)
         kinds = {
-            k: (kind, (info.global_shape, info.global_start) if kind == StateKind.SHARDED and info is not None else None)
-            for k, kind in saved_keys.items()
+            k: (kind, _param_layout(p) if kind == StateKind.SHARDED else None) for k, kind in saved_keys.items()
         }
     else:
         target = optimizer.state.get(p, {})
@@ -181,8 +180,8 @@ def _plan_param_state(
             continue
         v = target[key]
         if kind == StateKind.SHARDED and where is not None:
-            shape, start = where
-            v = FlatShardTensor(v.reshape(-1), shape=shape, start=start)
+            shape, bounds = where
+            v = state_tensor(p, v, shape, bounds)
         entry[key] = v
         fkey = f"optim.state.{name}.{key}"
         if fkey not in saved:
@@ -224,9 +223,16 @@ def _plan_owned(
             plan.owned.append((p, entry))
 
 
+def _param_layout(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(global shape, bounds)`` of per-element state of ``p`` (its own layout)."""
+    if isinstance(p, RaggedDTensor):
+        return tuple(p.shape), tuple(p.ragged.bounds)
+    return tuple(p.shape), (0, p.numel())
+
+
 def _fresh_state(p: torch.Tensor, name: str, saved_keys: dict[str, str], saved: dict[str, Any]) -> dict[str, Any]:
-    """Allocate the state a lazy (torch) optimizer would create, from the checkpoint's schema."""
-    info = shard_info(p)
+    """Allocate the state a lazy (torch) optimizer would create, from the checkpoint's schema: per-element
+    state of a sharded parameter is a ``RaggedDTensor`` of its layout, as ``torch.zeros_like(p)`` makes it."""
     out: dict[str, Any] = {}
     for key, kind in saved_keys.items():
         md = saved.get(f"optim.state.{name}.{key}")
@@ -234,9 +240,11 @@ def _fresh_state(p: torch.Tensor, name: str, saved_keys: dict[str, str], saved: 
             out[key] = None  # filled from the scalars blob
             continue
         dtype = md.properties.dtype
-        if kind == StateKind.SHARDED:
-            local = info.local_numel if info is not None else p.numel()
-            out[key] = torch.zeros(local, dtype=dtype, device=p.device).view((-1,) if info is not None else p.shape)
+        if kind == StateKind.SHARDED and isinstance(p, RaggedDTensor):
+            local = torch.zeros(p._local_tensor.numel(), dtype=dtype, device=p._local_tensor.device)
+            out[key] = RaggedDTensor._from_local_and_spec(local, spec_with_dtype(p._spec, dtype))
+        elif kind == StateKind.SHARDED:
+            out[key] = torch.zeros(p.shape, dtype=dtype, device=p.device)
         else:
             out[key] = torch.zeros(md.size, dtype=dtype, device=p.device)
     return out

@@ -6,8 +6,8 @@
   parameters as their global N-D tensors (no padding), buffers and unsharded parameters as plain
   (replicated) tensors.
 - ``optim.state.<param name>.<key>``: sharded optimizer state (``state_shards``, see
-  [Note: checkpoint-shaped optimizer state]; for optimizers without it, as torch's AdamW on
-  flat shards, tensors with one element per local parameter element) as its global flat vector,
+  [Note: checkpoint-shaped optimizer state]; for torch's optimizers, state made from the parameter,
+  a RaggedDTensor of its layout) as its global flat vector,
   shaped like the parameter when it has one element per parameter element; other replicated
   tensors as they are. ``optim.scalars``: step counters and other 0-dim / non-tensor state, one
   blob. ``optim.param_groups``: hyperparameters, with parameter names instead of ids.
@@ -33,9 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._dtensor import RaggedDTensor, ragged_spec
+from .._placement import RaggedShard
 from .._runtime import reshard_all
-from .._shard_info import ShardInfo, shard_info
-from ._flat_shard import FlatShardTensor
+from ..plan import RaggedLayout
 
 __all__ = [
     "OwnedState",
@@ -52,8 +53,7 @@ __all__ = [
     "param_groups_by_name",
     "param_names",
     "state_kinds",
-    "wrap_module_state",
-    "wrap_param",
+    "state_tensor",
 ]
 
 
@@ -95,34 +95,29 @@ def ensure_sharded(model: nn.Module) -> None:
     reshard_all(model)
 
 
-def wrap_param(p: torch.Tensor, info: ShardInfo) -> FlatShardTensor:
-    """This rank's piece of the sharded parameter ``p`` as a ``FlatShardTensor`` (refused unless sharded now)."""
-    if p.numel() != info.local_numel:
-        raise ValueError(
-            f"{info.fqn}: the local shard has {p.numel()} elements, but its layout gives rank {info.rank} "
-            f"{info.local_numel}; is the model unsharded (inside forward)?"
-        )
-    return FlatShardTensor(p.detach(), shape=info.global_shape, start=info.global_start)
-
-
 def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with sharded parameters as ``FlatShardTensor`` (DCP-ready, no gather)."""
+    """``model.state_dict()`` with every bucket resharded first: sharded parameters are their
+    ``RaggedDTensor`` objects (DCP-ready, no gather)."""
     ensure_sharded(model)
-    sd = model.state_dict()
-    wrap_module_state(model, sd, "")
-    return sd
+    return model.state_dict()
 
 
-def wrap_module_state(module: nn.Module, sd: dict[str, Any], prefix: str) -> None:
-    for name, p in module.named_parameters(remove_duplicate=False):
-        key = prefix + name
-        info = shard_info(p)
-        if info is not None and key in sd and not isinstance(sd[key], FlatShardTensor):
-            sd[key] = wrap_param(p, info)
+def state_tensor(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...], bounds: tuple[int, ...]) -> torch.Tensor:
+    """One sharded optimizer-state tensor as checkpoints and torch's helpers see it: for a sharded
+    parameter, a ``RaggedDTensor`` of its global ``shape`` laid out by ``bounds`` on the parameter's
+    mesh (the local piece viewed, not copied); for a plain parameter, the tensor in ``shape``."""
+    if isinstance(local, RaggedDTensor):
+        return local
+    if not isinstance(p, RaggedDTensor):
+        return local.reshape(shape)
+    placements = list(p.placements)
+    placements[p.ragged_dim] = RaggedShard(RaggedLayout(tuple(shape), tuple(bounds)))
+    spec = ragged_spec(p.device_mesh, placements, shape, local.dtype)
+    return RaggedDTensor._from_local_and_spec(local.reshape(-1), spec)
 
 
 def param_names(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> dict[int, str]:
-    """``id(param) -> name``: the model's first name for each parameter (``ShardInfo.fqn`` without a model)."""
+    """``id(param) -> name``: the model's first name for each parameter (the sharded parameter's own name without a model)."""
     names: dict[int, str] = {}
     if model is not None:
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -131,40 +126,22 @@ def param_names(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> di
         for pi, p in enumerate(g["params"]):
             if id(p) in names:
                 continue
-            info = shard_info(p)
-            if model is not None or info is None or not info.fqn:
+            fqn = getattr(p, "_fqn", "")
+            if model is not None or not fqn:
                 raise ValueError(
                     f"optimizer parameter {pi} of param group {gi} (shape {tuple(p.shape)}) is not a parameter "
                     f"of the model passed; pass the model the optimizer was built on"
                 )
-            names[id(p)] = info.fqn
+            names[id(p)] = fqn
     return names
 
 
-def global_state_range(info: ShardInfo | None, ss: Any, name: str) -> tuple[int, int]:
-    """``(global_numel, start)`` of a state shard in the whole tensor's state vector. Expert parallel:
-    the optimizer sees the local slice ``[E_local, ...]``, whose state vector is this rank's experts'
-    part of the whole tensor's when the state is the same size for every expert (per element, per
-    matrix, per row); otherwise a checkpoint could not place it at another ``ep``, and says so."""
-    if info is None or info.expert is None:
-        return ss.global_numel, ss.start
-    es = info.expert
-    if ss.global_numel % es.num_local_experts:
-        raise ValueError(
-            f"optimizer state of {name} (expert parallel, {es.num_local_experts} local experts) has "
-            f"{ss.global_numel} elements, not the same number per expert: it cannot be checkpointed so that "
-            "another expert-parallel size can load it; use an optimizer whose blocks stay within one expert "
-            "(the expert() block rule)"
-        )
-    per_expert = ss.global_numel // es.num_local_experts
-    return per_expert * es.num_experts, es.first_expert * per_expert + ss.start
-
-
 def state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) -> dict[str, tuple[str, Any]]:
-    """``key -> (kind, info)`` for the state of ``p``: sharded keys carry ``(global_shape, start)``."""
-    info = shard_info(p)
+    """``key -> (kind, where)`` for the state of ``p``: sharded keys carry ``(global_shape, bounds)``, the
+    global state vector's shape and every shard rank's start in it (see ``StateShard``)."""
     state = optimizer.state.get(p, {})
     shards = optimizer.state_shards(p) if isinstance(optimizer, ShardedState) else None
+    ragged = isinstance(p, RaggedDTensor)
     out: dict[str, tuple[str, Any]] = {}
     for key, v in state.items():
         if shards is not None and key in shards:
@@ -174,18 +151,24 @@ def state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) ->
                     f"{type(optimizer).__name__}.state_shards: state {key!r} of {name} has "
                     f"{v.numel() if torch.is_tensor(v) else 'no'} elements but its StateShard says {ss.end - ss.start}"
                 )
-            global_numel, start = global_state_range(info, ss, name)
-            param_shape = info.global_shape if info is not None else tuple(p.shape)
-            shape = param_shape if global_numel == math.prod(param_shape) else (global_numel,)
-            out[key] = (StateKind.SHARDED, (shape, start))
-        elif shards is None and info is not None and torch.is_tensor(v) and v.ndim > 0:
-            if v.numel() != info.local_numel:
+            bounds = ss.bounds if ss.bounds is not None else (0, ss.global_numel)
+            if ragged and len(bounds) != p.ragged.num_shards + 1:
                 raise ValueError(
-                    f"state {key!r} of {name} (shape {tuple(v.shape)}) is neither per-element ({info.local_numel} "
-                    f"local elements) nor a scalar, and {type(optimizer).__name__} has no state_shards() saying "
-                    "where it lies; checkpoints cannot reshard it"
+                    f"{type(optimizer).__name__}.state_shards: state {key!r} of {name} gives {len(bounds) - 1} shard "
+                    f"ranges for a parameter sharded over {p.ragged.num_shards} ranks; StateShard.bounds must hold every "
+                    "shard rank's start"
                 )
-            out[key] = (StateKind.SHARDED, (info.global_shape, info.global_start))
+            param_shape = tuple(p.shape)
+            shape = param_shape if ss.global_numel == math.prod(param_shape) else (ss.global_numel,)
+            out[key] = (StateKind.SHARDED, (shape, tuple(bounds)))
+        elif shards is None and isinstance(v, RaggedDTensor):  # a torch optimizer's state: made from the parameter
+            out[key] = (StateKind.SHARDED, (tuple(v.shape), tuple(v.ragged.bounds)))
+        elif shards is None and ragged and torch.is_tensor(v) and v.ndim > 0:
+            raise ValueError(
+                f"state {key!r} of {name} (shape {tuple(v.shape)}) is a plain tensor of a sharded parameter, and "
+                f"{type(optimizer).__name__} has no state_shards() saying where it lies; checkpoints cannot reshard it. "
+                "Make per-element state from the parameter (torch.zeros_like(p)), as torch's optimizers do"
+            )
         elif torch.is_tensor(v) and v.ndim > 0:
             out[key] = (StateKind.REPLICATED, None)
         else:  # step counters and other scalars: one small blob for all of them
@@ -210,8 +193,8 @@ def optim_state(
             for key, (kind, where) in kinds.items():
                 v = st[key]
                 if kind == StateKind.SHARDED:
-                    shape, start = where
-                    entry[key] = FlatShardTensor(v.detach(), shape=shape, start=start)
+                    shape, bounds = where
+                    entry[key] = state_tensor(p, v.detach(), shape, bounds)
                 elif kind == StateKind.REPLICATED:
                     entry[key] = v.detach()
                 else:

@@ -8,7 +8,7 @@ from ._planner import plan_model
 from ._cost import tensor_cost
 from ._experts import expert_ranges, token_splits
 from ._presets import PRESETS, ModelPreset, preset_buckets, preset_names, preset_shapes
-from ._ragged import RaggedLayout, block_aligned_splits, chunk_bounds
+from ._ragged import Box, RaggedLayout, block_aligned_splits, chunk_bounds, flat_range_boxes
 from ._report import PlanStats
 from ._wire import (
     WIRE_CHOICES,
@@ -25,6 +25,7 @@ from ._suggest import MeshCandidate, MeshSuggestion, block_state_per_rank, modul
 
 __all__ = [
     "BlockKind",
+    "Box",
     "block_state_per_rank",
     "BlockRule",
     "BlockSpec",
@@ -47,6 +48,7 @@ __all__ = [
     "all_reduce_seconds",
     "all_to_all_seconds",
     "block_aligned_splits",
+    "flat_range_boxes",
     "choose_wire_mode",
     "chunk_bounds",
     "config_for_rules",

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ._blocks import BlockSpec
 
 __all__ = [
+    "Box",
     "RaggedLayout",
+    "flat_range_boxes",
     "chunk_bounds",
     "block_aligned_splits",
 ]
@@ -145,3 +148,62 @@ def block_aligned_splits(shape: Sequence[int], spec: BlockSpec, world_size: int)
     inner = starts[:-1] if numel else []
     for cuts in itertools.combinations_with_replacement(inner + [numel], world_size - 1):
         yield RaggedLayout(tuple(shape), (0, *cuts, numel))
+
+
+# ---- flat ranges as N-D boxes (what DCP reshards) ---------------------------------
+class Box(NamedTuple):
+    """An N-D chunk of a tensor whose elements are the flat range ``[start, start + numel)``."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    start: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+def _boxes(shape: tuple[int, ...], s: int, e: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Boxes ``(offsets, sizes)`` covering flat ``[s, e)`` of ``shape`` in order; ``0 <= s < e <= numel``."""
+    if len(shape) == 1:
+        return [((s,), (e - s,))]
+    inner = shape[1:]
+    row = math.prod(inner)
+    r0, c0 = divmod(s, row)
+    r1, c1 = divmod(e, row)
+
+    def in_row(r: int, a: int, b: int):
+        return [((r, *o), (1, *z)) for o, z in _boxes(inner, a, b)]
+
+    if r0 == r1:  # inside one row
+        return in_row(r0, c0, c1)
+    out = []
+    if c0:
+        out += in_row(r0, c0, row)
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, *([0] * len(inner))), (r1 - r0, *inner)))
+    if c1:
+        out += in_row(r1, 0, c1)
+    return out
+
+
+def flat_range_boxes(shape: Iterable[int], start: int, end: int) -> list[Box]:
+    """The N-D boxes (in flat order, each a contiguous sub-range) that make up flat ``[start, end)``.
+
+    At most ``2 * ndim - 1`` boxes; none for an empty range; one ``()``-box for a 0-dim tensor.
+    """
+    shape = tuple(int(d) for d in shape)
+    numel = math.prod(shape)
+    if not 0 <= start <= end <= numel:
+        raise ValueError(f"flat range [{start}, {end}) is outside a tensor of shape {shape} ({numel} elements)")
+    if start == end:
+        return []
+    if not shape:
+        return [Box((), (), 0)]
+    out, pos = [], start
+    for offsets, sizes in _boxes(shape, start, end):
+        out.append(Box(offsets, sizes, pos))
+        pos += math.prod(sizes)
+    assert pos == end
+    return out

@@ -1,0 +1,105 @@
+"""``LocalShard``: what an optimizer reads of one tensor, from the tensor itself.
+
+A sharded parameter is a ``RaggedDTensor`` (``_dtensor.py``): its placement holds the layout and
+the block spec, its mesh the shard group and this rank's coordinate. ``local_shard(p)`` reads
+them into one small value for optimizer code (which works on ``p.to_local()``, this rank's flat
+piece: no DTensor dispatch inside a step). A plain tensor is one rank holding all of it (its spec
+from the optimizer's block rule). Nothing is stored on the tensor but what ``fully_shard`` gave it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ._dtensor import RaggedDTensor
+from .plan import BlockRule, BlockSpec, RaggedLayout
+
+__all__ = ["LocalShard", "local_shard", "local_tensor"]
+
+
+class LocalShard(NamedTuple):
+    """One tensor's layout as this rank sees it: the global shape, the blocks kept whole, every
+    rank's flat range, and which range is this rank's."""
+
+    fqn: str
+    """The parameter's name from its root (``""`` where unknown: a plain tensor, a gradient, state)."""
+    shape: tuple[int, ...]
+    """The global shape."""
+    spec: BlockSpec
+    layout: RaggedLayout
+    """Every rank's flat ``[start, end)`` (``layout.bounds``) over the shard group."""
+    rank: int
+    """This rank's coordinate in the shard group (its index into ``layout.bounds``)."""
+    group: dist.ProcessGroup | None = None
+    """The shard group, with group ranks in coordinate order (``None``: one rank holds all)."""
+    split: bool = False
+    """The planner cut matrix blocks of this tensor on rows (see ``Placement.split``)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def start(self) -> int:
+        return self.layout.bounds[self.rank]
+
+    @property
+    def end(self) -> int:
+        return self.layout.bounds[self.rank + 1]
+
+    @property
+    def local_numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_whole(self) -> bool:
+        """This rank holds the entire tensor (one rank, or a layout that gave it all)."""
+        return self.local_numel == self.numel
+
+    def local_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (this rank's piece) as ``(rows, *shape[1:])`` when row-aligned, else flat."""
+        if self.layout.is_row_aligned() and self.shape:
+            return flat.view(self.layout.local_shape(self.rank))
+        return flat
+
+    def owned_matrices(self) -> list[tuple[int, int, int]]:
+        """Matrix blocks ``(global_flat_offset, rows, cols)`` lying wholly in this rank's range."""
+        return [m for m in self.spec.matrices(self.shape) if self.start <= m[0] and m[0] + m[1] * m[2] <= self.end]
+
+    @classmethod
+    def whole(cls, shape: tuple[int, ...], spec: BlockSpec, *, fqn: str = "") -> LocalShard:
+        """A tensor held whole by one rank (a plain parameter)."""
+        return cls(fqn=fqn, shape=tuple(shape), spec=spec, layout=RaggedLayout(tuple(shape), (0, math.prod(shape))), rank=0)
+
+
+def local_shard(p: torch.Tensor, rule: BlockRule | None = None, *, name: str = "") -> LocalShard | None:
+    """``p``'s ``LocalShard``: read from a ``RaggedDTensor``'s placement and mesh; for a plain tensor,
+    one rank holding all of it with the spec ``rule`` gives (``None`` without a rule)."""
+    if isinstance(p, RaggedDTensor):
+        rs = p.ragged
+        dim = p.ragged_dim
+        mesh = p.device_mesh
+        group = mesh.get_group(dim) if rs.num_shards > 1 else None
+        return LocalShard(
+            fqn=getattr(p, "_fqn", "") or name, shape=tuple(p.shape), spec=rs.spec, layout=rs.layout,
+            rank=mesh.get_local_rank(dim), group=group, split=rs.split,
+        )  # fmt: skip
+    if rule is None:
+        return None
+    spec = rule(name, p, None)
+    return LocalShard.whole(tuple(p.shape), spec, fqn=name)
+
+
+def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's flat piece of a ``RaggedDTensor`` (no copy), a plain tensor as it is."""
+    if isinstance(t, RaggedDTensor):
+        return t._local_tensor
+    return t
