@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from .sharding import BlockSpec, RaggedLayout
 
-__all__ = ["run_distributed", "DistributedTestError", "LiveBytes", "make_sharded_param", "random_block_layout", "seeded_tensors", "train_steps"]
+__all__ = ["run_distributed", "DistributedTestError", "LiveBytes", "emulated_mesh", "make_sharded_param", "random_block_layout", "seeded_tensors", "sharded_grad", "train_steps"]
 
 
 _ECHOES = ("Connection closed by peer", "Connection reset by peer", "Socket Timeout", "timed out after")
@@ -144,21 +144,47 @@ def make_sharded_param(
     fqn: str = "",
     split: bool = False,
     mesh: Any = None,
+    rank: int | None = None,
+    local: "torch.Tensor | None" = None,
 ) -> "torch.nn.Parameter":
     """This rank's piece of ``full`` as a sharded parameter (a ``RaggedDTensor`` laid out by ``layout``
     on ``mesh``, default the world), as ``fully_shard`` would make it (for optimizer tests that need
-    no model). Call inside an initialized process group."""
+    no model). Call inside an initialized process group. ``rank``: emulate that rank of
+    ``layout.world_size`` in this one process (``emulated_mesh``; for steps that issue no collective).
+    ``local``: the tensor to hold as this rank's piece (a view stays a view, as a bucket segment's)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     from .sharding import RaggedShard, distribute_ragged
 
-    if mesh is None:
+    if rank is not None:
+        mesh = emulated_mesh(layout.world_size, rank)
+    elif mesh is None:
         mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-    p = torch.nn.Parameter(distribute_ragged(full.detach(), mesh, [RaggedShard(layout, spec, split=split)]))
+    from .sharding import RaggedDTensor
+
+    placements = [RaggedShard(layout, spec, split=split)]
+    if local is not None:
+        p = torch.nn.Parameter(RaggedDTensor.from_local(local, mesh, placements))
+        p._local_tensor = local  # (Parameter() took a detached alias: keep the view itself)
+    else:
+        p = torch.nn.Parameter(distribute_ragged(full.detach(), mesh, placements))
     p._fqn = fqn
     return p
+
+
+def emulated_mesh(world_size: int, rank: int) -> Any:
+    """A 1-D ``DeviceMesh`` of ``world_size`` coordinates on which this process stands at ``rank``, with
+    no process group behind it: every rank of a sharded step emulated in one process (a step that
+    issues no collective; asking the mesh for its group raises). Built with DeviceMesh's ``_rank``
+    argument (torch 2.13; ``tests/test_testing.py`` pins it)."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not 0 <= rank < world_size:
+        raise ValueError(f"emulated_mesh: rank {rank} is not in a world of {world_size}")
+    return DeviceMesh("cpu", torch.arange(world_size), _init_backend=False, _rank=rank)
 
 
 def random_block_layout(shape, world_size: int, seed: int, *, block: int, empty_first: bool = False) -> "RaggedLayout":
@@ -176,6 +202,16 @@ def random_block_layout(shape, world_size: int, seed: int, *, block: int, empty_
     if empty_first and cuts:
         cuts[0] = 0
     return RaggedLayout(tuple(shape), (0, *cuts, numel))
+
+
+def sharded_grad(p: Any, g: "torch.Tensor") -> "torch.Tensor":
+    """The full gradient ``g`` as ``p``'s gradient: ``p``'s own layout for a sharded ``p`` (this rank's
+    piece), a copy for a plain one."""
+    from .sharding import RaggedDTensor, distribute_ragged
+
+    if isinstance(p, RaggedDTensor):
+        return distribute_ragged(g.detach(), p.device_mesh, p.placements)
+    return g.detach().clone()
 
 
 def _grad_like(p: Any, g: "torch.Tensor", layout: Any, rank: int) -> "torch.Tensor":

@@ -654,7 +654,7 @@ class Muon(torch.optim.Optimizer):
         for p in params:
             info = self._plans[p].info
             if info.world_size > 1:
-                by_group.setdefault(info.group, []).append(p)
+                by_group.setdefault((info.mesh, info.mesh_dim), []).append(p)
         return tuple(ex for ps in by_group.values() if (ex := self._plan_exchange(ps)) is not None)
 
     def _plan_exchange(self, params: list[Tensor]) -> _Exchange | None:
@@ -717,7 +717,7 @@ class Muon(torch.optim.Optimizer):
             for j in sorted(by_matrix)
         )
         return _Exchange(
-            info0.group, splits[0][0].device, tuple(sends), tuple(send_sizes), tuple(recv_sizes),
+            info0.exchange_group(), splits[0][0].device, tuple(sends), tuple(send_sizes), tuple(recv_sizes),
             tuple(back_send_sizes), tuple(back_recv_sizes), owned, tuple((p, p.dtype) for p, _ in splits),
         )  # fmt: skip
 

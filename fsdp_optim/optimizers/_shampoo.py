@@ -766,7 +766,7 @@ class Shampoo(BlockPreconditioner):
                 for p in group["params"]:
                     plan = self._plans[p]
                     if plan.cut and plan.info.world_size > 1:
-                        by_group.setdefault(plan.info.group, []).append(p)
+                        by_group.setdefault((plan.info.mesh, plan.info.mesh_dim), []).append(p)
             self._exchanges = tuple(self._plan_exchange(ps) for ps in by_group.values())
         return self._exchanges
 
@@ -789,7 +789,7 @@ class Shampoo(BlockPreconditioner):
                 owned.append((p, plan.owned))
                 recvs.extend(((q, i, plan.owned.strip), _Recv(p, j, a, b - a, q)) for q, a, b in plan.owned.pieces)
         return _Exchange(
-            info0.group, w, params[0].device, tuple(x for _, x in sorted(sends, key=lambda t: t[0])),
+            info0.exchange_group(), w, params[0].device, tuple(x for _, x in sorted(sends, key=lambda t: t[0])),
             tuple(x for _, x in sorted(recvs, key=lambda t: t[0])), tuple(owned),
             tuple((p, p.dtype, p.device) for p in params),
         )  # fmt: skip

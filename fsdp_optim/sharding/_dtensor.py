@@ -40,7 +40,7 @@ from ._dtensor_ops import dispatch
 from ._placement import RaggedShard, ragged_dim
 from .plan import RaggedLayout, flat_range_boxes
 
-__all__ = ["RaggedDTensor", "distribute_ragged", "is_ragged", "ragged_spec"]
+__all__ = ["RaggedDTensor", "coordinate", "distribute_ragged", "is_ragged", "ragged_spec"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
 
@@ -72,6 +72,15 @@ def ragged_spec(
         )
     stride = tuple(int(s) for s in torch.empty(shape, device="meta").stride())
     return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
+
+
+def coordinate(mesh: DeviceMesh, dim: int) -> int:
+    """This rank's coordinate on mesh dimension ``dim`` (read from the mesh's layout: no process group
+    is asked, so a mesh made without one, as tests emulate a rank with, works too)."""
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not in the mesh {mesh}")
+    return coord[dim]
 
 
 def is_ragged(t: Any) -> bool:
@@ -111,11 +120,11 @@ class RaggedDTensor(DTensor):
             raise ValueError(f"RaggedDTensor.from_local: placements {tuple(placements)} hold no RaggedShard")
         shape = tuple(shape) if shape is not None else placements[dim].shape
         spec = ragged_spec(device_mesh, placements, shape, local_tensor.dtype)
-        a, b = placements[dim].range(device_mesh.get_local_rank(dim))
+        a, b = placements[dim].range(coordinate(device_mesh, dim))
         if local_tensor.numel() != b - a:
             raise ValueError(
                 f"RaggedDTensor.from_local: the local piece has {local_tensor.numel()} elements but the RaggedShard "
-                f"gives coordinate {device_mesh.get_local_rank(dim)} the range [{a}, {b}) of shape {shape}"
+                f"gives coordinate {coordinate(device_mesh, dim)} the range [{a}, {b}) of shape {shape}"
             )
         return RaggedDTensor(local_tensor.reshape(-1), spec, requires_grad=requires_grad)
 
@@ -139,7 +148,7 @@ class RaggedDTensor(DTensor):
     @property
     def shard_rank(self) -> int:
         """This rank's coordinate on the ragged mesh dimension (its index into ``ragged.bounds``)."""
-        return self._spec.mesh.get_local_rank(self.ragged_dim)
+        return coordinate(self._spec.mesh, self.ragged_dim)
 
     @property
     def local_range(self) -> tuple[int, int]:
@@ -408,7 +417,7 @@ def distribute_ragged(tensor: torch.Tensor, device_mesh: DeviceMesh, placements:
     if tuple(tensor.shape) != rs.shape:
         raise ValueError(f"distribute_ragged: tensor of shape {tuple(tensor.shape)} for {rs}")
     spec = ragged_spec(device_mesh, placements, rs.shape, tensor.dtype)
-    me = device_mesh.get_local_rank(dim)
+    me = coordinate(device_mesh, dim)
     a, b = rs.range(me)
     if isinstance(tensor, DTensor):
         src = tensor.placements[dim]

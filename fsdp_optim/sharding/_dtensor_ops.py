@@ -22,7 +22,8 @@ and the way out (``full_tensor()``, ``to_local()``, ``redistribute(placements=[S
   the value is used, as for FSDP2's parameters. Norms are taken through torch's own ``DTensor``
   norm (the local piece seen as a ``Shard(0)`` piece of the flattened tensor), so their ``Partial``
   is torch's norm reduction. An empty piece contributes the reduction's identity (``max``: -inf).
-  ``all`` / ``any`` reduce at once (one all-reduce) and return a replicated value.
+  ``all`` / ``any`` reduce at once (one all-reduce) and return a replicated value; ``torch.equal`` /
+  ``allclose`` of two tensors of one layout return every rank's agreed answer (one all-reduce).
 
 Why no op is left to torch's sharding propagation: it does not know the placement (see
 [Note: RaggedShard placement]), and a wrong answer is worse than an error.
@@ -147,7 +148,8 @@ class _Operands:
 def _local_range(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     """This rank's flat range of a full tensor (global shape) under ``spec``'s ragged placement."""
     dim = ragged_dim(spec.placements)
-    a, b = spec.placements[dim].range(spec.mesh.get_local_rank(dim))
+    coord = spec.mesh.get_coordinate()
+    a, b = spec.placements[dim].range(coord[dim])
     return full.reshape(-1)[a:b]
 
 
@@ -390,6 +392,29 @@ def _all_any(cls: type, func: Any, args: tuple, kwargs: dict, op: str) -> DTenso
     return _stock(val.bool(), DTensorSpec(spec.mesh, placements, tensor_meta=TensorMeta(torch.Size(()), (), torch.bool)))
 
 
+def _agree(x: Any, local: bool) -> bool:
+    """``local`` for every rank of ``x``'s ragged mesh dimension (one all-reduce)."""
+    val = torch.tensor(int(local), dtype=torch.int32, device=x._local_tensor.device)
+    dim = ragged_dim(x._spec.placements)
+    if x._spec.placements[dim].num_shards > 1:
+        dist.all_reduce(val, op=dist.ReduceOp.MIN, group=x._spec.mesh.get_group(dim))
+    return bool(val.item())
+
+
+def _equal(cls: type, func: Any, args: tuple, kwargs: dict) -> bool:
+    """``torch.equal`` / ``torch.allclose`` of two tensors of one layout: every rank's answer, agreed
+    (one all-reduce; DTensor answers them globally too)."""
+    a, b = args[0], args[1]
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    ops = _Operands(cls, func)
+    ops.spec = next(t._spec for t in (a, b) if isinstance(t, cls))
+    la, lb = ops(a), ops(b)
+    local = func(la, lb, *args[2:], **kwargs)
+    x = a if isinstance(a, cls) else b
+    return _agree(x, bool(local))
+
+
 # ---- the table -----------------------------------------------------------------------------------
 _FUSED = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"}
 _LISTWISE_EXTRA = {"_foreach_copy_", "_foreach_zero_"}
@@ -429,6 +454,8 @@ def _table() -> dict[Any, Callable]:
         aten.norm.ScalarOpt_dim: _norm,
         aten._foreach_norm.Scalar: _foreach_norm,
         aten.all.default: with_op(_all_any, "all"),
+        aten.equal.default: _equal,
+        aten.allclose.default: _equal,
         aten.any.default: with_op(_all_any, "any"),
     }
     if hasattr(aten, "_foreach_max"):
@@ -444,6 +471,13 @@ def _is_pointwise_foreach(name: str) -> bool:
     return any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
 
 
+def _returns_tensors(func: Any) -> bool:
+    """Only tensors come out (``aten.equal`` is tagged pointwise but returns one bool: a local answer)."""
+    return torch.Tag.data_dependent_output not in func.tags and all(
+        str(r.type) in ("Tensor", "List[Tensor]") for r in func._schema.returns
+    )
+
+
 def _classify(func: Any) -> Callable:
     if not _HANDLERS:
         _HANDLERS.update(_table())
@@ -451,6 +485,8 @@ def _classify(func: Any) -> Callable:
         if hit is not None:
             return hit
     name = func._schema.name.split("::")[-1]
+    if not _returns_tensors(func):
+        return _refuse
     if name in _FUSED or name in _LISTWISE_EXTRA or (name.startswith("_foreach_") and _is_pointwise_foreach(name)):
         return _listwise
     if torch.Tag.pointwise in func.tags:

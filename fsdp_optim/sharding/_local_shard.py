@@ -15,7 +15,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ._dtensor import RaggedDTensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._dtensor import RaggedDTensor, coordinate
 from .plan import BlockRule, BlockSpec, RaggedLayout
 
 __all__ = ["LocalShard", "local_shard", "local_tensor"]
@@ -34,10 +36,31 @@ class LocalShard(NamedTuple):
     """Every rank's flat ``[start, end)`` (``layout.bounds``) over the shard group."""
     rank: int
     """This rank's coordinate in the shard group (its index into ``layout.bounds``)."""
-    group: dist.ProcessGroup | None = None
-    """The shard group, with group ranks in coordinate order (``None``: one rank holds all)."""
+    mesh: DeviceMesh | None = None
+    mesh_dim: int = 0
     split: bool = False
     """The planner cut matrix blocks of this tensor on rows (see ``Placement.split``)."""
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The shard group (``None``: one rank holds all), for reductions over it."""
+        if self.mesh is None or self.world_size == 1:
+            return None
+        return self.mesh.get_group(self.mesh_dim)
+
+    def exchange_group(self) -> dist.ProcessGroup | None:
+        """The shard group for an exchange addressed by coordinate (split matrices and strips): its
+        ranks must be in coordinate order (a mesh ordered otherwise, as an expert-parallel one, raises)."""
+        group = self.group
+        if group is None:
+            return None
+        dim_ranks = self.mesh.mesh[tuple(slice(None) if i == self.mesh_dim else c for i, c in enumerate(self.mesh.get_coordinate()))]
+        if dim_ranks.tolist() != dist.get_process_group_ranks(group):
+            raise ValueError(
+                f"{self.fqn or 'a tensor'}: its mesh {self.mesh} orders ranks other than its process group does; "
+                "a split block's exchange needs them in the same order"
+            )
+        return group
 
     @property
     def world_size(self) -> int:
@@ -87,10 +110,9 @@ def local_shard(p: torch.Tensor, rule: BlockRule | None = None, *, name: str = "
         rs = p.ragged
         dim = p.ragged_dim
         mesh = p.device_mesh
-        group = mesh.get_group(dim) if rs.num_shards > 1 else None
         return LocalShard(
             fqn=getattr(p, "_fqn", "") or name, shape=tuple(p.shape), spec=rs.spec, layout=rs.layout,
-            rank=mesh.get_local_rank(dim), group=group, split=rs.split,
+            rank=coordinate(mesh, dim), mesh=mesh, mesh_dim=dim, split=rs.split,
         )  # fmt: skip
     if rule is None:
         return None

@@ -17,12 +17,12 @@ from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp_optim
-from fsdp_optim._testing import make_sharded_param, run_distributed
+from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_grad
 from fsdp_optim._testing import random_block_layout as _random_layout
 from fsdp_optim.optimizers import AdamW4bit, AdamW8bit
 from fsdp_optim.optimizers._quantized_adamw import FORMAT_4BIT, dequantize_blockwise, quantize_blockwise
-from fsdp_optim.sharding import RaggedLayout, elements
-from fsdp_optim.sharding._shard_info import ShardInfo, set_shard_info, shard_info
+from fsdp_optim.sharding import RaggedLayout, elements, local_tensor
+from fsdp_optim.sharding import local_shard as shard_info
 from tests.optimizers.test_adamw8bit import dynamo_disabled, torchao_amsgrad  # (TORCHDYNAMO_DISABLE=1 for torchao's step)
 
 warnings.filterwarnings("ignore", message=".*KernelPreference.*")
@@ -68,7 +68,7 @@ def torchao_reference(params, grads, **kw):
             else:
                 st[k] = v.reshape(-1).float().clone()
         states.append(st)
-    return [p.detach().clone() for p in ps], states
+    return [local_tensor(p).clone() for p in ps], states
 
 
 def emulated_ranks(params, grads, layouts, **kw):
@@ -78,14 +78,13 @@ def emulated_ranks(params, grads, layouts, **kw):
     for rank in range(world_size):
         ps = []
         for i, (f, lay) in enumerate(zip(params, layouts)):
-            p = nn.Parameter(lay.shard(f, rank).clone())
-            set_shard_info(p, ShardInfo.of(fqn=f"p{i}", shape=lay.shape, spec=elements(BS), layout=lay, rank=rank))
+            p = make_sharded_param(f, spec=elements(BS), layout=lay, fqn=f"p{i}", rank=rank)
             ps.append(p)
         ranks.append((ps, AdamW4bit(ps, compile=False, **kw)))
     for gs in grads:
         for rank, (ps, opt) in enumerate(ranks):
             for p, g, lay in zip(ps, gs, layouts):
-                p.grad = lay.shard(g, rank).clone()
+                p.grad = sharded_grad(p, g)
             opt.step()
     out_p = [lay.unshard([ps[i].detach() for ps, _ in ranks]) for i, lay in enumerate(layouts)]
     out_s = {}
@@ -210,7 +209,7 @@ def test_step_is_collective_free_and_state_is_checkpoint_shaped():
         ps = [make_sharded_param(f, spec=elements(BS), layout=lay) for f, lay in zip(params, layouts)]
         opt = AdamW4bit(ps, compile=False)
         for p, g, lay in zip(ps, grads[0], layouts):
-            p.grad = lay.shard(g, rank).clone()
+            p.grad = sharded_grad(p, g)
         with CommDebugMode() as comm:
             opt.step()
         shards = []
@@ -278,7 +277,7 @@ def test_checkpoint_reshards_2_to_3_bitwise(tmp_path, shapes, layout):
         out = {}
         for name, p in model.named_parameters():
             every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, (shard_info(p).start, p.detach().clone()))
+            dist.all_gather_object(every, (shard_info(p).start, local_tensor(p).clone()))
             out[name] = torch.cat([t for _, t in sorted(every, key=lambda x: x[0])])
         return out
 
@@ -325,8 +324,7 @@ def test_bad_input_names_the_parameter_and_the_fix():
     lay = RaggedLayout.even_rows(shape, 3)
     full = torch.randn(shape)
     for rank in range(3):
-        p = nn.Parameter(lay.shard(full, rank).clone())
-        set_shard_info(p, ShardInfo.of(fqn="layers.0.w1.weight", shape=shape, spec=elements(1), layout=lay, rank=rank))
+        p = make_sharded_param(full, spec=elements(1), layout=lay, fqn="layers.0.w1.weight", rank=rank)
         with pytest.raises(ValueError, match=r"layers\.0\.w1\.weight.*world size 3.*blocks=AdamW4bit\.blocks"):
             AdamW4bit([p])
     with pytest.raises(ValueError, match="block_size"):

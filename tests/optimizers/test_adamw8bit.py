@@ -16,12 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from fsdp_optim._testing import make_sharded_param, run_distributed, train_steps
+from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_grad, train_steps
 from fsdp_optim._testing import random_block_layout as _random_layout
 from fsdp_optim.optimizers import AdamW8bit, adamw8bit_rule
 from fsdp_optim.optimizers._adamw8bit import dequantize_blockwise, quantize_blockwise
-from fsdp_optim.sharding import RaggedLayout, elements
-from fsdp_optim.sharding._shard_info import ShardInfo, set_shard_info
+from fsdp_optim.sharding import RaggedLayout, elements, local_tensor
 
 warnings.filterwarnings("ignore", message=".*KernelPreference.*")
 torchao_optim = pytest.importorskip("torchao.optim")
@@ -112,7 +111,7 @@ def torchao_reference(params, grads, *, eager: bool, scheduler=None, **kw):
             else:
                 st[k] = v.reshape(-1).float().clone()
         states.append(st)
-    return [p.detach().clone() for p in ps], states
+    return [local_tensor(p).clone() for p in ps], states
 
 
 def sharded_run(params, grads, layouts, *, scheduler=None, **kw):
@@ -123,7 +122,7 @@ def sharded_run(params, grads, layouts, *, scheduler=None, **kw):
         opt = AdamW8bit(ps, **kw)
         train_steps(opt, ps, grads, scheduler=scheduler(opt) if scheduler else None, layouts=layouts)
         return (
-            [p.detach().clone() for p in ps],
+            [local_tensor(p).clone() for p in ps],
             [{k: v.clone() for k, v in opt.state[p].items()} for p in ps],
             [opt.dequantized_state(p) for p in ps],
             [opt.is_quantized(p) for p in ps],
@@ -257,14 +256,13 @@ def emulated_ranks(params, grads, layouts, **kw):
     for rank in range(world_size):
         ps = []
         for i, (f, lay) in enumerate(zip(params, layouts)):
-            p = torch.nn.Parameter(lay.shard(f, rank).clone())
-            set_shard_info(p, ShardInfo.of(fqn=f"p{i}", shape=lay.shape, spec=elements(BS), layout=lay, rank=rank))
+            p = make_sharded_param(f, spec=elements(BS), layout=lay, fqn=f"p{i}", rank=rank)
             ps.append(p)
         ranks.append((ps, AdamW8bit(ps, **kw)))
     for gs in grads:
         for rank, (ps, opt) in enumerate(ranks):
             for p, g, lay in zip(ps, gs, layouts):
-                p.grad = lay.shard(g, rank).clone()
+                p.grad = sharded_grad(p, g)
             opt.step()
     out_p = [lay.unshard([ps[i].detach() for ps, _ in ranks]) for i, lay in enumerate(layouts)]
     out_s = {
@@ -335,7 +333,7 @@ def test_within_bitsandbytes_bounds_of_torch_adamw_over_50_steps(amsgrad):
         sums = []
         for gs in grads:
             for p, q, g_, lay in zip(ours, ref, gs, layouts):
-                p.grad = lay.shard(g_, rank).clone()
+                p.grad = sharded_grad(p, g_)
                 q.grad = p.grad.clone()
             opt8.step()
             opt32.step()
@@ -372,7 +370,7 @@ def test_state_is_checkpoint_shaped_and_step_is_collective_free():
 
         before = describe()
         for p, g, lay in zip(ps, grads[0], layouts):
-            p.grad = lay.shard(g, rank).clone()
+            p.grad = sharded_grad(p, g)
         with CommDebugMode() as comm:
             opt.step()
         with CommDebugMode() as control:  # positive control: the counter sees gloo c10d ops
@@ -415,7 +413,7 @@ def test_state_dict_round_trip_keeps_codes_and_continues_bitwise():
             for p, g in zip(ps, gs):
                 p.grad = g.clone()
             opt.step()
-        return [p.detach() for p in ps]
+        return [local_tensor(p).detach() for p in ps]
 
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
 
@@ -427,14 +425,12 @@ def test_layout_cutting_a_quantization_block_is_rejected_on_every_rank(world_siz
     lay = RaggedLayout.even_rows(shape, world_size)
     full = torch.randn(shape)
     for rank in range(world_size):  # the check reads the global layout, so every rank raises
-        p = torch.nn.Parameter(lay.shard(full, rank).clone())
-        set_shard_info(p, ShardInfo.of(fqn="layers.0.w1.weight", shape=shape, spec=elements(1), layout=lay, rank=rank))
+        p = make_sharded_param(full, spec=elements(1), layout=lay, fqn="layers.0.w1.weight", rank=rank)
         with pytest.raises(ValueError, match=r"layers\.0\.w1\.weight.*world size.*blocks=AdamW8bit\.blocks"):
             AdamW8bit([p])
     # A small tensor keeps fp32 state, so any layout is fine for it.
     small = RaggedLayout.even_rows((7, 3), world_size)
-    q = torch.nn.Parameter(small.shard(torch.randn(7, 3), 0).clone())
-    set_shard_info(q, ShardInfo.of(fqn="norm.weight", shape=(7, 3), spec=elements(1), layout=small, rank=0))
+    q = make_sharded_param(torch.randn(7, 3), spec=elements(1), layout=small, fqn="norm.weight", rank=0)
     assert not AdamW8bit([q], compile=False).is_quantized(q)
 
 
@@ -478,8 +474,7 @@ def shards_in_one_buffer(params, layouts, *, rank: int, bs: int = BS):
     flat = torch.cat([lay.shard(f.detach(), rank).reshape(-1) for f, lay in zip(params, layouts)])
     ps = []
     for i, (f, lay) in enumerate(zip(params, layouts)):
-        p = torch.nn.Parameter(flat[offs[i] : offs[i] + sizes[i]])
-        set_shard_info(p, ShardInfo.of(fqn=f"p{i}", shape=tuple(f.shape), spec=elements(bs), layout=lay, rank=rank))
+        p = make_sharded_param(f, spec=elements(bs), layout=lay, fqn=f"p{i}", rank=rank, local=flat[offs[i] : offs[i] + sizes[i]])
         ps.append(p)
     return ps, offs, sizes
 
@@ -517,7 +512,7 @@ def adjacent_run(params, grads, layouts, *, fuse_runs: bool, adjacent_grads: boo
         finally:
             qa._step_fn = orig
         return (
-            [p.detach().clone() for p in ps],
+            [local_tensor(p).clone() for p in ps],
             [{k: v.clone() for k, v in opt.state[p].items()} for p in ps],
             [opt.dequantized_state(p) for p in ps],
             [opt.is_quantized(p) for p in ps],
@@ -610,7 +605,7 @@ def test_runs_with_gradients_that_are_not_adjacent_and_a_state_dict_round_trip()
         def steps(ps, opt, which):
             for s in which:
                 for p, g, lay in zip(ps, grads[s], layouts):
-                    p.grad = lay.shard(g, rank).reshape(-1).clone()
+                    p.grad = sharded_grad(p, g)
                 opt.step()
 
         a, opt_a = build()
@@ -655,7 +650,7 @@ def test_runs_whose_storage_is_replaced_fall_back_to_one_call_per_tensor():
                 for p, g in zip(ps, gs):
                     p.grad = g.reshape(-1).clone()
                 opt.step()
-            outs.append([p.detach().clone() for p in ps])
+            outs.append([local_tensor(p).clone() for p in ps])
         return all(torch.equal(a, b) for a, b in zip(*outs))
 
     assert run_distributed(fn, world_size=world_size) == [True]
@@ -669,7 +664,7 @@ def test_runs_under_fully_shard_equal_per_tensor_and_torchao(world_size):
     covered above). Test idea from the q8seg branch."""
     from fsdp_optim import fully_shard
     from fsdp_optim.optimizers._quantized_adamw import _adjacent
-    from fsdp_optim.sharding._shard_info import shard_info
+    from fsdp_optim.sharding import local_shard as shard_info
 
     def model():
         torch.manual_seed(0)
@@ -700,7 +695,7 @@ def test_runs_under_fully_shard_equal_per_tensor_and_torchao(world_size):
         ps = {k: list(m.parameters()) for k, m in models.items()}
         same = all(torch.equal(a, b) for a, b in zip(ps["runs"], ps["per_tensor"]))
         same_torchao = [
-            torch.equal(p.detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank).reshape(p.shape))
+            torch.equal(local_tensor(p).detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank).reshape(p.shape))
             for p, q in zip(ps["runs"], ps["torchao"])
         ]
         return same, same_torchao, [len(r) for r in opts["runs"]._runs], adjacent_grads

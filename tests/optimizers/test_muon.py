@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed
+from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed, sharded_grad
 from fsdp_optim.optimizers import Muon
 from fsdp_optim.optimizers._muon import DEFAULT_NS_COEFFICIENTS, assign_owners, newton_schulz
-from fsdp_optim.sharding import RaggedLayout, elements, expert, whole
+from fsdp_optim.sharding import RaggedLayout, elements, expert, local_tensor, whole
 
 STEPS = 3
 
@@ -129,7 +129,7 @@ def run_sharded(
         for kw in configs:
             params = {
                 k: make_sharded_param(
-                    init[k], spec=specs[k], layout=layouts[k], fqn=k, bucket=buckets.get(k, 0), split=k in splits
+                    init[k], spec=specs[k], layout=layouts[k], fqn=k, split=k in splits
                 )
                 for k in shapes
             }
@@ -138,11 +138,11 @@ def run_sharded(
             for s in range(STEPS):
                 g = _grads(shapes, s, dtype)
                 for k, p in params.items():
-                    p.grad = layouts[k].shard(g[k], dist.get_rank()).clone()
+                    p.grad = sharded_grad(p, g[k])
                 with CommDebugMode() as mode:
                     opt.step()
                 counts.append({str(op): n for op, n in mode.get_comm_counts().items() if n})
-            out.append(({k: p.detach().clone() for k, p in params.items()}, counts))
+            out.append(({k: local_tensor(p).clone() for k, p in params.items()}, counts))
         return out
 
     outs = run_distributed(fn, world_size=world_size)
@@ -368,13 +368,13 @@ def test_state_dict_keys_and_shapes_are_checkpoint_shaped(world_size):
     init = _init(shapes)
 
     def fn():
-        params = [make_sharded_param(init[k], spec=specs[k], layout=layouts[k], fqn=k, bucket=buckets[k],
+        params = [make_sharded_param(init[k], spec=specs[k], layout=layouts[k], fqn=k,
                                      split=k in splits) for k in shapes]  # fmt: skip
         opt = Muon(params, lr=0.02)
         desc = lambda sd: {i: {k: tuple(v.shape) for k, v in st.items()} for i, st in sd["state"].items()}  # noqa: E731
         before = desc(opt.state_dict())
         for p, k in zip(params, shapes):
-            p.grad = layouts[k].shard(_grads(shapes, 0)[k], dist.get_rank()).clone()
+            p.grad = sharded_grad(p, _grads(shapes, 0)[k])
         opt.step()
         after = desc(opt.state_dict())
         shards = {i: {k: tuple(v) for k, v in opt.state_shards(p).items()} for i, p in enumerate(params)}
@@ -388,8 +388,8 @@ def test_state_dict_keys_and_shapes_are_checkpoint_shaped(world_size):
         assert before == after
         assert keys == outs[0][4] and groups == outs[0][5]  # the same keys and groups on every rank
         for i, st in shards.items():
-            for k, (gnum, a, b) in st.items():
-                assert sizes[i][k] == b - a
+            for k, (gnum, a, b, bounds) in st.items():
+                assert sizes[i][k] == b - a and (a, b) == (bounds[bounds.index(a)], b)
     for i in outs[0][2]:  # global sizes agree and the ranges tile the global state
         for k in outs[0][2][i]:
             gnum = outs[0][2][i][k][0]
@@ -416,7 +416,7 @@ def test_state_dict_round_trip_and_lr_scheduler():
         sched = torch.optim.lr_scheduler.LambdaLR(opt_a, lambda s: 0.5)
         assert [Muon.adamw_lr(g) for g in opt_a.param_groups] == [0.01, 5e-4]  # both groups scheduled
         run(a, opt_a, [0, 1])
-        b = [(k, torch.nn.Parameter(p.detach().clone())) for k, p in a]
+        b = [(k, torch.nn.Parameter(local_tensor(p).clone())) for k, p in a]
         opt_b = Muon(b, lr=0.02, adamw_lr=1e-3)
         opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # as from a checkpoint
         run(a, opt_a, [2])
@@ -462,7 +462,7 @@ def test_a_scheduler_keeps_the_adamw_to_muon_lr_ratio(schedule):
             got = [Muon.adamw_lr(g) for g in opt.param_groups]
             assert got == pytest.approx(want, rel=1e-12), (step, got, want)
     for k, p in params:  # the lr factor is the schedule's to its last bit, so not bitwise
-        torch.testing.assert_close(p.detach(), ref[k].detach(), rtol=1e-6, atol=1e-7, msg=k)
+        torch.testing.assert_close(local_tensor(p).detach(), ref[k].detach(), rtol=1e-6, atol=1e-7, msg=k)
 
 
 def test_plain_named_parameters_equal_torch():
@@ -477,7 +477,7 @@ def test_plain_named_parameters_equal_torch():
                 p.grad = g[k].clone()
             opt.step()
     ref = reference(init, SHAPES, MATRICES, weight_decay=0.1, nesterov=True, adjust_lr_fn=None)
-    assert_bitwise({k: p.detach() for k, p in params}, ref)
+    assert_bitwise({k: local_tensor(p).detach() for k, p in params}, ref)
 
 
 # ---- pieces ------------------------------------------------------------------------------
@@ -525,7 +525,7 @@ def test_one_batched_chain_per_shape_and_reference_mode_one_per_matrix(monkeypat
                     p.grad = g[k].clone()
                 calls.clear()
                 opt.step()
-        return {k: p.detach() for k, p in params.items()}, sorted(calls)
+        return {k: local_tensor(p).detach() for k, p in params.items()}, sorted(calls)
 
     batched, calls_b = run(True)
     assert calls_b == sorted([(8, 6, 4), (1, 4, 6)]), calls_b
@@ -557,16 +557,17 @@ def test_assign_owners_balances_and_is_deterministic():
     assert owners == assign_owners(costs, [[1, 1, 1]] * 6, [0, 0, 0])
 
 
+@pytest.mark.usefixtures("one_process_group")
 def test_bad_layout_raises_naming_the_parameter_and_the_fix():
     full = torch.randn(6, 4)
     layout = RaggedLayout((6, 4), (0, 10, 24))  # cuts a row and the matrix, not recorded as split
-    p = make_sharded_param(full, spec=whole(), layout=layout, fqn="blocks.0.w")
+    p = make_sharded_param(full, spec=whole(), layout=layout, fqn="blocks.0.w", rank=0)
     with pytest.raises(ValueError, match=r"blocks\.0\.w.*Muon\.blocks"):
         Muon([p])
-    p = make_sharded_param(full, spec=whole(), layout=layout, fqn="blocks.0.w", split=True)
+    p = make_sharded_param(full, spec=whole(), layout=layout, fqn="blocks.0.w", split=True, rank=0)
     with pytest.raises(ValueError, match=r"blocks\.0\.w.*row boundaries"):
         Muon([p])
-    q = make_sharded_param(full, spec=elements(1), layout=layout, fqn="blocks.0.w2")
+    q = make_sharded_param(full, spec=elements(1), layout=layout, fqn="blocks.0.w2", rank=0)
     with pytest.warns(UserWarning, match=r"blocks\.0\.w2, block spec elements\(1\)\) were not sharded as whole matrices.*AdamW fallback"):
         Muon([q])  # element-wise spec: AdamW fallback, any layout; a matrix there is worth a warning
 
@@ -620,9 +621,9 @@ def test_fully_shard_with_muon_blocks_equals_torch_muon(world_size):
             for o in (opt, muon, adamw):
                 o.step()
                 o.zero_grad()
-        from fsdp_optim.sharding._shard_info import shard_info
+        from fsdp_optim.sharding import local_shard as shard_info
 
-        return [(n, torch.equal(p.detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank)))
+        return [(n, torch.equal(local_tensor(p).detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank)))
                 for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())]  # fmt: skip
 
     for per_rank in run_distributed(fn, world_size=world_size):
@@ -639,7 +640,7 @@ def test_param_groups_with_own_hyperparameters_share_a_split_bucket(world_size):
     first, second = ["a.weight", "b.weight"], ["c.weight", "d.weight", "e.bias"]
 
     def fn():
-        params = {k: make_sharded_param(init[k], spec=specs[k], layout=layouts[k], fqn=k, bucket=0,
+        params = {k: make_sharded_param(init[k], spec=specs[k], layout=layouts[k], fqn=k,
                                         split=k in splits) for k in shapes}  # fmt: skip
         opt = Muon([{"params": [params[k] for k in first]}, {"params": [params[k] for k in second], **g1}],
                    lr=0.02, weight_decay=0.1, adjust_lr_fn="original")  # fmt: skip
@@ -647,11 +648,11 @@ def test_param_groups_with_own_hyperparameters_share_a_split_bucket(world_size):
         for s in range(STEPS):
             g = _grads(shapes, s)
             for k, p in params.items():
-                p.grad = layouts[k].shard(g[k], dist.get_rank()).clone()
+                p.grad = sharded_grad(p, g[k])
             with CommDebugMode() as mode:
                 opt.step()
             counts.append({str(op): n for op, n in mode.get_comm_counts().items() if n})
-        return {k: p.detach().clone() for k, p in params.items()}, counts
+        return {k: local_tensor(p).clone() for k, p in params.items()}, counts
 
     outs = run_distributed(fn, world_size=world_size)
     ours = {k: layouts[k].unshard([o[0][k] for o in outs]) for k in shapes}
@@ -668,7 +669,7 @@ def test_param_groups_with_own_hyperparameters_share_a_split_bucket(world_size):
                 p.grad = g[k].clone()
             for o in (m1, m2, aw):
                 o.step()
-    assert_bitwise(ours, {k: p.detach() for k, p in full.items()})
+    assert_bitwise(ours, {k: local_tensor(p).detach() for k, p in full.items()})
 
 
 def test_pieces_match_brute_force():
@@ -712,7 +713,7 @@ def _out_head_reference(steps: int = 3) -> dict[str, torch.Tensor]:
             for o in (muon, adamw):
                 o.step()
                 o.zero_grad()
-    return {n: p.detach().clone() for n, p in ref.named_parameters()}
+    return {n: local_tensor(p).clone() for n, p in ref.named_parameters()}
 
 
 def _train_out_head(model, opt, steps: int = 3) -> None:
@@ -754,7 +755,7 @@ def test_head_named_out_passed_explicitly_equals_torch(how, recwarn):
         assert Muon.adamw_lr(opt.param_groups[1]) == 1e-3 and opt.param_groups[1]["betas"] == (0.9, 0.999)
         _train_out_head(model, opt)
     assert not [w for w in recwarn if "Muon" in str(w.message)], [str(w.message) for w in recwarn]
-    assert_bitwise({n: p.detach() for n, p in model.named_parameters()}, _out_head_reference())
+    assert_bitwise({n: local_tensor(p).detach() for n, p in model.named_parameters()}, _out_head_reference())
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -775,9 +776,9 @@ def test_fully_shard_with_explicit_embedding_and_head_equals_torch(world_size):
             opt = Muon(model.parameters(), lr=0.02, blocks=rule)
         assert [g["use_muon"] for g in opt.param_groups] == [True, False]
         _train_out_head(model, opt)
-        from fsdp_optim.sharding._shard_info import shard_info
+        from fsdp_optim.sharding import local_shard as shard_info
 
-        return {n: (p.detach().clone(), shard_info(p).layout) for n, p in model.named_parameters()}
+        return {n: (local_tensor(p).clone(), shard_info(p).layout) for n, p in model.named_parameters()}
 
     outs = run_distributed(fn, world_size=world_size)
     for n, want in ref.items():
@@ -819,14 +820,14 @@ def _nonfinite_run(world_size, nonfinite, *, split: bool, bad_rank: int, bad_ste
     init = _init(shapes)
 
     def fn():
-        params = {k: make_sharded_param(init[k], spec=specs[k], layout=layouts[k], fqn=k, bucket=buckets[k],
+        params = {k: make_sharded_param(init[k], spec=specs[k], layout=layouts[k], fqn=k,
                                         split=k in splits) for k in shapes}  # fmt: skip
         opt = Muon(list(params.values()), **MUON_KW, **ADAMW_KW, nonfinite=nonfinite)
         counts, caught = [], []
         for s in range(STEPS):
             g = _grads(shapes, s)
             for k, p in params.items():
-                p.grad = layouts[k].shard(g[k], dist.get_rank()).clone()
+                p.grad = sharded_grad(p, g[k])
             if s == bad_step and dist.get_rank() == bad_rank:
                 params["a.weight"].grad[0] = float("nan")
                 params["e.bias"].grad.view(-1)[-1:] = float("inf")
@@ -835,7 +836,7 @@ def _nonfinite_run(world_size, nonfinite, *, split: bool, bad_rank: int, bad_ste
                 opt.step()
             caught += [str(w.message) for w in ws]
             counts.append({str(op): n for op, n in mode.get_comm_counts().items() if n})
-        return {k: p.detach().clone() for k, p in params.items()}, counts, opt.num_skipped_steps, caught
+        return {k: local_tensor(p).clone() for k, p in params.items()}, counts, opt.num_skipped_steps, caught
 
     return shapes, layouts, init, run_distributed(fn, world_size=world_size)
 
@@ -870,7 +871,7 @@ def test_nonfinite_skip_skips_the_step_on_every_rank(split):
                 p.grad = g[k].clone()
             muon.step()
             aw.step()
-    assert_bitwise(ours, {k: p.detach() for k, p in full.items()})
+    assert_bitwise(ours, {k: local_tensor(p).detach() for k, p in full.items()})
 
 
 def test_nonfinite_default_ignores_with_zero_collectives():
@@ -941,7 +942,7 @@ def test_param_groups_weight_decay_reaches_the_adamw_part_equals_torch():
             for o in (muon, adamw):
                 o.step()
                 o.zero_grad()
-    want = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    want = {n: local_tensor(p).clone() for n, p in ref.named_parameters()}
 
     def fn():
         model = _Decay()

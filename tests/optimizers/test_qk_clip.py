@@ -29,7 +29,7 @@ from fsdp_optim.optimizers import (
     record_max_logits,
     recorded_max_logits,
 )
-from fsdp_optim.sharding import RaggedLayout, elements
+from fsdp_optim.sharding import RaggedLayout, elements, local_tensor
 
 VOCAB, DIM, SEQ = 13, 16, 6
 
@@ -315,7 +315,7 @@ def _reference_run(
             o.zero_grad()
         top = max(float(b.attn.ref_max.max()) for b in ref.layers)
         log.append((top, reference_clip_(ref, tau)))
-    return {n: p.detach().clone() for n, p in ref.named_parameters()}, log
+    return {n: local_tensor(p).clone() for n, p in ref.named_parameters()}, log
 
 
 def _sharded_run(n_heads, n_kv_heads, tau, batches, *, world_size, split: bool, blocks, optimizer: str = "muon"):

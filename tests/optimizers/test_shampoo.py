@@ -14,11 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed, seeded_tensors
+from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed, seeded_tensors, sharded_grad
 from fsdp_optim.optimizers import Shampoo
 from fsdp_optim.optimizers._shampoo import matrix_inverse_root, shampoo_blocks
-from fsdp_optim.sharding import RaggedLayout, elements, expert, rows
-from fsdp_optim.sharding._shard_info import ShardInfo, set_shard_info
+from fsdp_optim.sharding import RaggedLayout, elements, expert, local_tensor, rows
 from tests.optimizers.test_linalg import _at, last_param_after
 
 K = 4  # max_preconditioner_dim: small, so that shapes below have partial strips and column blocks
@@ -89,14 +88,14 @@ def run_layouts(world_size: int, layouts, *, opt_kw, count_comms: bool = True, s
         for s in range(steps):
             g = _grads(s)
             for k, p in params.items():
-                p.grad = layouts[k].shard(g[k], rank).to(dtype).clone()
+                p.grad = sharded_grad(p, g[k].to(dtype))
             with CommDebugMode() if count_comms else contextlib.nullcontext() as mode:
                 opt.step()
             if count_comms:
                 comms.append({str(op): n for op, n in mode.get_comm_counts().items() if n})
         state = {k: {key: (opt.state_shards(p)[key], opt.state[p][key].clone()) for key in opt.state_shards(p)}
                  for k, p in params.items()}  # fmt: skip
-        return {k: p.detach().clone() for k, p in params.items()}, state, comms
+        return {k: local_tensor(p).clone() for k, p in params.items()}, state, comms
 
     outs = run_distributed(fn, world_size=world_size)
     result = {k: layouts[k].unshard([o[0][k] for o in outs]) for k in SHAPES}
@@ -267,7 +266,7 @@ def _ours(x0, grads, **kw):
     for g in grads:
         p.grad = g.clone()
         opt.step()
-    return p.detach().double(), opt
+    return local_tensor(p).detach().double(), opt
 
 
 def _rel(got, want, x0):
@@ -478,7 +477,7 @@ def assert_step_refused_changing_nothing(opt, params, *, match: str, unnamed: st
     """``opt.step()`` raises ``FloatingPointError`` matching ``match`` and not naming ``unnamed``, and
     leaves every parameter and state tensor as it was."""
     before = copy.deepcopy(opt.state_dict())
-    p0 = [p.detach().clone() for p in params]
+    p0 = [local_tensor(p).clone() for p in params]
     with pytest.raises(FloatingPointError, match=match) as e:
         opt.step()
     assert unnamed not in str(e.value)
@@ -506,8 +505,7 @@ def test_block_geometry_tiles_every_element_and_factor(shape, spec):
         seen = torch.zeros(numel, dtype=torch.int32)
         ranges = []
         for r in range(3):
-            p = torch.nn.Parameter(torch.zeros(layout.local_numel(r)))  # rank r's piece, no group needed
-            set_shard_info(p, ShardInfo.of(fqn="x", shape=shape, spec=spec, layout=layout, rank=r))
+            p = make_sharded_param(torch.zeros(shape), spec=spec, layout=layout, fqn="x", rank=r)  # rank r's piece
             opt = Shampoo([p], max_preconditioner_dim=K)
             plan = opt._plans[p]
             base = layout.bounds[r]
@@ -537,7 +535,7 @@ def test_state_dict_keys_and_shapes_same_on_every_rank_and_after_step(world_size
 
         before = desc()
         for p, k in zip(params, SHAPES):
-            p.grad = layouts[k].shard(_grads(0)[k], dist.get_rank()).clone()
+            p.grad = sharded_grad(p, _grads(0)[k])
         opt.step()
         keys = {i: sorted(st) for i, st in opt.state_dict()["state"].items()}
         glob = {i: {k: v.global_numel for k, v in opt.state_shards(p).items()} for i, p in enumerate(params)}
@@ -588,7 +586,7 @@ def test_grafting_only_before_start_and_lr_scheduler():
     torch.manual_seed(4)
     g = torch.randn(5, 3)
     p = torch.nn.Parameter(torch.randn(5, 3))
-    q = torch.nn.Parameter(p.detach().clone())
+    q = torch.nn.Parameter(local_tensor(p).clone())
     opt = Shampoo([p], lr=0.1, betas=(0.9, 0.999), grafting="adam", grafting_beta2=0.999, grafting_epsilon=1e-8,
                   start_preconditioning_step=3)  # fmt: skip
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
@@ -627,9 +625,9 @@ def test_fully_shard_with_shampoo_rule_equals_single_process(world_size):
                 m(x).square().sum().backward()
                 o.step()
                 o.zero_grad()
-        from fsdp_optim.sharding._shard_info import shard_info
+        from fsdp_optim.sharding import local_shard as shard_info
 
-        return [(n, torch.equal(p.detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank)))
+        return [(n, torch.equal(local_tensor(p).detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank)))
                 for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())]  # fmt: skip
 
     for per_rank in run_distributed(fn, world_size=world_size):
@@ -724,7 +722,7 @@ def test_step_does_not_depend_on_where_the_gradient_lies(shape, k, batched):
         for g in grads:
             p.grad = _at(g, offset)  # beta1 = 0: the preconditioned direction is the gradient view itself
             opt.step()
-        return p.detach()
+        return local_tensor(p).detach()
 
     ref = after(0)
     for offset in (1, 2, 3, 5):

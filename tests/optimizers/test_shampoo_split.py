@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_optim._testing import make_sharded_param, run_distributed
+from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_grad
 from fsdp_optim.optimizers import Shampoo
 from fsdp_optim.optimizers._shampoo import shampoo_blocks
-from fsdp_optim.sharding import RaggedLayout
+from fsdp_optim.sharding import RaggedLayout, local_tensor
 from tests.optimizers.test_shampoo import K, OPT, SHAPES, _grads, _init, _spec, run_layouts
 
 STEPS = 5
@@ -122,12 +122,12 @@ def test_fully_shard_plan_splits_strips_and_checkpoint_reshards_w2_to_w4_and_w1(
     uninterrupted single-process run. (W=4, not 3: fully_shard averages the ranks' equal gradients,
     and ``(g + g + g) / 3`` is not always ``g``.)"""
     import fsdp_optim
-    from fsdp_optim.sharding._shard_info import shard_info
+    from fsdp_optim.sharding import local_shard as shard_info
 
     def uninterrupted():  # in a rank too: the ranks' thread settings decide the gradients' bits
         ref = _model()
         _train(ref, Shampoo(ref.parameters(), **MODEL_OPT), range(3))
-        return {n: p.detach().clone() for n, p in ref.named_parameters()}
+        return {n: local_tensor(p).clone() for n, p in ref.named_parameters()}
 
     (want,) = run_distributed(uninterrupted, world_size=1)
 
@@ -146,7 +146,7 @@ def test_fully_shard_plan_splits_strips_and_checkpoint_reshards_w2_to_w4_and_w1(
             fsdp_optim.load_checkpoint(tmp_path / "ck", model=model, optimizer=opt)
         _train(model, opt, range(2, 3))
         split = [n for n, p in model.named_parameters() if shard_info(p).split]
-        return split, {n: (shard_info(p).start, p.detach().clone()) for n, p in model.named_parameters()}
+        return split, {n: (shard_info(p).start, local_tensor(p).clone()) for n, p in model.named_parameters()}
 
     assert all(run_distributed(save, world_size=2))  # some parameter has split strips at W=2
     for world_size in (4, 1):
@@ -230,7 +230,7 @@ def test_non_finite_gradient_with_split_strips_raises_on_every_rank_changing_not
         if rank == bad:
             g["w1"].view(-1)[b[bad]] = float("nan")  # its first element
         for k, p in params.items():
-            p.grad = layouts[k].shard(g[k], rank).clone()
+            p.grad = sharded_grad(p, g[k])
         before = {k: {key: v.clone() for key, v in opt.state[p].items()} for k, p in params.items()}
         with pytest.raises(FloatingPointError, match=rf"w1 \(shape \(11, 9\), rank {bad}\)"):
             opt.step()

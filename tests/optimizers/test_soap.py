@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed, seeded_tensors
+from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed, seeded_tensors, sharded_grad
 from fsdp_optim.optimizers import SOAP
 from fsdp_optim.optimizers._preconditioner import outer as _outer
 from fsdp_optim.optimizers._soap import _rotate, reference_merge_dims
 from fsdp_optim.optimizers._shampoo import shampoo_blocks
-from fsdp_optim.sharding import RaggedLayout, elements, whole
+from fsdp_optim.sharding import RaggedLayout, elements, local_tensor, whole
 from tests.optimizers.test_linalg import last_param_after
 from tests.optimizers.test_shampoo import _split64, assert_step_refused_changing_nothing
 
@@ -104,8 +104,8 @@ def test_whole_tensor_soap_equals_independent_float64_soap(shape, max_dim):
         p.grad = g.clone()
         opt.step()
         if i == 0:
-            assert torch.equal(p.detach(), x0)  # step 1 builds the bases only
-    err = (p.detach().double() - want).abs().max() / (want - x0.double()).abs().max()
+            assert torch.equal(local_tensor(p).detach(), x0)  # step 1 builds the bases only
+    err = (local_tensor(p).detach().double() - want).abs().max() / (want - x0.double()).abs().max()
     assert err <= 1e-4, err.item()
 
 
@@ -143,7 +143,7 @@ def test_options_equal_independent_float64_soap(case, batched):
         p.grad = g.clone()
         opt.step()
     scale = (want - x0.double()).abs().max()
-    assert (p.detach().double() - want).abs().max() / scale <= 1e-4
+    assert (local_tensor(p).detach().double() - want).abs().max() / scale <= 1e-4
     for name in theirs:  # the test can tell each option
         other = _paper_soap(x0, grads, **kw, **{**theirs, name: _OFF[name]})
         assert (other - want).abs().max() / scale > 1e-2, name
@@ -244,14 +244,14 @@ def run(world_size, *, steps=6, opt_kw=None, count_comms=False, load=None, start
         for s in range(start, start + steps):
             g = _grads(s)
             for k, p in params.items():
-                p.grad = layouts[k].shard(g[k], rank).to(dtype)
+                p.grad = sharded_grad(p, g[k].to(dtype))
             with CommDebugMode() if count_comms else contextlib.nullcontext() as mode:
                 opt.step()
             if count_comms:
                 comms.append({str(op): n for op, n in mode.get_comm_counts().items() if n})
         state = {k: {key: (sh, opt.state[p][key].clone()) for key, sh in opt.state_shards(p).items()}
                  for k, p in params.items()}  # fmt: skip
-        return {k: p.detach().clone() for k, p in params.items()}, state, comms, float(opt.state[params["w1"]]["step"])
+        return {k: local_tensor(p).clone() for k, p in params.items()}, state, comms, float(opt.state[params["w1"]]["step"])
 
     outs = run_distributed(fn, world_size=world_size)
     result = {k: layouts[k].unshard([o[0][k] for o in outs]) for k in SHAPES}
@@ -289,7 +289,7 @@ def test_block_soap_is_per_block_whole_tensor_soap():
         p.grad, q.grad = g.clone(), g[4:].clone()
         a.step()
         b.step()
-    assert torch.equal(p.detach()[4:], q.detach())
+    assert torch.equal(local_tensor(p).detach()[4:], q.detach())
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -19,10 +19,10 @@ from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp_optim
-from fsdp_optim._testing import run_distributed, train_steps
+from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_grad, train_steps
 from fsdp_optim.optimizers import WholeTensorOptimizer
-from fsdp_optim.sharding import PlanConfig, RaggedLayout, elements, whole
-from fsdp_optim.sharding._shard_info import ShardInfo, set_shard_info, shard_info
+from fsdp_optim.sharding import PlanConfig, RaggedLayout, elements, local_tensor, whole
+from fsdp_optim.sharding import local_shard as shard_info
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 
@@ -57,8 +57,7 @@ def owner_layouts(shapes, world_size: int, seed: int) -> list[RaggedLayout]:
 
 
 def sharded(full: torch.Tensor, lay: RaggedLayout, rank: int, fqn: str) -> nn.Parameter:
-    p = nn.Parameter(lay.shard(full, rank).clone())
-    set_shard_info(p, ShardInfo.of(fqn=fqn, shape=lay.shape, spec=whole(), layout=lay, rank=rank))
+    p = make_sharded_param(full, spec=whole(), layout=lay, fqn=fqn, rank=rank)
     return p
 
 
@@ -67,7 +66,7 @@ def unsharded_run(cls, kw, params, grads, *, sched_gamma: float | None = None):
     opt = cls(ps, **kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=sched_gamma) if sched_gamma else None
     train_steps(opt, ps, grads, scheduler=sched)
-    return [p.detach() for p in ps]
+    return [local_tensor(p).detach() for p in ps]
 
 
 def emulated_run(cls, kw, params, grads, layouts, *, sched_gamma: float | None = None):
@@ -82,7 +81,7 @@ def emulated_run(cls, kw, params, grads, layouts, *, sched_gamma: float | None =
     for gs in grads:
         for rank, (ps, opt, sched) in enumerate(ranks):
             for p, g, lay in zip(ps, gs, layouts):
-                p.grad = lay.shard(g, rank).clone()
+                p.grad = sharded_grad(p, g)
             opt.step()
             opt.zero_grad()
             if sched:
@@ -110,7 +109,7 @@ def test_fully_shard_then_step_equals_the_unsharded_optimizer_on_the_same_gradie
     def fn():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(13, 29), nn.GELU(), nn.Linear(29, 17), nn.LayerNorm(17), nn.Linear(17, 5))
-        ref = [p.detach().clone() for p in model.parameters()]
+        ref = [local_tensor(p).clone() for p in model.parameters()]
         names = [n for n, _ in model.named_parameters()]
         fsdp_optim.fully_shard(model, blocks=WholeTensorOptimizer.blocks, plan_config=PlanConfig(layout="ragged"))
         opt = WholeTensorOptimizer(model.parameters(), torch.optim.Adafactor, lr=1e-2)
@@ -129,7 +128,7 @@ def test_fully_shard_then_step_equals_the_unsharded_optimizer_on_the_same_gradie
             for p, gr in zip(ref_params, full_grads):
                 p.grad = gr
             ref_opt.step()
-        got = _gather_full([p.detach() for p in model.parameters()], list(model.parameters()))
+        got = _gather_full([local_tensor(p).detach() for p in model.parameters()], list(model.parameters()))
         return counts, {n: (a, b.detach()) for n, a, b in zip(names, got, ref_params)}
 
     for counts, params in run_distributed(fn, world_size=3):
@@ -162,7 +161,7 @@ def test_param_groups_add_param_group_zero_grad_and_state_dict_round_trip():
     def steps(ps, opt, ts):
         for t in ts:
             for p, g, lay in zip(ps, grads[t], layouts):
-                p.grad = lay.shard(g, rank).clone()
+                p.grad = sharded_grad(p, g)
             opt.step()
             opt.zero_grad()
             assert all(p.grad is None for p in ps)
@@ -214,11 +213,11 @@ def test_state_dict_round_trip_with_a_scheduler_restores_hyperparameters_as_torc
                 opt.load_state_dict(osd)
                 sched.load_state_dict(ssd)
             for p, g, lay in zip(ps, grads[t], layouts):
-                p.grad = g.clone() if cls is None else lay.shard(g, rank).clone()
+                p.grad = sharded_grad(p, g)
             opt.step()
             sched.step()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        return [p.detach() for p in ps], saved_groups, groups
+        return [local_tensor(p).detach() for p in ps], saved_groups, groups
 
     want, want_saved, want_groups = run(None, 0, resume_at=2)
     assert want_saved[0]["lr"] == pytest.approx(1e-4)
@@ -250,8 +249,7 @@ def test_a_rank_owning_nothing_skips_and_plain_parameters_are_stepped_everywhere
 def test_errors_name_the_parameter_and_the_fix():
     full = torch.randn(7, 5)
     lay = RaggedLayout((7, 5), (0, 15, 35))  # rows cut across two ranks
-    p = nn.Parameter(lay.shard(full, 0).clone())
-    set_shard_info(p, ShardInfo.of(fqn="layers.0.w1.weight", shape=(7, 5), spec=elements(1), layout=lay, rank=0))
+    p = make_sharded_param(full, spec=elements(1), layout=lay, fqn="layers.0.w1.weight", rank=0)
     with pytest.raises(ValueError, match=r"layers\.0\.w1\.weight.*\(7, 5\).*world size 2.*blocks=WholeTensorOptimizer\.blocks"):
         WholeTensorOptimizer([p], torch.optim.Adafactor)
     with pytest.raises(ValueError, match="optimizer_class"):
@@ -466,7 +464,7 @@ def test_rebuilt_from_state_dict_at_every_step_equals_the_unsharded_optimizer_re
             if sds[r] is not None:
                 opt.load_state_dict(sds[r])
             for p, g, lay in zip(ps, gs, layouts):
-                p.grad = lay.shard(g, r).clone()
+                p.grad = sharded_grad(p, g)
             opt.step()
             sds[r] = copy.deepcopy(opt.state_dict())
     for i, lay in enumerate(layouts):

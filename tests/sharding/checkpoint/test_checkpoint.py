@@ -35,7 +35,7 @@ from fsdp_optim.sharding.checkpoint import (
     register_state_dict_hooks,
     save_checkpoint,
 )
-from fsdp_optim.sharding._shard_info import shard_info
+from fsdp_optim.sharding import local_shard as shard_info
 
 PAIRS = [(2, 4), (4, 2), (4, 3), (1, 3), (3, 1)]
 
