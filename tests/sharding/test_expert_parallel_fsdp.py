@@ -17,7 +17,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import fsdp_optim
 from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import Muon
-from fsdp_optim.sharding import expert_parallel, expert_parallel_groups, shard_info
+from fsdp_optim.sharding import RaggedDTensor, expert_parallel, expert_parallel_groups, local_shard
 from fsdp_optim.sharding._fully_shard import _STATE
 from tests._models import SwiGLUExperts
 
@@ -83,9 +83,9 @@ def _gathered(module: nn.Module) -> bool:
 def _pieces(model: nn.Module) -> dict[str, tuple[tuple[int, ...], int, torch.Tensor]]:
     """Each parameter's (whole shape, where this rank's piece starts in it, the piece)."""
     return {
-        n: (tuple(i.global_shape), i.global_start, p.detach().clone())
+        n: (tuple(p.shape), p.local_range[0], p.to_local().clone())
         for n, p in model.named_parameters()
-        if (i := shard_info(p)) is not None
+        if isinstance(p, RaggedDTensor)
     }
 
 
@@ -154,18 +154,19 @@ def test_muon_on_experts_is_torch_muon_per_matrix_without_collectives():
         experts = [p for p in model.experts.parameters()]
         refs = []
         for p in experts:
-            info = shard_info(p)
-            assert info.expert is not None and info.expert.ep_size == 2
+            info = local_shard(p)
+            # an expert-parallel weight is one DTensor of its whole [E, ...] shape over the world
+            assert p.shape[0] == model.num_experts and info.world_size == dist.get_world_size()
             for off, r, c in info.owned_matrices():
-                w = nn.Parameter(p.detach()[off - info.start : off - info.start + r * c].view(r, c).clone())
-                w.grad = p.grad[off - info.start : off - info.start + r * c].view(r, c).clone()
+                w = nn.Parameter(p.to_local()[off - info.start : off - info.start + r * c].view(r, c).clone())
+                w.grad = p.grad.to_local()[off - info.start : off - info.start + r * c].view(r, c).clone()
                 refs.append((p, off - info.start, w))
         ref_opt = torch.optim.Muon([w for _, _, w in refs], lr=0.02, momentum=0.9, weight_decay=0.0)
         ref_opt.step()
         opt = Muon(experts, lr=0.02, momentum=0.9, weight_decay=0.0)
         with CommDebugMode() as comm:
             opt.step()
-        equal = all(torch.equal(p.detach()[o : o + w.numel()].view_as(w), w.detach()) for p, o, w in refs)
+        equal = all(torch.equal(p.to_local()[o : o + w.numel()].view_as(w), w.detach()) for p, o, w in refs)
         out = equal, len(refs), comm.get_total_counts()
         del model, opt, ref_opt
         return out

@@ -40,7 +40,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 import fsdp_optim
 from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import Muon, adamw_rule, muon_rule
-from fsdp_optim.sharding import PlanConfig
+from torch.distributed.tensor import Replicate
+
+from fsdp_optim.sharding import PlanConfig, RaggedShard, local_shard, local_tensor
 from fsdp_optim.sharding._fully_shard import _STATE
 from tests._models import assert_close_after_adamw
 from tests.sharding.checkpoint.test_checkpoint import assert_same
@@ -130,8 +132,10 @@ def test_hsdp_training_parity(shape):
             if name == "muon_split":
                 assert any(pl.split for b in plan.buckets for pl in b.placements)
             for p in model.parameters():
-                info = fsdp_optim.shard_info(p)
+                info = local_shard(p)
                 assert info.group is mesh.get_group("shard") and info.rank == mesh.get_local_rank("shard")
+                assert p.device_mesh is mesh and isinstance(p.placements[0], Replicate)
+                assert isinstance(p.placements[1], RaggedShard)
             losses = _train(model, make(model.parameters()), whole_batch=whole_batch, mesh_size=world_size)
             out[name] = losses, fsdp_optim.full_state_dict(model), [b.rank_bounds for b in plan.buckets]
         return out
@@ -298,17 +302,17 @@ CKPT_OPTIMIZERS = {
 def _full_state(model, opt, group):
     """Full parameters and optimizer state (global flat vectors), gathered within ``group`` (the
     shard group: each replica holds a whole copy)."""
-    info_of = {n: fsdp_optim.shard_info(p) for n, p in model.named_parameters()}
+    info_of = {n: local_shard(p) for n, p in model.named_parameters()}
     pieces, scalars = {}, {}
     for name, p in model.named_parameters():
         info = info_of[name]
-        pieces[name] = (p.detach().clone(), info.start, info.numel)
+        pieces[name] = (p.to_local().clone(), info.start, info.numel)
         shards = opt.state_shards(p) if hasattr(opt, "state_shards") else None
         for k, v in opt.state[p].items():
             if shards is not None and k in shards:
                 pieces[f"{name}.{k}"] = (v.detach().reshape(-1).clone(), shards[k].start, shards[k].global_numel)
             elif shards is None and torch.is_tensor(v) and v.ndim > 0:
-                pieces[f"{name}.{k}"] = (v.detach().reshape(-1).clone(), info.start, info.numel)
+                pieces[f"{name}.{k}"] = (local_tensor(v).detach().reshape(-1).clone(), info.start, info.numel)
             else:
                 scalars[f"{name}.{k}"] = v.clone() if torch.is_tensor(v) else v
     n = dist.get_world_size(group) if dist.is_initialized() else 1

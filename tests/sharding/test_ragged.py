@@ -13,9 +13,9 @@ from fsdp_optim.sharding import (
     chunk_bounds,
     elements,
     expert,
-    from_dtensor,
+    RaggedShard,
+    distribute_ragged,
     rows,
-    to_dtensor,
     whole,
 )
 
@@ -75,30 +75,22 @@ def test_chunk_bounds_matches_torch_chunk():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_dtensor_round_trip(world_size):
-    """Ragged row-aligned pieces -> DTensor Shard(0) (torch.chunk layout) -> back, bitwise."""
+def test_dtensor_round_trip_through_torch_row_sharding(world_size):
+    """Every block-aligned layout (rows cut or not) -> torch's Shard(0) (torch.chunk rows) -> back, bitwise."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
 
     shape = (7, 3)
-    layouts = list(block_aligned_splits(shape, rows(1), world_size))[:: max(1, world_size)]
+    layouts = list(block_aligned_splits(shape, elements(2), world_size))[:: max(1, 3 * world_size)]
 
     def fn():
         mesh = init_device_mesh("cpu", (world_size,))
-        rank = dist.get_rank()
         full = torch.arange(21, dtype=torch.float32).reshape(shape)
         for layout in layouts:
-            local = layout.shard(full, rank).clone()
-            dt = to_dtensor(local, layout, mesh)
+            x = distribute_ragged(full, mesh, [RaggedShard(layout)])
+            dt = x.redistribute(placements=[Shard(0)])
             assert torch.equal(dt.full_tensor(), full)
-            assert torch.equal(from_dtensor(dt, layout), local)
-        return True
+            assert torch.equal(distribute_ragged(dt, mesh, [RaggedShard(layout)]).to_local(), x.to_local())
+        return len(layouts)
 
     assert all(run_distributed(fn, world_size=world_size))
-
-
-def test_dtensor_needs_row_alignment():
-    class _Mesh:
-        pass
-
-    with pytest.raises(ValueError, match="row-aligned"):
-        to_dtensor(torch.zeros(1), RaggedLayout((2, 2), (0, 1, 4)), _Mesh())

@@ -197,6 +197,8 @@ def _local_state(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, key: str, 
     ``RaggedDTensor`` of this layout, the range of a full tensor (``get_optimizer_state_dict(
     full_state_dict=True)``'s), a local piece as it is."""
     current = opt.state.get(p, {}).get(key)
+    if isinstance(current, RaggedDTensor):  # a torch optimizer's state: a DTensor as the state dict's
+        return v
     kind, where = state_kinds(opt, p, f"param {i}").get(key, (None, None))
     if isinstance(v, DTensor) and all(isinstance(pl, Replicate) for pl in v.placements):
         v = v.to_local()

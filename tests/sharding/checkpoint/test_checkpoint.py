@@ -23,12 +23,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import fsdp_optim
-from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed
-from fsdp_optim.sharding import RaggedLayout, elements
+from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed, sharded_grad
+from fsdp_optim.sharding import RaggedDTensor, RaggedLayout, elements, local_tensor
 from fsdp_optim.sharding.checkpoint import (
     MANIFEST,
-    FlatShardTensor,
-    flat_range_boxes,
     load_checkpoint,
     load_full_state_dict,
     register_optimizer_hooks,
@@ -36,6 +34,7 @@ from fsdp_optim.sharding.checkpoint import (
     save_checkpoint,
 )
 from fsdp_optim.sharding import local_shard as shard_info
+from fsdp_optim.sharding.plan import flat_range_boxes
 
 PAIRS = [(2, 4), (4, 2), (4, 3), (1, 3), (3, 1)]
 
@@ -120,7 +119,7 @@ def build_sharded(full: dict[str, torch.Tensor], rule, seed: int) -> nn.Module:
 def gather_pieces(pieces: dict[str, tuple[torch.Tensor, int, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
     """``{key: (flat local piece, start, global shape)}`` -> full tensors on every rank, in one
     collective (the pieces of every rank must tile each tensor)."""
-    mine = {k: (t.detach().reshape(-1).clone(), s, tuple(shape)) for k, (t, s, shape) in pieces.items()}
+    mine = {k: (local_tensor(t).detach().reshape(-1).clone(), s, tuple(shape)) for k, (t, s, shape) in pieces.items()}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     out = {}
@@ -153,6 +152,8 @@ def full_optim_state(model: nn.Module, opt) -> dict[str, torch.Tensor | float]:
         for k, v in opt.state[p].items():
             if shards is not None and k in shards:
                 pieces[f"{name}.{k}"] = (v, shards[k].start, (shards[k].global_numel,))
+            elif shards is None and isinstance(v, RaggedDTensor):  # a torch optimizer's (the parameter's layout)
+                pieces[f"{name}.{k}"] = (v, info.start, (info.numel,))
             elif shards is None and torch.is_tensor(v) and v.ndim > 0:
                 pieces[f"{name}.{k}"] = (v, info.start, (info.numel,))
             else:
@@ -163,9 +164,7 @@ def full_optim_state(model: nn.Module, opt) -> dict[str, torch.Tensor | float]:
 def random_grads(model: nn.Module, gen: torch.Generator | None = None) -> None:
     """Each rank's slice of one global random gradient (same full gradient for every W)."""
     for p in model.parameters():
-        info = shard_info(p)
-        g = torch.randn(info.shape, generator=gen).reshape(-1)
-        p.grad = g[info.start : info.end].clone()
+        p.grad = sharded_grad(p, torch.randn(tuple(p.shape), generator=gen))
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -241,12 +240,12 @@ def test_plain_dcp_on_hooked_state_dicts(tmp_path):
         random_grads(m, torch.Generator().manual_seed(2))
         opt.step()
         msd = m.state_dict()
-        assert isinstance(msd["layers.0.w1.weight"], FlatShardTensor)
+        assert isinstance(msd["layers.0.w1.weight"], RaggedDTensor)
         assert tuple(msd["layers.0.w1.weight"].shape) == SHAPES["layers.0.w1.weight"]
-        assert isinstance(opt.state_dict()["state"][0]["exp_avg"], FlatShardTensor)
+        assert isinstance(opt.state_dict()["state"][0]["exp_avg"], RaggedDTensor)
         w1 = msd["layers.0.w1.weight"]
-        assert torch.equal(w1.full_tensor(), full_params(m)["layers.0.w1.weight"])  # the wrapper gathers too
-        assert torch.equal(w1.clone().to_local(), getattr(m.layers, "0").w1.weight.detach())
+        assert torch.equal(w1.full_tensor(), full_params(m)["layers.0.w1.weight"])  # the DTensor gathers too
+        assert torch.equal(w1.clone().to_local(), getattr(m.layers, "0").w1.weight.to_local())
         dcp.save({"model": msd, "optim": opt.state_dict()}, checkpoint_id=ck)
         return full_params(m), full_optim_state(m, opt)
 
@@ -343,14 +342,14 @@ def _expect_error_on_every_rank(world_size, make, match, strict=True):
 
     def fn():
         m, opt, ck = make()
-        before = {k: v.detach().clone() for k, v in m.named_parameters()}
+        before = {k: local_tensor(v).detach().clone() for k, v in m.named_parameters()}
         try:
             load_checkpoint(ck, model=m, optimizer=opt, strict=strict)
         except Exception as e:  # noqa: BLE001
             msg = f"{type(e).__name__}: {e}"
         else:
             msg = "no error"
-        untouched = all(torch.equal(before[k], v) for k, v in m.named_parameters())
+        untouched = all(torch.equal(before[k], local_tensor(v)) for k, v in m.named_parameters())
         return msg, untouched
 
     import re
@@ -669,7 +668,7 @@ def test_load_state_dict_refuses_a_plain_tensor_of_another_global_shape():
         torch.manual_seed(0)
         m = nn.Sequential(nn.RMSNorm(52))
         fsdp_optim.fully_shard(m)
-        local = tuple(m[0].weight.shape)
+        local = tuple(m[0].weight.to_local().shape)
         before = fsdp_optim.full_state_dict(m)["0.weight"].clone()
         other = {"0.weight": torch.randn(local)}
         for strict in (True, False):
@@ -1005,8 +1004,8 @@ def test_state_dicts_are_dcp_ready_under_fully_shard(tmp_path):
             with torch.no_grad():
                 model(x)  # leaves the root's bucket gathered: state_dict() must reshard first
             sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-            assert isinstance(sd["model"]["embed.weight"], FlatShardTensor)
-            assert isinstance(sd["model"]["output.weight"], FlatShardTensor)  # tied: under both names
+            assert isinstance(sd["model"]["embed.weight"], RaggedDTensor)
+            assert isinstance(sd["model"]["output.weight"], RaggedDTensor)  # tied: under both names
             dcp.save(sd, checkpoint_id=str(tmp_path / name))
             out[name] = full_state(model, opt)
         return out
@@ -1075,30 +1074,7 @@ def test_interoperates_with_fsdp2_checkpoints(tmp_path):
         assert_same(fsdp2_full, mine)
 
 
-# ---- the wrapper itself, and use without a process group ---------------------------------------------
-def test_flat_shard_tensor_basics():
-    import copy
-    import io
-
-    local = torch.arange(5.0)
-    x = FlatShardTensor(local, shape=(3, 4), start=3)
-    assert x.shape == (3, 4) and x.local_range == (3, 8) and x.to_local().data_ptr() == local.data_ptr()
-    y = copy.deepcopy(x)
-    assert torch.equal(y.to_local(), local) and y.to_local().data_ptr() != local.data_ptr()
-    buf = io.BytesIO()
-    torch.save({"w": x}, buf)
-    buf.seek(0)
-    z = torch.load(buf, weights_only=False)["w"]
-    assert isinstance(z, FlatShardTensor) and z.local_range == (3, 8) and torch.equal(z.to_local(), local)
-    assert x.to(torch.float64).to_local().dtype == torch.float64
-    with pytest.raises(NotImplementedError, match="use .to_local"):
-        x + 1
-    with pytest.raises(ValueError, match="contiguous"):
-        FlatShardTensor(torch.zeros(4, 2).t(), shape=(8,), start=0)
-    with pytest.raises(ValueError, match="outside"):
-        FlatShardTensor(local, shape=(2, 3), start=3)
-
-
+# ---- use without a process group ---------------------------------------------------------------------
 def test_single_process_plain_module(tmp_path):
     """No process group, no sharding: a plain DCP checkpoint with the same API."""
     torch.manual_seed(0)
