@@ -121,12 +121,13 @@ def test_layout_math_is_pure():
         assert not outside, f"{name} imports {sorted(outside)} from outside sharding/plan"
 
 
-# The public names as of the layout change (issue #28): each must keep working.
+# The public names as of the DTensor parameters (issue #34; ShardInfo / shard_info / global_shape /
+# to_dtensor / from_dtensor went with the flat parameters they described): each must keep working.
 _PUBLIC = {
     "fsdp_optim": [
-        "Float8AllGather", "MixedPrecisionPolicy", "ShardInfo", "ShardedModule", "clip_grad_norm_", "export_hf",
-        "full_state_dict", "fully_shard", "global_shape", "init_weights", "load_checkpoint", "load_full_state_dict",
-        "load_hf", "param_groups", "save_checkpoint", "shard_info", "sharded_plan", "sharding",
+        "Float8AllGather", "MixedPrecisionPolicy", "ShardedModule", "clip_grad_norm_", "export_hf",
+        "full_state_dict", "fully_shard", "init_weights", "load_checkpoint", "load_full_state_dict",
+        "load_hf", "param_groups", "save_checkpoint", "sharded_plan", "sharding",
     ],
     "fsdp_optim.optimizers": [
         "AdamW", "AdamW4bit", "AdamW8bit", "Muon", "SOAP", "Shampoo", "WholeTensorOptimizer", "adamw8bit_rule",
@@ -135,8 +136,9 @@ _PUBLIC = {
     "fsdp_optim.sharding": [
         "BlockKind", "BlockRule", "BlockSpec", "BucketPlan", "CollectiveHandle", "DistributedBuffer", "Float8AllGather",
         "Layout", "Placement", "Plan", "PlanConfig", "PlanStats", "RaggedLayout", "TensorSpec", "block_aligned_splits",
-        "chunk_bounds", "default_rule", "dequantize_blockwise", "elements", "expert", "from_dtensor", "heads",
-        "plan_model", "quantize_blockwise", "rows", "tensor_cost", "to_dtensor", "whole",
+        "chunk_bounds", "default_rule", "dequantize_blockwise", "distribute_ragged", "elements", "expert", "heads",
+        "LocalShard", "local_shard", "local_tensor", "plan_model", "quantize_blockwise", "RaggedDTensor", "RaggedShard",
+        "rows", "tensor_cost", "whole",
     ],
 }
 

@@ -34,23 +34,30 @@ def moe_train(out, *args, steps=4, world_size=4, base=MOE):
 
 
 def test_ep_splits_the_experts_whole():
-    # shard_model with ep = 2 at W = 4: each rank holds 4 of the 8 experts of every layer (whole
-    # matrices), the replicas {r, r + 2} hold the same ones; the dense part is sharded over all 4.
+    # shard_model with ep = 2 at W = 4: EP rank e (ranks {e, e + 2}) owns 4 of the 8 experts of every layer,
+    # and those two ranks shard them (whole matrices each); the weight is one DTensor of its whole
+    # [8, 32, 32] shape, so each rank's range lies inside its EP rank's experts.
     def fn():
         import torch.distributed as dist
 
-        from fsdp_optim.sharding import shard_info
+        from fsdp_optim.sharding import RaggedDTensor
         from model import build_model
 
         cfg = load_config(CONFIGS / "moe-tiny.toml", ["model.dim=32", "model.moe_ffn_dim=32", "model.vocab_size=260"])
         torch.manual_seed(0)
         model = build_model(cfg.model)
         pretrain.shard_model(model, "fsdp_optim", "muon", torch.float32, ep=2)
-        info = shard_info(model.layers[0].feed_forward.experts.w1)
-        return dist.get_rank(), info.expert.first_expert, info.expert.num_local_experts, tuple(info.global_shape)
+        w1 = model.layers[0].feed_forward.experts.w1
+        assert isinstance(w1, RaggedDTensor)
+        a, b = w1.local_range
+        row = 32 * 32
+        return dist.get_rank(), tuple(w1.shape), a % row == 0 and b % row == 0, (a // row, b // row)
 
     got = run_distributed(fn, world_size=4, timeout=120)
-    assert got == [(0, 0, 4, (8, 32, 32)), (1, 4, 4, (8, 32, 32)), (2, 0, 4, (8, 32, 32)), (3, 4, 4, (8, 32, 32))]
+    assert all(shape == (8, 32, 32) and whole for _, shape, whole, _ in got)
+    experts = {r: set(range(*span)) for r, _, _, span in got}
+    assert experts[0] | experts[2] == set(range(4)) and not experts[0] & experts[2]
+    assert experts[1] | experts[3] == set(range(4, 8)) and not experts[1] & experts[3]
 
 
 def test_ep_1_2_4_give_the_same_losses(tmp_path):
