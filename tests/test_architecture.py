@@ -189,3 +189,13 @@ def test_every_name_the_docs_use_imports():
                 bad.append(dotted)
                 break
     assert not bad, f"names in the README/docs/examples that do not import: {bad}"
+
+
+MAX_MODULE_LINES = 1000
+
+
+def test_every_module_is_under_1000_lines():
+    """One concept per file (docs/architecture.md): a module of 1,000 lines or more is two concepts; split it
+    (by concept, not by squashing lines)."""
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) >= MAX_MODULE_LINES}
+    assert not long, f"modules of >= {MAX_MODULE_LINES} lines (split them): {long}"

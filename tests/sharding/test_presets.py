@@ -21,6 +21,8 @@ from fsdp_optim._cli import optimizer_balance, optimizer_rule
 from fsdp_optim.sharding import Layout, PlanConfig, plan_model
 from fsdp_optim.sharding.plan import PRESETS, preset_buckets, preset_names, preset_shapes
 
+from .test_planner import packing_budget
+
 SHAPES_JSON = Path(__file__).resolve().parents[1] / "data" / "model_shapes.json"
 JSON_NAMES = {
     "llama3-8b": "Llama-3.1-8B",
@@ -92,16 +94,14 @@ def test_moe_experts_are_stacked_with_expert_blocks():
 
 # ---- the planner on every preset (issue 2, "Must show") -------------------------------------
 def _plan(name, optimizer, world_size, layout="auto", balance="auto"):
-    """The plan; on this shared 2-core machine a wall-clock spike is retried once (best of two)."""
+    """The plan, its work within the planner's budget (packings tried, not seconds: the seconds are
+    ``benchmarks/planner_scale.py``'s)."""
     buckets = preset_buckets(name, rule=optimizer_rule(optimizer))
     config = PlanConfig(layout=layout, balance=balance)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # balance="whole" above the cap (tested in test_planner.py)
         plan = plan_model(buckets, world_size=world_size, config=config)
-        again = plan_model(buckets, world_size=world_size, config=config) if plan.seconds > 1.0 else plan
-    if again is not plan:
-        assert again == plan
-        plan = again if again.seconds < plan.seconds else plan
+    assert 0 < plan.packings <= packing_budget(plan), (name, optimizer, world_size, plan.packings)
     return plan
 
 
@@ -111,7 +111,6 @@ def test_elementwise_optimizers_balance_at_every_scale(name, optimizer):
     for w in (8, 64, 1024, 16384):
         plan = _plan(name, optimizer, w)
         st = plan.stats()
-        assert st.plan_seconds <= 1.0, (w, st)
         assert st.padding_ratio <= 0.02, (w, st)
         assert st.bytes_max_over_mean <= 1.02, (w, st)
         assert st.num_split_blocks == 0
@@ -123,7 +122,6 @@ def test_block_optimizers_keep_blocks_whole_and_balance(name, optimizer):
     for w in (8, 64):
         plan = _plan(name, optimizer, w)
         st = plan.stats()
-        assert st.plan_seconds <= 1.0, (w, st)
         assert st.padding_ratio <= 0.02, (w, st)
         assert st.num_split_blocks == 0, (w, st)
         assert st.bytes_max_over_mean <= 1.10, (w, st)
@@ -133,13 +131,12 @@ def test_block_optimizers_keep_blocks_whole_and_balance(name, optimizer):
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "shampoo"])
-def test_large_world_planning_time_and_lower_bound(optimizer):
+def test_large_world_planning_work_and_lower_bound(optimizer):
     """At W = 16384 whole blocks of dense models cannot balance; the plan stays within one
-    largest block of the mean (bytes/mean <= lower bound + 1) and plans in under a second."""
+    largest block of the mean (bytes/mean <= lower bound + 1), its work within the packing budget."""
     for name in ("llama3-405b", "kimi-k2"):
         plan = _plan(name, optimizer, 16384, layout="ragged", balance="whole")
         st = plan.stats()
-        assert st.plan_seconds <= 1.0
         assert st.padding_ratio == 0 and st.num_split_blocks == 0
         assert st.bytes_lower_bound <= st.bytes_max_over_mean <= st.bytes_lower_bound + 1.0
         assert all(b.layout is Layout.RAGGED for b in plan.buckets)
@@ -150,12 +147,12 @@ def test_large_world_planning_time_and_lower_bound(optimizer):
 def test_default_plan_balances_at_every_scale(name):
     """Issue 27: Muon's and Shampoo's default plans hold the busiest rank within 1.10 x the mean
     parameter bytes at every W (main: up to 119.9 at W = 16384 for Muon, 29.95 for Shampoo), splitting
-    matrices / strips only where whole ones miss the cap, in under a second."""
+    matrices / strips only where whole ones miss the cap, within the packing budget."""
     assert optimizer_balance("shampoo") == "auto" and optimizer_balance("muon") == "auto"
     for optimizer in ("muon", "shampoo"):
         for w in (64, 256, 1024, 4096, 16384):
             st = _plan(name, optimizer, w).stats()
-            assert st.balance_ratio <= 1.10 and st.plan_seconds <= 1.0, (optimizer, w, st)
+            assert st.balance_ratio <= 1.10, (optimizer, w, st)
             if st.num_split_blocks:
                 # only where whole blocks could not: the whole plan misses the cap
                 assert _plan(name, optimizer, w, balance="whole").stats().balance_ratio > 1.10, (optimizer, w, st)

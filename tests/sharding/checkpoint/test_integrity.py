@@ -483,8 +483,8 @@ def test_numpy_scalars_in_param_groups_are_saved_as_python_numbers(tmp_path):
 def test_a_call_not_entered_by_every_rank_fails_in_bounded_time(saved, tmp_path, monkeypatch, call):
     """[Note: every rank calls it]: rank 0 alone calls it; it raises within the timeout (``timeout=`` for
     the save, the environment variable for the load), naming the missing rank and the rule, and leaves
-    no ``<path>.tmp``. Before: it waited for the process group's timeout and left ``<path>.tmp``."""
-    import time
+    no ``<path>.tmp``. Before: it waited for the process group's timeout and left ``<path>.tmp``. The bound
+    is the harness's ``timeout=60`` (a hang fails there); no duration is asserted (a busy machine is slow)."""
 
     monkeypatch.setenv("FSDP_OPTIM_CHECKPOINT_TIMEOUT", "3")
     out = tmp_path / "out"
@@ -495,17 +495,15 @@ def test_a_call_not_entered_by_every_rank_fails_in_bounded_time(saved, tmp_path,
         if dist.get_rank() != 0:
             return None
         what = f"{call}_checkpoint"
-        start = time.monotonic()
         with pytest.raises(TimeoutError, match=rf"rank\(s\) \[1\] of 2 did not call {what} within 3 s; every rank must "
                                                "call it"):
             if call == "save":
                 fsdp_optim.save_checkpoint(out / "ckpt", model=model, optimizer=opt, timeout=3)
             else:
                 fsdp_optim.load_checkpoint(saved, model=model, optimizer=opt)
-        return time.monotonic() - start, sorted(os.listdir(out))
+        return sorted(os.listdir(out))
 
-    took, left = run_distributed(fn, world_size=2, timeout=60)[0]
-    assert 3 <= took < 20 and left == []
+    assert run_distributed(fn, world_size=2, timeout=60)[0] == []
 
 
 def test_a_full_disk_is_named_as_such(tmp_path):
