@@ -1,7 +1,7 @@
 """The recipe's MoE training step under expert parallelism: ``parallel.ep`` = 1 vs 2 vs 4 at W = 4.
 
 One launch of W = 4 forked gloo ranks, 1 thread each. ``recipes/configs/moe-tiny.toml`` (Muon, 8
-experts, top-2, fp32 on CPU, the embedded corpus), built, sharded and optimized by the recipe's own
+experts, top-2, fp32 on CPU, the recipes' corpus), built, sharded and optimized by the recipe's own
 ``shard_model`` / ``build_optimizer`` / ``clip_grads`` for each ep (one model per ep, same seed), the
 three trained side by side on the same batches, one step of each in turn (so a load spike on the
 shared cores hits all three). Per ep:

@@ -1,7 +1,7 @@
 """The optimizer's share of a recipe training step: AdamW, Muon, Shampoo and SOAP on the recipe's model.
 
 One launch of W (default 2) forked gloo ranks, 1 thread each. The default recipe config
-(``recipes/config.py``: the tiny Llama, bf16 compute, the embedded corpus's tokenizer vocabulary),
+(``recipes/config.py``: the tiny Llama, bf16 compute, the recipes' corpus's tokenizer vocabulary),
 sharded as ``recipes/pretrain.py`` shards it with each optimizer's block rule, the recipe's
 optimizer settings (Shampoo: Adam grafting; SOAP: ``block_size`` = the recipe's
 ``max_preconditioner_dim``, its precondition frequency). Per optimizer: forward + backward and
