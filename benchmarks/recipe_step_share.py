@@ -41,7 +41,7 @@ def _build(name: str, cfg, world: int):
     from fsdp_optim import optimizers
 
     from model import build_model
-    from pretrain import build_optimizer, shard_model
+    from _backend import build_optimizer, shard_model
 
     torch.manual_seed(0)
     model = build_model(cfg.model)
@@ -65,7 +65,7 @@ def _build(name: str, cfg, world: int):
 def _run(a):
     from config import load_config
 
-    from pretrain import load_data
+    from _checks import load_data
 
     torch.set_num_threads(1)
     world = dist.get_world_size()

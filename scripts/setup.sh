@@ -32,7 +32,10 @@ while todo:  # the dev extra and every extra it names as fsdp_optim[...]
             else:
                 reqs.append(r)
 names = [re.split(r"[<>=!~ \[]", r, maxsplit=1)[0] for r in reqs if ";" not in r]
-spec = importlib.util.find_spec("fsdp_optim")  # found, not imported: this check takes milliseconds
+# Where the recipes and tests will import it from, not this folder's copy (python - puts the current
+# folder first on sys.path; recipes/pretrain.py runs from recipes/): found, not imported (milliseconds).
+sys.path = [p for p in sys.path if p != ""]
+spec = importlib.util.find_spec("fsdp_optim")
 ours = spec is not None and os.path.samefile(os.path.dirname(spec.origin), "fsdp_optim")
 sys.exit(0 if ours and all(importlib.util.find_spec(n.lower().replace("-", "_")) for n in names) else 1)
 PYEOF
