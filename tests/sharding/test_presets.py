@@ -195,6 +195,32 @@ def test_suggest_mesh_on_presets():
     assert all(not c.planned for c in t.candidates if c.shard_size <= 16)
 
 
+def test_moe_presets_carry_their_router_top_k():
+    for name in JSON_NAMES:
+        config = _table(name)["config"]
+        assert PRESETS[name].num_experts_per_tok == config.get("num_experts_per_tok", 0), name
+
+
+def test_suggest_mesh_finds_expert_parallel_shapes_for_moe_presets():
+    """[Note: expert-parallel candidates]: Kimi-K2 at W = 1024 fits 80 GB only with expert parallelism; the
+    chosen candidate's memory is the busiest rank of the dense plan (over W) plus its experts' segment of the
+    expert plan (over W / ep), and a memory that nothing fits names both kinds of shape."""
+    from fsdp_optim.optimizers import muon_rule
+    from fsdp_optim.sharding.plan import suggest_mesh
+    from fsdp_optim.sharding.plan._suggest import _ep_buckets
+
+    s = suggest_mesh(model="kimi-k2", world_size=1024, rule=muon_rule(), memory_per_rank=80e9)
+    assert s.ep > 1 and s.expert_plan is not None and s.plan.world_size == 1024 and s.expert_plan.world_size == 1024 // s.ep
+    assert all(not c.fits for c in s.candidates if c.ep == 1) and s.max_rank_bytes <= 80e9
+    dense, experts = _ep_buckets("kimi-k2", s.ep, muon_rule(), 4)
+    assert sum(ts.numel for _, b in experts for ts in b) == 60 * 3 * -(-384 // s.ep) * 2048 * 7168  # 60 MoE layers
+    assert not any(".mlp.experts." in ts.name for _, b in dense for ts in b)
+    with pytest.raises(ValueError, match="fits no HSDP shape or expert-parallel degree of world size 64"):
+        suggest_mesh(model="kimi-k2", world_size=64, rule=muon_rule(), memory_per_rank=80e9)
+    dense_only = suggest_mesh(model="llama3-8b", world_size=64, rule=muon_rule(), memory_per_rank=80e9)
+    assert dense_only.ep == 1 and dense_only.expert_plan is None
+
+
 def test_suggest_mesh_on_a_module_and_errors():
     import torch
     from torch import nn
