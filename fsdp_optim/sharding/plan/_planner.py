@@ -56,18 +56,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._work import count_packing, counting
-from ._cost import _cost_profile, _cum_cost, _UniformCost, tensor_cost
 from ._even import _EvenResult, _plan_even
 from ._geom import _Geom, _quantum
 from ._plan import BucketPlan, Layout, Placement, Plan, PlanConfig, TensorSpec
+from ._cost import _cost_profile, _cum_cost, _UniformCost, tensor_cost
 from ._pour import pour_ragged
 from ._ragged import RaggedShard
 from ._report import PlanStats, block_sizes, plan_report, plan_stats, whole_block_bound
 from ._stream import _balance_ragged, _max_rank_cost
+from ._work import count_packing, counting
 
 __all__ = ["plan_model", "tensor_cost", "PlanStats", "plan_stats", "plan_report"]  # the last three re-exported from _report
-
 
 # Placements keep their RaggedShard bounds as plain tuples up to this world size; above it the
 # bounds are a lazy view of the bucket's rank bounds (W * num_tensors Python ints would take
