@@ -19,7 +19,7 @@ one table), ``_checkpointing`` (the run folder and its checkpoints), ``_logging`
 the loss plot); ``config``, ``data`` and ``model`` as before.
 """
 
-# ruff: noqa: E402  (the imports after the requirements check)
+# ruff: noqa: E402
 from __future__ import annotations
 
 import gc
@@ -33,11 +33,12 @@ import time
 from pathlib import Path
 
 # The recipes' own requirements, beyond the library's (pyproject.toml's [recipes] extra): one line if one
-# is missing, before the imports below need them.
+# is missing, before the imports below need them (hence the file-wide E402 above).
 _MISSING = [m for m in ("einops", "tqdm", "matplotlib") if importlib.util.find_spec(m) is None]
 if _MISSING:
-    sys.exit(f"error: the recipes need {', '.join(_MISSING)} (not requirements of the fsdp_optim library): "
-             "pip install -e '.[recipes]'")
+    print(f"error: the recipes need {', '.join(_MISSING)} (not requirements of the fsdp_optim library): "
+          "pip install -e '.[recipes]'", file=sys.stderr)
+    sys.exit(2)
 
 import torch
 import torch.distributed as dist

@@ -215,6 +215,12 @@ def test_suggest_mesh_finds_expert_parallel_shapes_for_moe_presets():
     dense, experts = _ep_buckets("kimi-k2", s.ep, muon_rule(), 4)
     assert sum(ts.numel for _, b in experts for ts in b) == 60 * 3 * -(-384 // s.ep) * 2048 * 7168  # 60 MoE layers
     assert not any(".mlp.experts." in ts.name for _, b in dense for ts in b)
+    # rank r: its dense segments (16 B per element) + segment r // ep of the expert plan + 2 gathered buckets (6 B)
+    import numpy as np
+
+    elems = [sum(np.diff(np.asarray(b.rank_bounds, dtype=np.int64)) for b in p.buckets) for p in (s.plan, s.expert_plan)]
+    gathered = 2 * 6 * sum(max(sum(ts.numel for ts in b) for _, b in part) for part in (dense, experts))
+    assert s.max_rank_bytes == int(float(np.max(16.0 * elems[0] + 16.0 * elems[1][np.arange(1024) // s.ep])) + gathered)
     with pytest.raises(ValueError, match="fits no HSDP shape or expert-parallel degree of world size 64"):
         suggest_mesh(model="kimi-k2", world_size=64, rule=muon_rule(), memory_per_rank=80e9)
     dense_only = suggest_mesh(model="llama3-8b", world_size=64, rule=muon_rule(), memory_per_rank=80e9)

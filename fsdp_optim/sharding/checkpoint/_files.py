@@ -266,7 +266,6 @@ def unlock_save(path: str, fd: int) -> None:
         os.close(fd)  # (closing releases the flock)
 
 
-
 def free_bytes(folder: str) -> int | None:
     """Bytes an unprivileged writer may still use on ``folder``'s file system; None if unknown."""
     try:
