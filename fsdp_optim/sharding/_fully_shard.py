@@ -100,9 +100,9 @@ def fully_shard(
     See the module docstring for the root rule.
     """
     modules = _as_modules(module)
-    mp_policy = as_mp_policy(mp_policy)
+    mp_policy = as_mp_policy(mp_policy)  # ours, or FSDP2's with the same meaning
     check_offload_policy(offload_policy)
-    _check_arguments(blocks, reshard_after_forward, plan_config, fp8_all_gather)
+    _check_arguments(blocks, reshard_after_forward, mp_policy, plan_config, fp8_all_gather)
     group, rank, world_size, device, replicate_group, num_replicas = _resolve_mesh(mesh)
     for m in modules:
         existing = getattr(m, _STATE, None)
@@ -190,10 +190,13 @@ def _is_experts(modules: tuple[nn.Module, ...]) -> bool:
 def _check_arguments(
     blocks: Any,
     reshard_after_forward: Any,
+    mp_policy: Any,
     plan_config: Any,
     fp8_all_gather: Any,
 ) -> None:
     """The arguments' types (a user error names the argument and what it takes)."""
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(f"mp_policy must be a MixedPrecisionPolicy or None, got {type(mp_policy).__name__}")
     if plan_config is not None and not isinstance(plan_config, PlanConfig):
         raise ValueError(f"plan_config must be a PlanConfig or None, got {type(plan_config).__name__}")
     if fp8_all_gather is not None and not isinstance(fp8_all_gather, Float8AllGather):
