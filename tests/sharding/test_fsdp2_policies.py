@@ -81,16 +81,19 @@ def test_a_wrong_mp_policy_names_both_classes_apart():
 
 
 def test_offload_policy_none_or_no_offload_is_accepted_cpu_offload_refused():
-    fsdp_optim.fully_shard(_new_model(), offload_policy=torch_fsdp.OffloadPolicy())
-    fsdp_optim.fully_shard(_new_model(), offload_policy=None)
-    model = _new_model()
-    with pytest.raises(ValueError, match=r"^offload_policy=torch\.distributed\.fsdp\.CPUOffloadPolicy\(pin_memory=True\): "
-                                         r"fsdp_optim does not offload to CPU .*drop offload_policy, or pass "
-                                         r"torch\.distributed\.fsdp\.OffloadPolicy\(\) \(no offload\)$"):
-        fsdp_optim.fully_shard(model, offload_policy=torch_fsdp.CPUOffloadPolicy())
-    fsdp_optim.fully_shard(model)  # the refused call left no trace
-    with pytest.raises(ValueError, match=r"^offload_policy must be None or torch\.distributed\.fsdp\.OffloadPolicy\(\)"):
-        fsdp_optim.fully_shard(_new_model(), offload_policy="cpu")
+    def fn():  # (in a process group: fully_shard may need one even for a single rank)
+        fsdp_optim.fully_shard(_new_model(), offload_policy=torch_fsdp.OffloadPolicy())
+        fsdp_optim.fully_shard(_new_model(), offload_policy=None)
+        model = _new_model()
+        with pytest.raises(ValueError, match=r"^offload_policy=torch\.distributed\.fsdp\.CPUOffloadPolicy\(pin_memory=True\): "
+                                             r"fsdp_optim does not offload to CPU .*drop offload_policy, or pass "
+                                             r"torch\.distributed\.fsdp\.OffloadPolicy\(\) \(no offload\)$"):
+            fsdp_optim.fully_shard(model, offload_policy=torch_fsdp.CPUOffloadPolicy())
+        fsdp_optim.fully_shard(model)  # the refused call left no trace
+        with pytest.raises(ValueError, match=r"^offload_policy must be None or torch\.distributed\.fsdp\.OffloadPolicy\(\)"):
+            fsdp_optim.fully_shard(_new_model(), offload_policy="cpu")
+
+    run_distributed(fn, world_size=1)
 
 
 def test_refusals_raise_on_every_rank():
