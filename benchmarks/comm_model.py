@@ -448,9 +448,9 @@ EP_WORLD_SIZES = (1024, 16384)
 EP_TOKENS_PER_STEP = 16 * 2**20
 """Global batch per step in tokens (16M, DeepSeek-V3's final batch size was 15360 x 4096 = 63M tokens;
 Llama 3 405B's 16M); per-rank tokens = this / W."""
-TOP_K = {"qwen3-235b-a22b": 8, "deepseek-v3": 8, "kimi-k2": 8, "gpt-oss-120b": 4}
-"""Routed experts per token: ``num_experts_per_tok`` of the official configs (gpt-oss:
-``experts_per_token``), as collected in tests/data/model_shapes.json (the presets carry no router width)."""
+TOP_K = {name: p.num_experts_per_tok for name, p in PRESETS.items() if p.is_moe}
+"""Routed experts per token: ``ModelPreset.num_experts_per_tok``, the official configs' (gpt-oss:
+``experts_per_token``), as collected in tests/data/model_shapes.json."""
 EP_SCHEMES = ("ours", "ep_distmuon", "fsdp2_no_ep")
 EP_LABELS = {
     "ours": "ours (EP + our plans, local Muon)",

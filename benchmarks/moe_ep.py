@@ -1,8 +1,8 @@
 """The recipe's MoE training step under expert parallelism: ``parallel.ep`` = 1 vs 2 vs 4 at W = 4.
 
 One launch of W = 4 forked gloo ranks, 1 thread each. ``recipes/configs/moe-tiny.toml`` (Muon, 8
-experts, top-2, fp32 on CPU, the embedded corpus), built, sharded and optimized by the recipe's own
-``shard_model`` / ``build_optimizer`` / ``clip_grads`` for each ep (one model per ep, same seed), the
+experts, top-2, fp32 on CPU, the recipes' corpus), built, sharded and optimized by the recipe's own
+``shard_model`` / ``build_optimizer`` / ``Backend.clip_grads`` for each ep (one model per ep, same seed), the
 three trained side by side on the same batches, one step of each in turn (so a load spike on the
 shared cores hits all three). Per ep:
 
@@ -51,7 +51,7 @@ EPS = (1, 2, 4)
 
 def _build(cfg, ep: int):
     from model import build_model
-    from pretrain import build_optimizer, shard_model
+    from _backend import build_optimizer, shard_model
 
     cfg.parallel.ep = ep
     torch.manual_seed(cfg.train.seed)
@@ -68,7 +68,8 @@ def _run(a):
     from config import load_config
     from data import Sampler
     from fsdp_optim.sharding._grouped_mm import count_grouped_mm
-    from pretrain import clip_grads, load_data
+    from _backend import BACKENDS
+    from _checks import load_data
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -88,7 +89,7 @@ def _run(a):
                 logits = model(x)
             ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             (ce + cfg.model.moe_aux_loss * model.aux_loss()).backward()
-            clip_grads(model, cfg.train.grad_clip, "fsdp_optim")
+            BACKENDS["fsdp_optim"].clip_grads(model, cfg.train.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             t1 = time.perf_counter()

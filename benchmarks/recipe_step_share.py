@@ -1,7 +1,7 @@
 """The optimizer's share of a recipe training step: AdamW, Muon, Shampoo and SOAP on the recipe's model.
 
 One launch of W (default 2) forked gloo ranks, 1 thread each. The default recipe config
-(``recipes/config.py``: the tiny Llama, bf16 compute, the embedded corpus's tokenizer vocabulary),
+(``recipes/config.py``: the tiny Llama, bf16 compute, the recipes' corpus's tokenizer vocabulary),
 sharded as ``recipes/pretrain.py`` shards it with each optimizer's block rule, the recipe's
 optimizer settings (Shampoo: Adam grafting; SOAP: ``block_size`` = the recipe's
 ``max_preconditioner_dim``, its precondition frequency). Per optimizer: forward + backward and
@@ -41,7 +41,7 @@ def _build(name: str, cfg, world: int):
     from fsdp_optim import optimizers
 
     from model import build_model
-    from pretrain import build_optimizer, shard_model
+    from _backend import build_optimizer, shard_model
 
     torch.manual_seed(0)
     model = build_model(cfg.model)
@@ -65,7 +65,7 @@ def _build(name: str, cfg, world: int):
 def _run(a):
     from config import load_config
 
-    from pretrain import load_data
+    from _checks import load_data
 
     torch.set_num_threads(1)
     world = dist.get_world_size()

@@ -80,10 +80,14 @@ def _add_plan(sub) -> None:
                    help="ragged buckets on the wire (as PlanConfig.wire; auto: the alpha-beta model on NCCL)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.add_argument("--suggest", action="store_true",
-                   help="choose the HSDP shape (replicas x shard size) with the least modeled step time whose busiest "
-                   "rank fits --memory-per-rank, and print every candidate's figures (suggest_mesh)")
+                   help="choose the HSDP shape (replicas x shard size), and for an MoE model the expert-parallel degree "
+                   "(ep), with the least modeled step time whose busiest rank fits --memory-per-rank, and print every "
+                   "candidate's figures (suggest_mesh)")
     p.add_argument("--memory-per-rank", default=None,
                    help="with --suggest: bytes per rank for sharded state and gathered buckets (80e9, 80GB or 80GiB)")
+    p.add_argument("--tokens-per-rank", type=int, default=8192,
+                   help="with --suggest on an MoE model: tokens per rank per step, for the expert-parallel token "
+                   "exchanges (default 8192)")
     p.set_defaults(func=_run_plan)
 
 
@@ -110,29 +114,38 @@ def _run_suggest(args: argparse.Namespace, config, itemsize: int) -> int:
     if args.shard_size is not None:
         warnings.warn(f"--shard-size {args.shard_size} is ignored with --suggest (it chooses the shard size)", stacklevel=2)
     mem = _parse_bytes(args.memory_per_rank)
+    if args.tokens_per_rank < 1:
+        raise ValueError(f"--tokens-per-rank must be a positive number of tokens, got {args.tokens_per_rank}")
     s = suggest_mesh(model=args.model, world_size=args.world_size, rule=optimizer_rule(args.optimizer),
-                     memory_per_rank=mem, config=config, itemsize=itemsize)  # fmt: skip
+                     memory_per_rank=mem, config=config, itemsize=itemsize, tokens_per_rank=args.tokens_per_rank)  # fmt: skip
     if args.json:
         cands = [{**c._asdict(), "collective_seconds": c.collective_seconds if c.planned else None,
                   "balance_ratio": c.balance_ratio if c.planned else None} for c in s.candidates]  # fmt: skip
         out = {"model": args.model, "optimizer": args.optimizer, "world_size": args.world_size, "memory_per_rank": mem,
-               "shard_size": s.shard_size, "num_replicas": s.num_replicas, "max_rank_bytes": s.max_rank_bytes,
+               "shard_size": s.shard_size, "num_replicas": s.num_replicas, "ep": s.ep, "max_rank_bytes": s.max_rank_bytes,
                "collective_seconds": s.collective_seconds, "candidates": cands}  # fmt: skip
         print(json.dumps(out, allow_nan=False))
         return 0
     print(f"model {args.model}, optimizer {args.optimizer}, world size {args.world_size}, {mem / 1e9:.1f} GB per rank")
-    print(f"suggested: {s.num_replicas} replicas x shard size {s.shard_size} (busiest rank {s.max_rank_bytes / 1e9:.2f} GB, "
-          f"collectives {s.collective_seconds:.3f} s per step, modeled)")  # fmt: skip
-    print(f"{'shard':>7} {'replicas':>8} {'rank GB':>9} {'fits':>5} {'comm s/step':>12} {'bytes max/mean':>15} {'split':>6}")
+    shape = (f"expert parallel {s.ep} (each rank's experts sharded over the {args.world_size // s.ep} ranks holding the "
+             f"same experts), the rest pure FSDP over {s.shard_size} ranks" if s.ep > 1
+             else f"{s.num_replicas} replicas x shard size {s.shard_size}")  # fmt: skip
+    print(f"suggested: {shape} (busiest rank {s.max_rank_bytes / 1e9:.2f} GB, collectives {s.collective_seconds:.3f} s "
+          "per step, modeled)")  # fmt: skip
+    print(f"{'ep':>4} {'shard':>7} {'replicas':>8} {'rank GB':>9} {'fits':>5} {'comm s/step':>12} {'bytes max/mean':>15} "
+          f"{'split':>6}")  # fmt: skip
     for c in s.candidates:
         secs = f"{c.collective_seconds:12.3f}" if c.planned else f"{'-':>12}"
         ratio = f"{c.balance_ratio:>15.3f}" if c.planned else f"{'-':>15}"
-        print(f"{c.shard_size:>7} {c.num_replicas:>8} {c.max_rank_bytes / 1e9:>9.2f} {'yes' if c.fits else 'no':>5} {secs} "
-              f"{ratio} {c.num_split_blocks if c.planned else '-':>6}")  # fmt: skip
+        print(f"{c.ep:>4} {c.shard_size:>7} {c.num_replicas:>8} {c.max_rank_bytes / 1e9:>9.2f} {'yes' if c.fits else 'no':>5} "
+              f"{secs} {ratio} {c.num_split_blocks if c.planned else '-':>6}")  # fmt: skip
     print("memory: 16 B per sharded element (fp32 parameter, gradient, 2 moments) + the rule's per-block state (Shampoo's "
           "factors and roots) + 2 gathered buckets (bf16 + fp32 grad); time: all-gather x2 + reduce-scatter per bucket, "
           "split-block exchanges, HSDP all-reduce (alpha-beta, "
-          "5 us, 400 Gb/s, no overlap); '-': not planned, its memory lower bound does not fit")
+          "5 us, 400 Gb/s, no overlap); '-': not planned, its memory lower bound does not fit"
+          + ("; ep > 1: the routed experts split whole over ep ranks and sharded over the W / ep holding the same "
+             f"experts, the rest pure FSDP (no HSDP with EP yet), plus 4 token all-to-alls per MoE layer at "
+             f"{args.tokens_per_rank} tokens per rank" if any(c.ep > 1 for c in s.candidates) else ""))  # fmt: skip
     return 0
 
 

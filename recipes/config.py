@@ -55,7 +55,7 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     path: str = ""
-    """A text file, a folder of .txt/.md files, a glob, or a .bin token file; "" = the embedded corpus."""
+    """A text file, a folder of .txt/.md files, a glob, or a .bin token file; "" = the recipes' corpus (recipes/corpus/corpus.txt)."""
     tokenizer: str = "byte"
     """byte (256 byte values + BOS/EOS, no download) or a local tokenizer.json path."""
     token_dtype: str = "uint16"

@@ -1,7 +1,7 @@
 """Data for pretraining: tokenizers, a token stream with a held-out tail, a deterministic per-rank sampler.
 
 Sources (``data.path``):
-- "" : the embedded corpus shipped in the package (fsdp_optim/data/corpus.txt), so the first run works offline;
+- "" : the corpus that comes with the recipes (recipes/corpus/corpus.txt), so the first run works offline;
 - a text file, a folder of text files (.txt/.md/.rst, recursively) or a glob: UTF-8 text (anything
   else is refused, naming the file and the byte), tokenized at startup;
 - a ``.bin`` file (or a folder/glob of them): pre-tokenized tokens, ``uint16``/``uint32``, memory-mapped.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +83,8 @@ def build_tokenizer(name: str) -> ByteTokenizer | HFTokenizer:
 
 
 def default_corpus() -> Path:
-    return Path(str(resources.files("fsdp_optim") / "data" / "corpus.txt"))
+    """The recipes' own corpus (``data.path = ""``): next to this file, not in the installed library."""
+    return Path(__file__).resolve().parent / "corpus" / "corpus.txt"
 
 
 def _files(path: str) -> list[Path]:

@@ -379,3 +379,37 @@ def llama_hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | N
         rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
         hidden_act="silu", attention_bias=False, mlp_bias=False,
     )
+
+
+def hf_convert(model: nn.Module, cfg: ModelConfig, tokenizer: object | None = None):
+    """``(config, load_hf convert, export_hf convert)`` between the recipe's names and the Hub's; the
+    config carries ``tokenizer``'s BOS/EOS ids (unless model.hf_config sets them)."""
+    import copy
+    import functools
+
+    bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
+    if cfg.kind == "hf":  # the wrapped transformers model: names behind "hf."
+        config = copy.deepcopy(model.hf.config)
+        for key, value in (("bos_token_id", bos), ("eos_token_id", eos)):
+            if key not in cfg.hf_config:
+                setattr(config, key, value)
+        return (
+            config,
+            lambda name: (name.removeprefix("hf."), lambda t: t),
+            lambda name, t: (name.removeprefix("hf."), t),
+        )
+    config = llama_hf_config(cfg, bos_id=bos, eos_id=eos)
+    return config, functools.partial(from_hf, cfg), functools.partial(to_hf, cfg)
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The recipe's attention modules (none in a transformers model)."""
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def set_logit_recording(layers: list[Attention], mode: str | None) -> None:
+    """How the attention ``layers`` record each head's max logit: ``"exact"`` (explicit attention, the
+    logits QK-clip scales by), ``"measure"`` (SDPA plus a no-grad pass: logging only, no memory kept for
+    backward) or ``None`` (nothing recorded)."""
+    for m in layers:
+        m.record_logits = mode

@@ -1,4 +1,4 @@
-"""Build the embedded default corpus, fsdp_optim/data/corpus.txt, from text on any Python install.
+"""Build the recipes' default corpus, recipes/corpus/corpus.txt, from text on any Python install.
 
 The corpus is the docstrings (module, class and function) of the Python standard library's own
 source files, read with ``ast`` (nothing is imported or executed), in sorted file order, one
@@ -6,7 +6,7 @@ document per docstring separated by a blank line and a form feed. The text is Py
 documentation, © Python Software Foundation, redistributable under the PSF License Agreement;
 the license text of this interpreter is copied next to the corpus as CORPUS_LICENSE.txt.
 
-    python scripts/make_corpus.py            # writes fsdp_optim/data/corpus.txt (~2 MB)
+    python scripts/make_corpus.py            # writes recipes/corpus/corpus.txt (~2 MB)
     python scripts/make_corpus.py --max-mb 1 --out /tmp/corpus.txt
 
 The output depends only on the Python version's stdlib sources, so a rerun on the same Python
@@ -42,9 +42,15 @@ def docstrings(path: Path) -> list[str]:
     return out
 
 
+def _shown(path: Path) -> str:
+    """``path`` as the license header names it: relative to the repository when inside it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "fsdp_optim" / "data" / "corpus.txt")
+    parser.add_argument("--out", type=Path, default=ROOT / "recipes" / "corpus" / "corpus.txt")
     parser.add_argument("--max-mb", type=float, default=2.0, help="stop after this many MB of text")
     args = parser.parse_args(argv)
 
@@ -67,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(text, encoding="ascii")
     lic = stdlib / "LICENSE.txt"
     header = (
-        f"fsdp_optim/data/corpus.txt: docstrings of the Python {sys.version.split()[0]} standard library,\n"
+        f"{_shown(args.out)}: docstrings of the Python {sys.version.split()[0]} standard library,\n"
         "extracted by scripts/make_corpus.py. Copyright (c) Python Software Foundation; all rights reserved.\n"
         "Redistributed under the PSF License Agreement, reproduced below.\n\n"
     )

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job of the README: set up, then pretrain the `tiny` Llama on 2 CPU ranks with the
-# embedded default corpus. Extra arguments go to recipes/pretrain.py (e.g. --steps 20, --optimizer adamw).
+# recipes' default corpus (recipes/corpus/). Extra arguments go to recipes/pretrain.py (e.g. --steps 20, --optimizer adamw).
 # OUT (default runs/tiny) is the run folder; NPROC (default 2) the number of ranks.
 # Rerunning it is safe: a finished run in OUT is reported (exit 0); an interrupted one resumes.
 set -euo pipefail

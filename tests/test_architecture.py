@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,43 @@ def test_every_name_the_docs_use_imports():
                 bad.append(dotted)
                 break
     assert not bad, f"names in the README/docs/examples that do not import: {bad}"
+
+
+MAX_MODULE_LINES = 1000
+
+
+def test_every_module_is_under_1000_lines():
+    """One concept per file (docs/architecture.md): a module of 1,000 lines or more is two concepts; split it
+    (by concept, not by squashing lines)."""
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) >= MAX_MODULE_LINES}
+    assert not long, f"modules of >= {MAX_MODULE_LINES} lines (split them): {long}"
+
+
+def _third_party_imports(paths) -> set[str]:
+    """Top-level names of the modules the files import that are neither the standard library nor ours."""
+    out: set[str] = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                out |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                out.add(node.module.split(".")[0])
+    return {m for m in out if m not in sys.stdlib_module_names and m not in ("fsdp_optim", "__future__")}
+
+
+def test_core_dependencies_are_what_the_library_imports():
+    """pyproject's ``dependencies`` are exactly the library's imports; the recipes' and benchmarks' needs
+    (matplotlib, tqdm, einops, ...) are extras (issue 37)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the backport (a dev dependency there)
+        import tomli as tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].lower().replace("-", "_") for r in project["dependencies"]}
+    assert declared == _third_party_imports(PKG.rglob("*.py"))
+
+
+def test_the_library_holds_only_code():
+    """Data the recipes read lives with the recipes (recipes/corpus/), not in the installed package."""
+    assert sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")) == []

@@ -158,12 +158,40 @@ def test_plan_suggest_errors(capsys):
         assert main([*base, f"--memory-per-rank={bad}"]) == 2
         assert f"--memory-per-rank must be a positive size in bytes (80e9, 80GB or 80GiB), got {bad!r}" in capsys.readouterr().err
     assert main([*base, "--memory-per-rank", "1GB"]) == 2
-    assert "fits no HSDP shape" in capsys.readouterr().err
+    assert "fits no HSDP shape of world size 64" in capsys.readouterr().err
     with pytest.warns(UserWarning, match="--shard-size 8 is ignored with --suggest"):
         assert main([*base, "--memory-per-rank", "80GiB", "--shard-size", "8", "--json"]) == 0
     capsys.readouterr()
     with pytest.warns(UserWarning, match="--memory-per-rank is ignored without --suggest"):
         assert main([*base[:-1], "--memory-per-rank", "80GB", "--json"]) == 0
+
+
+def test_plan_suggest_searches_expert_parallel_for_moe(capsys):
+    """Issue 37: Kimi-K2 at W = 1024 in 80 GB fits no HSDP shape (a layer's 384 experts gathered whole: 221 GB
+    even at pure FSDP); before: "fits no HSDP shape". Expert parallelism makes it fit: the table has an ep
+    column, and the suggestion names the degree."""
+    argv = ["plan", "--model", "kimi-k2", "--world-size", "1024", "--optimizer", "muon", "--suggest",
+            "--memory-per-rank", "80GB"]  # fmt: skip
+    out = _json(capsys, [*argv, "--json"])
+    assert out["ep"] > 1 and out["max_rank_bytes"] <= 80e9 and out["shard_size"] == 1024
+    eps = {c["ep"] for c in out["candidates"]}
+    assert eps == {1, 2, 4, 8, 16, 32, 64, 128, 256}  # the divisors of 1024 up to its 384 experts
+    assert not any(c["fits"] for c in out["candidates"] if c["ep"] == 1)
+    fitting = [c for c in out["candidates"] if c["fits"]]
+    assert min(fitting, key=lambda c: c["collective_seconds"])["ep"] == out["ep"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert f"suggested: expert parallel {out['ep']} (each rank's experts sharded over the {1024 // out['ep']} ranks" in text
+    assert text.splitlines()[2].split()[:3] == ["ep", "shard", "replicas"]
+    # a dense model: no ep column values but 1; more tokens per rank make expert parallelism dearer
+    dense = _json(capsys, ["plan", "--model", "llama3-8b", "--world-size", "64", "--optimizer", "muon", "--suggest",
+                           "--memory-per-rank", "80GB", "--json"])  # fmt: skip
+    assert dense["ep"] == 1 and {c["ep"] for c in dense["candidates"]} == {1}
+    more = _json(capsys, [*argv, "--json", "--tokens-per-rank", "65536"])
+    by_ep = {c["ep"]: c for c in more["candidates"]}
+    assert by_ep[8]["collective_seconds"] > {c["ep"]: c for c in out["candidates"]}[8]["collective_seconds"]
+    assert main([*argv, "--tokens-per-rank", "0"]) == 2
+    assert "--tokens-per-rank must be a positive number of tokens, got 0" in capsys.readouterr().err
 
 
 def test_plan_reports_shampoo_factor_state(capsys):

@@ -45,7 +45,7 @@ from torch import nn
 
 from .plan import BlockRule
 from ._float8 import Float8AllGather
-from ._mixed_precision import MixedPrecisionPolicy
+from ._mixed_precision import MixedPrecisionPolicy, as_mp_policy, check_offload_policy
 from .plan import Plan, PlanConfig
 from .checkpoint import register_state_dict_hooks
 from ._expert_parallel import expert_shard
@@ -72,9 +72,10 @@ def fully_shard(
     mesh: Any = None,
     blocks: BlockRule | None = None,
     reshard_after_forward: bool | None = None,
-    mp_policy: MixedPrecisionPolicy | None = None,
+    mp_policy: MixedPrecisionPolicy | Any | None = None,
     plan_config: PlanConfig | None = None,
     fp8_all_gather: Float8AllGather | None = None,
+    offload_policy: Any = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters over ``mesh`` with block-aligned ragged layouts. ``module`` may be
     a list of modules that share one bucket (as FSDP2's ``fully_shard([norm, output])``).
@@ -89,13 +90,18 @@ def fully_shard(
     modules, ``False`` for the root, whose backward starts at once. ``True`` on the root frees its
     gathered parameters (embeddings, head) while the loss is computed and gathers them again for the
     head's backward: less memory at the loss, one more all-gather. ``mp_policy``: compute and
-    reduction dtypes. ``plan_config``: planner knobs (root only). ``fp8_all_gather``: gather eligible
+    reduction dtypes, a ``MixedPrecisionPolicy`` (ours) or FSDP2's
+    ``torch.distributed.fsdp.MixedPrecisionPolicy`` (taken as ours with the same meaning:
+    ``as_mp_policy``). ``offload_policy``: FSDP2's, for FSDP2 code: ``None`` or ``OffloadPolicy()`` (no
+    offload); ``CPUOffloadPolicy`` is refused. ``plan_config``: planner knobs (root only). ``fp8_all_gather``: gather eligible
     (2-D) parameters as block-wise scaled ``float8_e4m3fn`` codes and dequantize them to the compute
     dtype (opt-in; see [Note: FP8 all-gather] below and ``Float8AllGather``); an inner ``None`` takes
     the root's. Returns ``module`` (each module's class now also derives from :class:`ShardedModule`).
     See the module docstring for the root rule.
     """
     modules = _as_modules(module)
+    mp_policy = as_mp_policy(mp_policy)  # ours, or FSDP2's with the same meaning
+    check_offload_policy(offload_policy)
     _check_arguments(blocks, reshard_after_forward, mp_policy, plan_config, fp8_all_gather)
     resolved = _resolve_mesh(mesh)
     for m in modules:

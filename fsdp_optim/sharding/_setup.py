@@ -268,7 +268,15 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
                 f"({st.num_replicas} replicas) but its root {_describe(root)} over world size "
                 f"{root.world_size} ({root.num_replicas} replicas)"
                 + (" over other process groups" if same_shape else "")
-                + "; pass the same mesh (the same DeviceMesh object) to every fully_shard call of a model"
+                + (
+                    "; only an expert_parallel experts module may be sharded over fewer ranks than its root: for "
+                    "experts, the order is expert_parallel first, then fully_shard (groups = "
+                    "expert_parallel_groups(ep); expert_parallel(experts, group=groups.ep); fully_shard(experts, "
+                    "mesh=groups.replicas)); otherwise pass the same mesh (the same DeviceMesh object) to every "
+                    "fully_shard call of a model"
+                    if st.world_size * st.num_replicas < root.world_size * root.num_replicas
+                    else "; pass the same mesh (the same DeviceMesh object) to every fully_shard call of a model"
+                )
             )
         if st.plan_config is not None and st.plan_config != root.plan_config:
             warnings.warn(

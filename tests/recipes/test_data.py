@@ -1,4 +1,6 @@
-"""Data: tokenizers, sources (embedded corpus, text, folders, .bin), held-out split, the sampler."""
+"""Data: tokenizers, sources (the recipes' corpus, text, folders, .bin), held-out split, the sampler."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,10 +15,12 @@ def test_byte_tokenizer_round_trip():
     assert max(ids) < 256 and tok.decode(ids + [tok.eos_id]) == text and tok.vocab_size == 258
 
 
-def test_embedded_corpus_exists_with_license():
+def test_the_recipes_corpus_exists_with_license():
     path = default_corpus()
     assert path.is_file() and 0.5e6 < path.stat().st_size < 5e6
-    assert "Python Software Foundation" in (path.parent / "CORPUS_LICENSE.txt").read_text()
+    assert path.parent == Path(__file__).resolve().parents[2] / "recipes" / "corpus"  # with the recipes
+    license_text = (path.parent / "CORPUS_LICENSE.txt").read_text()
+    assert license_text.startswith("recipes/corpus/corpus.txt: docstrings") and "Python Software Foundation" in license_text
     tokens = load_tokens("", ByteTokenizer())
     assert tokens.dtype == np.uint16 and len(tokens) > 0.5e6 and (tokens == ByteTokenizer.eos_id).sum() > 1000
 

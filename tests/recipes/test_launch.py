@@ -208,12 +208,12 @@ def test_check_names_the_file_or_key_at_fault(tmp_path, capsys, monkeypatch):
 
 def _fake_run(tmp_path: Path, *args: str, step: int) -> Path:
     """A run folder as the recipe leaves it: config.json (resolved as main writes it) and a complete checkpoint."""
-    import pretrain
+    import _checks
     from config import to_dict
 
     out = tmp_path / "run"
-    cfg = pretrain.resolve_config(pretrain.parse_args([*TINY, "--out", str(out), *args]))
-    pretrain.load_data(cfg, 2)
+    cfg = _checks.resolve_config(_checks.parse_args([*TINY, "--out", str(out), *args]))
+    _checks.load_data(cfg, 2)
     (out / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
     (out / "checkpoints" / f"step_{step:06d}" / "recipe_done.json").write_text(json.dumps({"step": step}))
     (out / "config.json").write_text(json.dumps(to_dict(cfg)))
@@ -292,14 +292,15 @@ def test_check_refuses_an_unwritable_out(tmp_path, capsys, monkeypatch):
 
 def _data_run(tmp_path: Path, capsys) -> tuple[Path, list[str]]:
     """A data file and a run on it (as the recipe leaves it, with data.json)."""
-    import pretrain
+    import _checkpointing
+    import _checks
 
     data = tmp_path / "data.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     args = ["--set", f'data.path="{data}"', "--set", "data.seq_len=32", "--set", "data.val_fraction=0.1", "--resume"]
     out = _fake_run(tmp_path, *args[:-1], step=5)
-    cfg = pretrain.resolve_config(pretrain.parse_args([*TINY, "--out", str(out), *args]))
-    (out / "data.json").write_text(json.dumps(pretrain.data_identity(pretrain.load_data(cfg, 2)[1])))
+    cfg = _checks.resolve_config(_checks.parse_args([*TINY, "--out", str(out), *args]))
+    (out / "data.json").write_text(json.dumps(_checkpointing.data_identity(_checks.load_data(cfg, 2)[1])))
     assert _check(capsys, *TINY, "--out", str(out), *args)[0] == 0
     return data, [*TINY, "--out", str(out), *args]
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import pretrain
+from _backend import shard_model
 from config import load_config
 from fsdp_optim._testing import DistributedTestError, run_distributed
 
@@ -46,7 +47,7 @@ def test_ep_splits_the_experts_whole():
         cfg = load_config(CONFIGS / "moe-tiny.toml", ["model.dim=32", "model.moe_ffn_dim=32", "model.vocab_size=260"])
         torch.manual_seed(0)
         model = build_model(cfg.model)
-        pretrain.shard_model(model, "fsdp_optim", "muon", torch.float32, ep=2)
+        shard_model(model, "fsdp_optim", "muon", torch.float32, ep=2)
         w1 = model.layers[0].feed_forward.experts.w1
         assert isinstance(w1, RaggedDTensor)
         a, b = w1.local_range

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import _checkpointing as ckpts
 import pretrain
+from _backend import build_optimizer, pick_backend
 from config import load_config
 from fsdp_optim._testing import DistributedTestError, run_distributed
 
@@ -31,7 +33,7 @@ def train(out, *args, config="tiny", steps=3, world_size=2):
 
 
 def backend_for(optimizer: str) -> str:
-    return pretrain.pick_backend(load_config(CONFIGS / "tiny.toml", [f'optim.name="{optimizer}"']))
+    return pick_backend(load_config(CONFIGS / "tiny.toml", [f'optim.name="{optimizer}"']))
 
 
 def check_outputs(out: Path, steps: int) -> list[dict]:
@@ -184,7 +186,7 @@ def test_kill_one_rank_then_resume_matches_uninterrupted(tmp_path):
     assert proc.returncode != 0, log
     done = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
     assert done[-1] < steps, "the run finished before the kill; the test needs a slower step"
-    last_ckpt = pretrain.latest_checkpoint(run)
+    last_ckpt = ckpts.latest_checkpoint(run)
     assert last_ckpt is not None
 
     # Rerun with --resume (in forked ranks: the same main(), without a second torchrun start-up).
@@ -215,14 +217,14 @@ def test_only_complete_checkpoints_count_in_step_order(tmp_path, capsys):
     (tmp_path / "checkpoints" / "step_3000000").mkdir()  # no marker: incomplete
     _fake_checkpoint(tmp_path, "step_000030", marker="")  # an empty (torn) marker: incomplete, with a warning
     _fake_checkpoint(tmp_path, "step_000040", marker='{"step": 41}')  # a marker of another step
-    done = pretrain.complete_checkpoints(tmp_path)
+    done = ckpts.complete_checkpoints(tmp_path)
     assert [p.name for _, p in done] == ["step_000010", "step_000020", "step_999999", "step_1000000"]
-    assert pretrain.latest_checkpoint(tmp_path).name == "step_1000000"
+    assert ckpts.latest_checkpoint(tmp_path).name == "step_1000000"
     err = capsys.readouterr().err
     assert f"warning: {tmp_path / 'checkpoints' / 'step_000030' / 'recipe_done.json'} is unreadable" in err
     assert "step_000030 counts as incomplete" in err and "step_000040/recipe_done.json is unreadable" in err
     # Pruning keeps the newest complete ones, never the one just saved, and leaves the rest alone.
-    pretrain.prune_checkpoints(tmp_path, 2, saved=tmp_path / "checkpoints" / "step_000020")
+    ckpts.prune_checkpoints(tmp_path, 2, saved=tmp_path / "checkpoints" / "step_000020")
     left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert left == ["step_000020", "step_000030", "step_000040", "step_1000000", "step_2000000.tmp", "step_3000000",
                     "step_999999"]
@@ -232,19 +234,19 @@ def test_finished_run_reads_the_marker_safely(tmp_path):
     cfg = load_config(CONFIGS / "tiny.toml", ["train.steps=5"])
     _fake_checkpoint(tmp_path, "step_000003")
     _fake_checkpoint(tmp_path, "step_000005", marker="")  # unreadable: the run is not finished
-    assert pretrain.finished_run(tmp_path, cfg) is None and pretrain.latest_checkpoint(tmp_path).name == "step_000003"
+    assert ckpts.finished_run(tmp_path, cfg) is None and ckpts.latest_checkpoint(tmp_path).name == "step_000003"
 
 
 def test_marker_writes_are_atomic(tmp_path, monkeypatch):
     marker = tmp_path / "recipe_done.json"
-    pretrain.write_atomic(marker, '{"step": 1}')
+    ckpts.write_atomic(marker, '{"step": 1}')
 
     def crash(fd):  # the process dies after writing, before the rename: the old marker is intact
         raise OSError("killed")
 
     monkeypatch.setattr(os, "fsync", crash)
     with pytest.raises(OSError):
-        pretrain.write_atomic(marker, '{"step": 2}')
+        ckpts.write_atomic(marker, '{"step": 2}')
     assert json.loads(marker.read_text()) == {"step": 1}
 
 
@@ -253,7 +255,7 @@ def test_adamw_lr_zero_is_kept(recwarn):
 
     cfg = load_config(CONFIGS / "tiny.toml", ["optim.adamw_lr=0", "model.dim=16", "model.n_heads=2", "model.n_kv_heads=1",
                                               "model.ffn_dim=16", "model.n_layers=1", "model.vocab_size=20"])
-    opt = pretrain.build_optimizer(build_model(cfg.model), cfg, "fsdp_optim")
+    opt = build_optimizer(build_model(cfg.model), cfg, "fsdp_optim")
     lrs = [opt.adamw_lr(g) for g in opt.param_groups if not g["use_muon"]]
     assert opt.defaults["adamw_lr"] == 0.0 and lrs == [0.0]
 
@@ -265,7 +267,7 @@ def test_leftover_tmp_folder_does_not_prune_the_new_checkpoint(tmp_path):
     res = train(tmp_path, "--set", "log.keep_ckpts=1", "--resume", steps=3)
     assert res["resumed_from"].endswith("step_000002") and [r["step"] for r in res["records"]] == [1, 2, 3]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000003", "step_000050.tmp"]
-    assert pretrain.latest_checkpoint(tmp_path).name == "step_000003"
+    assert ckpts.latest_checkpoint(tmp_path).name == "step_000003"
 
 
 def test_resume_at_another_world_size_then_a_missing_file(tmp_path):

@@ -207,6 +207,49 @@ def test_experts_sharded_over_ranks_holding_other_experts_are_refused():
         assert msg is not None and "the experts they hold" in msg
 
 
+def _wrong_order(then_expert_parallel: bool):
+    """fully_shard on the experts before expert_parallel (issue 37: the advice was about passing the same
+    DeviceMesh, wrong for this mistake), then expert_parallel or not, then the root."""
+
+    def fn():
+        model = _Net(4)
+        groups = expert_parallel_groups(2)
+        try:
+            fsdp_optim.fully_shard(model.experts, mesh=groups.replicas)
+            if then_expert_parallel:
+                expert_parallel(model.experts, group=groups.ep)
+            fsdp_optim.fully_shard(model)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    return run_distributed(fn, world_size=4)
+
+
+def test_expert_parallel_after_fully_shard_names_the_order():
+    for msg in _wrong_order(then_expert_parallel=True):
+        assert msg is not None and msg.startswith(
+            "expert_parallel: the parameters of ShardedSwiGLUExperts (w1, w3, w2) are already sharded by fully_shard; "
+            "the order is expert_parallel first, then fully_shard: groups = expert_parallel_groups(ep); "
+            "expert_parallel(experts, group=groups.ep); fully_shard(experts, mesh=groups.replicas)"
+        ), msg
+
+
+def test_experts_sharded_over_fewer_ranks_without_expert_parallel_names_it():
+    for msg in _wrong_order(then_expert_parallel=False):
+        assert msg is not None and (
+            "SwiGLUExperts was sharded over a mesh of world size 2 (1 replicas) but its root _Net over world size 4"
+            in msg
+        ), msg
+        assert "for experts, the order is expert_parallel first, then fully_shard (groups = " in msg, msg
+
+
+def test_the_sharded_parameter_mark_is_the_one_fully_shard_sets():
+    from fsdp_optim.sharding import _expert_parallel, _shard_info
+
+    assert _expert_parallel._SHARDED_ATTR == _shard_info._ATTR
+
+
 def test_ep_groups_refuse_an_ep_that_does_not_divide_the_world():
     def fn():
         try:

@@ -21,6 +21,8 @@ from fsdp_optim._cli import optimizer_balance, optimizer_rule
 from fsdp_optim.sharding import Layout, PlanConfig, plan_model
 from fsdp_optim.sharding.plan import PRESETS, preset_buckets, preset_names, preset_shapes
 
+from .test_planner import packing_budget
+
 SHAPES_JSON = Path(__file__).resolve().parents[1] / "data" / "model_shapes.json"
 JSON_NAMES = {
     "llama3-8b": "Llama-3.1-8B",
@@ -92,16 +94,14 @@ def test_moe_experts_are_stacked_with_expert_blocks():
 
 # ---- the planner on every preset (issue 2, "Must show") -------------------------------------
 def _plan(name, optimizer, world_size, layout="auto", balance="auto"):
-    """The plan; on this shared 2-core machine a wall-clock spike is retried once (best of two)."""
+    """The plan, its work within the planner's budget (packings tried, not seconds: the seconds are
+    ``benchmarks/planner_scale.py``'s)."""
     buckets = preset_buckets(name, rule=optimizer_rule(optimizer))
     config = PlanConfig(layout=layout, balance=balance)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # balance="whole" above the cap (tested in test_planner.py)
         plan = plan_model(buckets, world_size=world_size, config=config)
-        again = plan_model(buckets, world_size=world_size, config=config) if plan.seconds > 1.0 else plan
-    if again is not plan:
-        assert again == plan
-        plan = again if again.seconds < plan.seconds else plan
+    assert 0 < plan.packings <= packing_budget(plan), (name, optimizer, world_size, plan.packings)
     return plan
 
 
@@ -111,7 +111,6 @@ def test_elementwise_optimizers_balance_at_every_scale(name, optimizer):
     for w in (8, 64, 1024, 16384):
         plan = _plan(name, optimizer, w)
         st = plan.stats()
-        assert st.plan_seconds <= 1.0, (w, st)
         assert st.padding_ratio <= 0.02, (w, st)
         assert st.bytes_max_over_mean <= 1.02, (w, st)
         assert st.num_split_blocks == 0
@@ -123,7 +122,6 @@ def test_block_optimizers_keep_blocks_whole_and_balance(name, optimizer):
     for w in (8, 64):
         plan = _plan(name, optimizer, w)
         st = plan.stats()
-        assert st.plan_seconds <= 1.0, (w, st)
         assert st.padding_ratio <= 0.02, (w, st)
         assert st.num_split_blocks == 0, (w, st)
         assert st.bytes_max_over_mean <= 1.10, (w, st)
@@ -133,13 +131,12 @@ def test_block_optimizers_keep_blocks_whole_and_balance(name, optimizer):
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "shampoo"])
-def test_large_world_planning_time_and_lower_bound(optimizer):
+def test_large_world_planning_work_and_lower_bound(optimizer):
     """At W = 16384 whole blocks of dense models cannot balance; the plan stays within one
-    largest block of the mean (bytes/mean <= lower bound + 1) and plans in under a second."""
+    largest block of the mean (bytes/mean <= lower bound + 1), its work within the packing budget."""
     for name in ("llama3-405b", "kimi-k2"):
         plan = _plan(name, optimizer, 16384, layout="ragged", balance="whole")
         st = plan.stats()
-        assert st.plan_seconds <= 1.0
         assert st.padding_ratio == 0 and st.num_split_blocks == 0
         assert st.bytes_lower_bound <= st.bytes_max_over_mean <= st.bytes_lower_bound + 1.0
         assert all(b.layout is Layout.RAGGED for b in plan.buckets)
@@ -150,12 +147,12 @@ def test_large_world_planning_time_and_lower_bound(optimizer):
 def test_default_plan_balances_at_every_scale(name):
     """Issue 27: Muon's and Shampoo's default plans hold the busiest rank within 1.10 x the mean
     parameter bytes at every W (main: up to 119.9 at W = 16384 for Muon, 29.95 for Shampoo), splitting
-    matrices / strips only where whole ones miss the cap, in under a second."""
+    matrices / strips only where whole ones miss the cap, within the packing budget."""
     assert optimizer_balance("shampoo") == "auto" and optimizer_balance("muon") == "auto"
     for optimizer in ("muon", "shampoo"):
         for w in (64, 256, 1024, 4096, 16384):
             st = _plan(name, optimizer, w).stats()
-            assert st.balance_ratio <= 1.10 and st.plan_seconds <= 1.0, (optimizer, w, st)
+            assert st.balance_ratio <= 1.10, (optimizer, w, st)
             if st.num_split_blocks:
                 # only where whole blocks could not: the whole plan misses the cap
                 assert _plan(name, optimizer, w, balance="whole").stats().balance_ratio > 1.10, (optimizer, w, st)
@@ -196,6 +193,38 @@ def test_suggest_mesh_on_presets():
     t = suggest_mesh(model="llama3-8b", world_size=64, rule=muon_rule(), memory_per_rank=12e9)
     assert [c.shard_size for c in t.candidates if c.fits] == [64, 32] and t.shard_size in (64, 32)
     assert all(not c.planned for c in t.candidates if c.shard_size <= 16)
+
+
+def test_moe_presets_carry_their_router_top_k():
+    for name in JSON_NAMES:
+        config = _table(name)["config"]
+        assert PRESETS[name].num_experts_per_tok == config.get("num_experts_per_tok", 0), name
+
+
+def test_suggest_mesh_finds_expert_parallel_shapes_for_moe_presets():
+    """[Note: expert-parallel candidates]: Kimi-K2 at W = 1024 fits 80 GB only with expert parallelism; the
+    chosen candidate's memory is the busiest rank of the dense plan (over W) plus its experts' segment of the
+    expert plan (over W / ep), and a memory that nothing fits names both kinds of shape."""
+    from fsdp_optim.optimizers import muon_rule
+    from fsdp_optim.sharding.plan import suggest_mesh
+    from fsdp_optim.sharding.plan._suggest import _ep_buckets
+
+    s = suggest_mesh(model="kimi-k2", world_size=1024, rule=muon_rule(), memory_per_rank=80e9)
+    assert s.ep > 1 and s.expert_plan is not None and s.plan.world_size == 1024 and s.expert_plan.world_size == 1024 // s.ep
+    assert all(not c.fits for c in s.candidates if c.ep == 1) and s.max_rank_bytes <= 80e9
+    dense, experts = _ep_buckets("kimi-k2", s.ep, muon_rule(), 4)
+    assert sum(ts.numel for _, b in experts for ts in b) == 60 * 3 * -(-384 // s.ep) * 2048 * 7168  # 60 MoE layers
+    assert not any(".mlp.experts." in ts.name for _, b in dense for ts in b)
+    # rank r: its dense segments (16 B per element) + segment r // ep of the expert plan + 2 gathered buckets (6 B)
+    import numpy as np
+
+    elems = [sum(np.diff(np.asarray(b.rank_bounds, dtype=np.int64)) for b in p.buckets) for p in (s.plan, s.expert_plan)]
+    gathered = 2 * 6 * sum(max(sum(ts.numel for ts in b) for _, b in part) for part in (dense, experts))
+    assert s.max_rank_bytes == int(float(np.max(16.0 * elems[0] + 16.0 * elems[1][np.arange(1024) // s.ep])) + gathered)
+    with pytest.raises(ValueError, match="fits no HSDP shape or expert-parallel degree of world size 64"):
+        suggest_mesh(model="kimi-k2", world_size=64, rule=muon_rule(), memory_per_rank=80e9)
+    dense_only = suggest_mesh(model="llama3-8b", world_size=64, rule=muon_rule(), memory_per_rank=80e9)
+    assert dense_only.ep == 1 and dense_only.expert_plan is None
 
 
 def test_suggest_mesh_on_a_module_and_errors():

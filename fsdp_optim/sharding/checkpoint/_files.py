@@ -17,7 +17,9 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
     "PublishError",
+    "explain_write_failure",
     "foreign_entries",
+    "free_bytes",
     "lock_save",
     "fsync",
     "normalize",
@@ -27,6 +29,7 @@ __all__ = [
     "resolve_path",
     "save_refusal",
     "unlock_save",
+    "write_facts",
     "write_manifest",
 ]
 
@@ -261,3 +264,62 @@ def unlock_save(path: str, fd: int) -> None:
         pass
     finally:
         os.close(fd)  # (closing releases the flock)
+
+
+def free_bytes(folder: str) -> int | None:
+    """Bytes an unprivileged writer may still use on ``folder``'s file system; None if unknown."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def write_facts(folder: str, free_before: int | None) -> dict[str, Any]:
+    """What this rank sees of a failed write into ``folder`` (before it is removed): the largest file there,
+    the free bytes before and now, this process's file-size limit (``ulimit -f``; None: unlimited)."""
+    import resource
+
+    sizes = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        try:
+            sizes.append(os.path.getsize(os.path.join(folder, name)))
+        except OSError:
+            pass
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return {"largest": max(sizes, default=0), "free_before": free_before, "free_after": free_bytes(folder),
+            "limit": None if limit == resource.RLIM_INFINITY else limit}
+
+
+_FULL = 1 << 20
+"""A write that stopped short with less than this free on its file system (the writer's buffer) found it full."""
+
+
+def explain_write_failure(why: str, folder: str, facts: list[dict[str, Any]], *, tensor_bytes: int) -> str:
+    """``why`` (the writer's failure as ``Type: message``) in words where a file-size limit or a full file
+    system caused it, from every rank's ``write_facts`` (the same words on every rank). torch's zip writer
+    reports both causes alike, as a short write without an errno ("[enforce fail at inline_container.cc:...]
+    . unexpected pos A vs B"); the facts tell them apart: a file at the limit, or no room left. Anything
+    else is returned as it is. ``tensor_bytes``: what the save's tensors take (its files take more)."""
+    short = "inline_container" in why and "unexpected pos" in why
+    low = why.lower()
+    limits = [f["limit"] for f in facts if f["limit"] is not None]
+    largest = max(f["largest"] for f in facts)
+    if "file too large" in low or (short and limits and largest >= min(limits)):
+        return (
+            f"file too large: a file reached the file-size limit (ulimit -f) of {min(limits):,} bytes ({why}); raise "
+            f"the limit (ulimit -f unlimited) or give the state more ranks (each rank writes its own file; the "
+            f"save's tensors take {tensor_bytes:,} bytes in all)"
+            if limits
+            else f"file too large ({why}): a file outgrew what the file system allows; save elsewhere or use more ranks"
+        )
+    before = [f["free_before"] for f in facts if f["free_before"] is not None]
+    after = [f["free_after"] for f in facts if f["free_after"] is not None]
+    if "no space left" in low or (short and after and min(after) < _FULL):
+        room = (f"{folder} had {min(before):,} bytes free before the save and {min(after):,} when the write failed, "
+                if before and after else f"{folder} is full, ")  # fmt: skip
+        return (
+            f"no space left on device: {room}for a save whose tensors alone take {tensor_bytes:,} bytes ({why}); free "
+            "space there or save elsewhere"
+        )
+    return why

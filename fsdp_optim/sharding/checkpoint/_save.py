@@ -17,7 +17,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .._dist import agree_on_error, rank_and_world_size
 from ._checksums import checksums_of
 from ._entry import every_rank_entered
-from ._files import FORMAT_VERSION, lock_save, normalize, publish, save_refusal, unlock_save, write_manifest
+from ._files import (
+    FORMAT_VERSION, explain_write_failure, free_bytes, lock_save, normalize, publish, save_refusal, unlock_save,
+    write_facts, write_manifest,
+)
 from ._serialization import numbers_from_numpy, rng_state, root_cause, to_bytes
 from ._state import (
     OwnedState,
@@ -99,6 +102,20 @@ def _encode(c: _Collected, rank: int) -> dict[str, Any]:
     return sd
 
 
+def _bytes_of(obj: Any) -> int:
+    """Bytes of the tensors and byte records in a state dict (its DCP files take more: each item's headers)."""
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj  # a FlatShardTensor / DTensor: this rank's piece
+        return local.numel() * local.element_size()
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(_bytes_of(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_bytes_of(v) for v in obj)
+    return 0
+
+
 def _prepare(path: str) -> None:
     """Rank 0: refuse a target a save may not replace, and create an empty ``<path>.tmp``."""
     tmp, old = path + ".tmp", path + ".old"
@@ -178,17 +195,18 @@ def _save(
     fallible step agreed on by every rank."""
     rank, world_size = rank_and_world_size()
     tmp = path + ".tmp"
-    err, collected, sd = None, None, None
+    err, collected, sd, size = None, None, None, 0
     try:
         collected = _collect(model, optimizer, scheduler, extra, rank, world_size)
         sd = _encode(collected, rank)
+        size = _bytes_of(sd)
         if rank == 0:
             lock.append(lock_save(path))
             _prepare(path)
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         err = e
-    try:
-        agree_on_error(err, what="save_checkpoint")  # a collective: the temp dir exists before anyone writes
+    try:  # a collective: the temp dir exists before anyone writes; every rank's bytes (for a write's error)
+        sizes = agree_on_error(err, what="save_checkpoint", payload=size)
     except Exception:
         if rank == 0 and err is None:
             shutil.rmtree(tmp, ignore_errors=True)  # another rank refused: leave nothing behind
@@ -197,14 +215,18 @@ def _save(
     if collected.owned_schema is not None:  # a collective: after the agreement, so every rank joins it
         manifest["optim_schema"] = gather_owned_schema(collected.owned_schema)
     # A collective; .metadata is written when it returns. DCP raises on every rank if any rank fails.
+    free = free_bytes(tmp)
     try:
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
     except CheckpointException as e:
+        # What every rank saw of the failed write (a collective: every rank is here), before the removal.
+        facts = agree_on_error(None, what="save_checkpoint", payload=write_facts(tmp, free))
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        why = explain_write_failure(root_cause(e), os.path.dirname(tmp) or ".", facts, tensor_bytes=sum(sizes))
         raise ValueError(
-            f"save_checkpoint({path}): writing {tmp} failed: {root_cause(e)}; the previous checkpoint at {path} "
-            "(if any) is untouched"
+            f"save_checkpoint({path}): writing {tmp} failed: {why}; the previous checkpoint at {path} (if any) is "
+            "untouched"
         ) from None
     err, sums = None, None
     try:

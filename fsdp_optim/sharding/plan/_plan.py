@@ -88,7 +88,7 @@ class PlanConfig:
     """Every tensor's local piece starts at a multiple of this many bytes of its rank's segment (and
     even segments are multiples of it): GPU vectorized kernels need 16 B, MKL's results on AVX-512
     depend on operand alignment. Costs padding after each tensor (ragged buckets too); 1 turns it
-    off (the layout before issue 27). See [Note: aligned pieces] in ``_planner.py``."""
+    off (the layout before issue 27). See [Note: aligned pieces] in ``_geom.py``."""
     balance_cap: float = 1.10
     """Largest rank's stored bytes (padding included) over the mean parameter bytes per rank that
     the plan may reach before ``balance="auto"`` splits blocks."""
@@ -254,6 +254,8 @@ class Plan:
     config: PlanConfig = field(default_factory=PlanConfig)
     seconds: float = field(default=0.0, compare=False)
     """Wall time of planning (not part of equality: equal plans may take different times)."""
+    packings: int = field(default=0, compare=False)
+    """Packings tried while planning (``_work``): the planner's work, counted, the same on every machine."""
     balance_note: str = ""
     """One line on the balance choice (whole blocks kept, or blocks split and why, with the figures);
     what ``fully_shard`` logs. Empty for a one-rank plan."""

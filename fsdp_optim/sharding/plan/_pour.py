@@ -1,7 +1,7 @@
 """Ragged balance across buckets, per bucket: whole blocks first, element-wise tensors poured into the gaps.
 
 [Note: per-bucket ragged packing]
-The stream packing of ``_planner`` (ragged buckets concatenated, cut into W contiguous pieces) gives
+The stream packing of ``_stream`` (ragged buckets concatenated, cut into W contiguous pieces) gives
 each rank one contiguous slice of the model. Nothing at run time needs that: a ragged bucket only
 needs its ``W + 1`` rank bounds to rise (rank ``r`` owns ``[bounds[r], bounds[r+1])`` of the bucket's
 buffer) and each tensor at one offset; the order of tensors in the buffer is free (the runtime reads

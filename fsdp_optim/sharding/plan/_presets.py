@@ -58,6 +58,8 @@ class ModelPreset:
     v_head_dim: int = 0
     # MoE
     num_experts: int = 0
+    num_experts_per_tok: int = 0
+    """Routed experts per token (the router's top-k; gpt-oss: ``experts_per_token``): EP's token traffic."""
     moe_intermediate_size: int = 0
     num_shared_experts: int = 0
     num_dense_layers: int = 0
@@ -83,24 +85,26 @@ PRESETS: dict[str, ModelPreset] = {
                     num_kv_heads=8, intermediate_size=53248),
         # Qwen3-235B-A22B (config.json): every layer MoE, qk-norm, 128 experts of width 1536
         ModelPreset(name="qwen3-235b-a22b", vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64,
-                    num_kv_heads=4, qk_norm=True, num_experts=128, moe_intermediate_size=1536),
+                    num_kv_heads=4, qk_norm=True, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536),
         # DeepSeek-V3 (config_671B.json). The multi-token-prediction module (HF model.layers.61, 11.6B
         # unique parameters) is NOT included: the published 671B and total_params_computed in
         # model_shapes.json count the main model only.
         ModelPreset(name="deepseek-v3", vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128,
                     num_kv_heads=128, intermediate_size=18432, attention="mla", q_lora_rank=1536,
                     kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                    num_experts=256, moe_intermediate_size=2048, num_shared_experts=1, num_dense_layers=3,
+                    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, num_shared_experts=1,
+                    num_dense_layers=3,
                     router="correction_bias"),
         # gpt-oss-120b (gpt_oss/torch/model.py ModelConfig; HF GptOss names): biases, sinks, fused experts
         ModelPreset(name="gpt-oss-120b", vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64,
                     num_kv_heads=8, head_dim=64, attention_bias=True, attention_sinks=True, num_experts=128,
-                    moe_intermediate_size=2880, router="gpt_oss"),
+                    num_experts_per_tok=4, moe_intermediate_size=2880, router="gpt_oss"),
         # Kimi-K2 (config.json; DeepseekV3 architecture): 384 experts, 64 heads, 1 dense layer, no MTP
         ModelPreset(name="kimi-k2", vocab_size=163840, hidden_size=7168, num_layers=61, num_heads=64,
                     num_kv_heads=64, intermediate_size=18432, attention="mla", q_lora_rank=1536,
                     kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                    num_experts=384, moe_intermediate_size=2048, num_shared_experts=1, num_dense_layers=1,
+                    num_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, num_shared_experts=1,
+                    num_dense_layers=1,
                     router="correction_bias"),
     ]
 }

@@ -26,6 +26,7 @@ class PlanLike(Protocol):
     buckets: Sequence[Any]
     config: Any
     seconds: float
+    packings: int
 
 
 class PlanStats(NamedTuple):
@@ -56,6 +57,9 @@ class PlanStats(NamedTuple):
     max_rank_bytes: int
     mean_rank_bytes: float
     plan_seconds: float
+    """Wall time of planning: a benchmark figure (``benchmarks/planner_scale.py``), never a test's."""
+    plan_packings: int
+    """Packings the planner tried (see ``_work``): its work, machine-independent; what tests bound."""
 
     def as_dict(self) -> dict:
         return dict(self._asdict())
@@ -311,6 +315,7 @@ def plan_stats(plan: PlanLike, *, _per_rank_cache=None) -> PlanStats:
         max_rank_bytes=int(rank_bytes.max()) if rank_bytes.size else 0,
         mean_rank_bytes=float(rank_bytes.mean()) if rank_bytes.size else 0.0,
         plan_seconds=plan.seconds,
+        plan_packings=plan.packings,
     )
 
 
@@ -332,7 +337,8 @@ def plan_report(plan: PlanLike) -> str:
     lines = [
         f"plan: {st.num_buckets} buckets ({st.num_even_buckets} even, {st.num_ragged_buckets} ragged), "
         f"{st.num_tensors} tensors, {st.param_numel:,} parameters, world size {st.world_size} "
-        f"(layout={cfg.layout}, padding_cap={cfg.padding_cap}, align={cfg.align}), planned in {st.plan_seconds:.3f} s",
+        f"(layout={cfg.layout}, padding_cap={cfg.padding_cap}, align={cfg.align}), planned in {st.plan_seconds:.3f} s "
+        f"({st.plan_packings} packings)",
         f"{'bucket':<28} {'layout':<6} {'tensors':>7} {'params':>15} {'padding%':>9} {'split':>6} "
         f"{'split bytes':>12} {'seg max/mean':>12} {'cost max/mean':>13} {'bytes/collective':>17}",
     ]

@@ -1,5 +1,6 @@
-"""Choose the mesh: the HSDP shape (replicas x shard size) with the least modeled step time whose
-busiest rank fits in memory (``suggest_mesh``, ``fsdp-optim plan --suggest``).
+"""Choose the mesh: the HSDP shape (replicas x shard size), or for an MoE preset the expert-parallel
+degree, with the least modeled step time whose busiest rank fits in memory (``suggest_mesh``,
+``fsdp-optim plan --suggest``).
 
 [Note: mesh suggestion model]
 Every divisor ``N`` of the world size ``W`` is a candidate shard size (``R = W / N`` replicas; ``N = W``
@@ -22,6 +23,18 @@ priced per step on the busiest rank:
 
 Candidates whose memory lower bound (parameters x ``state_bytes`` / N, plus the rule's block state
 / N) already exceeds the budget are not planned. The fitting candidate with the least time wins (ties: the larger shard size, less memory).
+
+[Note: expert-parallel candidates]
+For an MoE preset every EP degree ``ep`` dividing ``W`` (``1 < ep <= E``) is a candidate too, laid out as
+``expert_parallel`` + ``fully_shard`` lay it out (docs/expert-parallel.md): the routed experts of each
+layer split whole over ``ep`` ranks (the busiest holds ``ceil(E / ep)``), each rank's slice planned over
+the ``W / ep`` ranks holding the same experts, the dense part (attention, router, shared experts, norms,
+embedding, head) planned over all ``W`` ranks (pure FSDP: HSDP replicas of the dense part with EP are not
+supported yet). Rank ``r`` holds its dense segments and its experts' segment ``r // ep`` of the expert
+plan; gathered: the biggest dense bucket and the biggest expert bucket, twice. Time: both plans'
+collectives as above, plus the token exchanges per MoE layer: 4 all-to-alls over the EP group
+(dispatch and combine, forward and backward) of ``tokens_per_rank x top_k x hidden x act_bytes x
+(ep - 1) / ep`` bytes each (dropless, every expert its average share), and one of the ``[E]`` counts.
 """
 
 from __future__ import annotations
@@ -37,7 +50,7 @@ from torch import nn
 from ._blocks import BlockRule
 from ._plan import Layout, Plan, PlanConfig, TensorSpec, config_for_rules
 from ._planner import plan_model
-from ._presets import PRESETS, preset_buckets
+from ._presets import PRESETS, preset_buckets, preset_shapes
 from ._wire import LinkModel, WireMode, all_reduce_seconds, all_to_all_seconds, choose_wire_mode
 from ._wire import grouped_seconds, padded_seconds, split_exchange
 
@@ -59,6 +72,9 @@ class MeshCandidate(NamedTuple):
     num_split_blocks: int
     planned: bool
     """False: skipped, its memory lower bound does not fit (``max_rank_bytes`` is that bound)."""
+    ep: int = 1
+    """Expert-parallel degree (1: none); with ``ep > 1`` the shape is ``ep`` x ``W / ep`` for the experts and
+    pure FSDP (``shard_size = W``) for the rest: [Note: expert-parallel candidates]."""
 
 
 class MeshSuggestion(NamedTuple):
@@ -69,8 +85,12 @@ class MeshSuggestion(NamedTuple):
     max_rank_bytes: int
     collective_seconds: float
     plan: Plan
-    """The chosen shard group's plan."""
+    """The chosen shard group's plan (with ``ep > 1``: the dense part's, over all ranks)."""
     candidates: tuple[MeshCandidate, ...]
+    ep: int = 1
+    """The chosen expert-parallel degree (1: none)."""
+    expert_plan: Plan | None = None
+    """With ``ep > 1``: the plan of one rank's experts over the ``W / ep`` ranks holding the same experts."""
 
 
 def module_buckets(module: nn.Module, *, rule: BlockRule, itemsize: int = 4) -> list[tuple[str, list[TensorSpec]]]:
@@ -161,14 +181,19 @@ def suggest_mesh(
     grad_bytes: int = 4,
     optim_bytes: int = 4,
     link: LinkModel = LinkModel(),
+    tokens_per_rank: int = 8192,
+    act_bytes: int = 2,
 ) -> MeshSuggestion:
-    """The HSDP shape (``num_replicas x shard_size``) with the least modeled collective time per step
-    whose busiest rank fits in ``memory_per_rank`` bytes, and every candidate's figures.
+    """The HSDP shape (``num_replicas x shard_size``), or for an MoE preset the expert-parallel degree,
+    with the least modeled collective time per step whose busiest rank fits in ``memory_per_rank`` bytes,
+    and every candidate's figures.
 
     ``model``: a preset name (``preset_names()``), an ``nn.Module`` (its parameter shapes, meta is
     fine; buckets by ``module_buckets``) or planner buckets. ``rule``: the optimizer's block rule
     (``Muon.blocks``, ``muon_rule()``, ...); ``config``: the planner's (``balance="auto"`` splits matrices only for a rule that takes them,
-    see ``config_for_rules``). The rest: [Note: mesh suggestion model].
+    see ``config_for_rules``). ``tokens_per_rank`` and ``act_bytes`` (bf16 activations) price an MoE
+    preset's expert-parallel token exchanges. The rest: [Note: mesh suggestion model], [Note:
+    expert-parallel candidates].
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -196,18 +221,91 @@ def suggest_mesh(
                              exchange_bytes=exchange)  # fmt: skip
         st = plan.stats()
         cands.append(MeshCandidate(n, world_size // n, mem, mem <= memory_per_rank, secs, st.balance_ratio, st.num_split_blocks, True))
-        plans[n] = plan
+        plans[(1, n)] = plan
+    prices = dict(state_bytes=state_bytes, gathered_bytes=gathered_bytes, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                  exchange_bytes=exchange, link=link, tokens_per_rank=tokens_per_rank, act_bytes=act_bytes)  # fmt: skip
+    if isinstance(model, str) and PRESETS[model].is_moe:
+        for c, dense_plan, expert_plan in _ep_candidates(model, world_size, rule, config, memory_per_rank, itemsize, prices):
+            cands.append(c)
+            plans[(c.ep, c.shard_size)] = (dense_plan, expert_plan)
     fitting = [c for c in cands if c.fits]
     if not fitting:
         least = min(c.max_rank_bytes for c in cands)
+        shapes = "HSDP shape or expert-parallel degree" if any(c.ep > 1 for c in cands) else "HSDP shape"
         raise ValueError(
-            f"memory_per_rank={memory_per_rank:.4g} bytes fits no HSDP shape of world size {world_size}: even pure FSDP "
+            f"memory_per_rank={memory_per_rank:.4g} bytes fits no {shapes} of world size {world_size}: the least "
             f"needs {least:.4g} bytes on the busiest rank ({state_bytes:g} bytes per sharded element + the rule's "
             f"per-block state + two gathered buckets); raise memory_per_rank or the world size"
         )
-    best = min(fitting, key=lambda c: (c.collective_seconds, -c.shard_size))
-    return MeshSuggestion(best.shard_size, best.num_replicas, best.max_rank_bytes, best.collective_seconds,
-                          plans[best.shard_size], tuple(cands))  # fmt: skip
+    best = min(fitting, key=lambda c: (c.collective_seconds, c.ep, -c.shard_size))
+    chosen = plans[(best.ep, best.shard_size)]
+    plan, expert_plan = chosen if best.ep > 1 else (chosen, None)
+    return MeshSuggestion(best.shard_size, best.num_replicas, best.max_rank_bytes, best.collective_seconds, plan,
+                          tuple(cands), best.ep, expert_plan)  # fmt: skip
+
+
+def _is_routed_expert(fqn: str) -> bool:
+    return ".mlp.experts." in fqn  # the presets' stacked [E, ...] routed-expert tensors
+
+
+def _ep_buckets(model: str, ep: int, rule: BlockRule, itemsize: int):
+    """``(dense, experts)`` buckets of an MoE preset under EP degree ``ep``: the preset's buckets without
+    the routed experts, and per MoE layer one bucket of the busiest rank's experts, every ``[E, ...]``
+    tensor cut to ``[ceil(E / ep), ...]`` (``expert_parallel`` gives the first ranks one more when ``ep``
+    does not divide E)."""
+    dense, experts = [], []
+    for bname, tensors in preset_shapes(model):
+        d = [(f, s) for f, s in tensors if not _is_routed_expert(f)]
+        x = [(f, (-(-s[0] // ep), *s[1:])) for f, s in tensors if _is_routed_expert(f)]
+        for out, ts, name in ((dense, d, bname), (experts, x, f"{bname}.experts")):
+            if ts:
+                out.append((name, [TensorSpec(name=f, shape=s, spec=rule(f, torch.empty(s, device="meta"), None),
+                                              itemsize=itemsize) for f, s in ts]))  # fmt: skip
+    return dense, experts
+
+
+def _ep_candidates(model: str, w: int, rule: BlockRule, config: PlanConfig, memory_per_rank: float, itemsize: int,
+                   prices: dict):  # fmt: skip
+    """``(MeshCandidate, dense plan, expert plan)`` per EP degree: [Note: expert-parallel candidates]."""
+    m = PRESETS[model]
+    state, gathered_b, link = prices["state_bytes"], prices["gathered_bytes"], prices["link"]
+    cfg = config_for_rules(config, [rule])
+    dense_plan = None
+    for ep in (d for d in range(2, min(w, m.num_experts) + 1) if w % d == 0):
+        dense, experts = _ep_buckets(model, ep, rule, itemsize)
+        reps = w // ep  # the ranks holding the same experts
+        biggest = max(sum(ts.numel for ts in specs) for _, specs in dense) + max(sum(ts.numel for ts in specs) for _, specs in experts)
+        gathered = 2 * biggest * gathered_b
+        dense_numel = sum(ts.numel for _, specs in dense for ts in specs)
+        expert_numel = sum(ts.numel for _, specs in experts for ts in specs)
+        floor = int((dense_numel * state + _block_state_total(dense, rule)) / w
+                    + (expert_numel * state + _block_state_total(experts, rule)) / reps + gathered)  # fmt: skip
+        if floor > memory_per_rank:
+            yield MeshCandidate(w, 1, floor, False, math.inf, 1.0, 0, False, ep), None, None
+            continue
+        dense_plan = dense_plan or plan_model(dense, world_size=w, config=cfg)  # the same for every ep
+        expert_plan = plan_model(experts, world_size=reps, config=cfg)
+        per_rank = [sum(np.diff(np.asarray(b.rank_bounds, dtype=np.int64)) for b in p.buckets) * state
+                    + block_state_per_rank(p, rule) for p in (dense_plan, expert_plan)]  # fmt: skip
+        mem = int(float(np.max(per_rank[0] + per_rank[1][np.arange(w) // ep])) + gathered)
+        secs = (_step_seconds(dense_plan, 1, link=link, param_bytes=prices["param_bytes"], grad_bytes=prices["grad_bytes"],
+                              exchange_bytes=prices["exchange_bytes"])
+                + _step_seconds(expert_plan, 1, link=link, param_bytes=prices["param_bytes"],
+                                grad_bytes=prices["grad_bytes"], exchange_bytes=prices["exchange_bytes"])
+                + _token_seconds(m, ep, prices["tokens_per_rank"], prices["act_bytes"], link))  # fmt: skip
+        ds, xs = dense_plan.stats(), expert_plan.stats()
+        yield (MeshCandidate(w, 1, mem, mem <= memory_per_rank, secs, max(ds.balance_ratio, xs.balance_ratio),
+                             ds.num_split_blocks + xs.num_split_blocks, True, ep), dense_plan, expert_plan)  # fmt: skip
+
+
+def _token_seconds(m, ep: int, tokens_per_rank: int, act_bytes: int, link: LinkModel) -> float:
+    """EP's token traffic per step on one rank: per MoE layer 4 all-to-alls of the routed activations
+    (dispatch and combine, forward and backward) and one of the ``[E]`` routing counts (int64)."""
+    out = tokens_per_rank * m.num_experts_per_tok * m.hidden_size * act_bytes * (ep - 1) / ep
+    counts = m.num_experts * 8 * (ep - 1) / ep
+    one = 4 * all_to_all_seconds([out] * ep, [out] * ep, element_size=1, link=link)
+    one += all_to_all_seconds([counts] * ep, [counts] * ep, element_size=1, link=link)
+    return (m.num_layers - m.num_dense_layers) * one
 
 
 def _buckets(model, *, rule: BlockRule, itemsize: int):

@@ -373,20 +373,18 @@ def test_export_file_names_count_the_files_written(tmp_path, shard_root):
 @pytest.mark.parametrize("call", ["export_hf", "load_hf"])
 def test_an_hf_call_not_entered_by_every_rank_fails_in_bounded_time(tmp_path, call):
     """Rank 0 alone calls it: it raises within ``timeout`` naming the missing rank and the rule, having
-    written nothing. Before: it waited for the process group's timeout (30 minutes by default)."""
-    import time
+    written nothing. Before: it waited for the process group's timeout (30 minutes by default). The bound
+    is the harness's ``timeout=60`` (a hang fails there); no duration is asserted (a busy machine is slow)."""
 
     def fn():
         model = _sharded(_config(False))
         if dist.get_rank() != 0:
             return None
-        start = time.monotonic()
         with pytest.raises(TimeoutError, match=rf"rank\(s\) \[1\] of 2 did not call {call} within 2 s; every rank must"):
             if call == "export_hf":
                 fsdp_optim.export_hf(model, tmp_path / "hf", timeout=2)
             else:
                 fsdp_optim.load_hf(model, tmp_path / "hf", timeout=2)
-        return time.monotonic() - start, sorted(os.listdir(tmp_path))
+        return sorted(os.listdir(tmp_path))
 
-    took, left = run_distributed(fn, world_size=2, timeout=60)[0]
-    assert 2 <= took < 20 and left == []
+    assert run_distributed(fn, world_size=2, timeout=60)[0] == []

@@ -483,8 +483,8 @@ def test_numpy_scalars_in_param_groups_are_saved_as_python_numbers(tmp_path):
 def test_a_call_not_entered_by_every_rank_fails_in_bounded_time(saved, tmp_path, monkeypatch, call):
     """[Note: every rank calls it]: rank 0 alone calls it; it raises within the timeout (``timeout=`` for
     the save, the environment variable for the load), naming the missing rank and the rule, and leaves
-    no ``<path>.tmp``. Before: it waited for the process group's timeout and left ``<path>.tmp``."""
-    import time
+    no ``<path>.tmp``. Before: it waited for the process group's timeout and left ``<path>.tmp``. The bound
+    is the harness's ``timeout=60`` (a hang fails there); no duration is asserted (a busy machine is slow)."""
 
     monkeypatch.setenv("FSDP_OPTIM_CHECKPOINT_TIMEOUT", "3")
     out = tmp_path / "out"
@@ -495,17 +495,15 @@ def test_a_call_not_entered_by_every_rank_fails_in_bounded_time(saved, tmp_path,
         if dist.get_rank() != 0:
             return None
         what = f"{call}_checkpoint"
-        start = time.monotonic()
         with pytest.raises(TimeoutError, match=rf"rank\(s\) \[1\] of 2 did not call {what} within 3 s; every rank must "
                                                "call it"):
             if call == "save":
                 fsdp_optim.save_checkpoint(out / "ckpt", model=model, optimizer=opt, timeout=3)
             else:
                 fsdp_optim.load_checkpoint(saved, model=model, optimizer=opt)
-        return time.monotonic() - start, sorted(os.listdir(out))
+        return sorted(os.listdir(out))
 
-    took, left = run_distributed(fn, world_size=2, timeout=60)[0]
-    assert 3 <= took < 20 and left == []
+    assert run_distributed(fn, world_size=2, timeout=60)[0] == []
 
 
 def test_a_full_disk_is_named_as_such(tmp_path):
@@ -518,7 +516,8 @@ def test_a_full_disk_is_named_as_such(tmp_path):
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
         try:
-            with pytest.raises(ValueError, match=r"(?i)ckpt\.tmp failed: OSError: .*file too large") as caught:
+            with pytest.raises(ValueError, match=r"ckpt\.tmp failed: file too large: a file reached the file-size limit \(ulimit -f\) "
+                                                 r"of 1,024 bytes \(OSError: \[Errno 27\] File too large\)") as caught:
                 fsdp_optim.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt)
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
@@ -526,6 +525,116 @@ def test_a_full_disk_is_named_as_such(tmp_path):
         return "FrameSummary" not in str(caught.value), sorted(os.listdir(tmp_path))
 
     assert run_distributed(fn, world_size=2, timeout=60) == [(True, [])] * 2
+
+
+def _big_trained(seed: int):
+    """Two Linear(256, 256) under AdamW: pieces of 128 KB per rank, so a write limit falls inside a tensor, where
+    torch's zip writer writes (a model of small tensors fails in Python's buffered writes instead)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    fsdp_optim.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 256)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _save_again_when_full(folder: str, make_full, undo) -> list:
+    """Save a checkpoint to ``folder/ck``, ``make_full()`` on every rank (it returns what ``undo`` takes), save
+    again: the error of the second save, what is left in ``folder``, and whether the first checkpoint still
+    loads with its values."""
+
+    def fn():
+        model, opt = _big_trained(seed=0)
+        path = os.path.join(folder, "ck")
+        fsdp_optim.save_checkpoint(path, model=model, optimizer=opt)
+        want = fsdp_optim.full_state_dict(model)
+        sizes = {f: os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)}
+        dist.barrier()
+        token = make_full(folder, sizes)
+        dist.barrier()
+        try:
+            with pytest.raises(ValueError) as caught:
+                fsdp_optim.save_checkpoint(path, model=model, optimizer=opt)
+        finally:
+            undo(token)
+        dist.barrier()
+        other, other_opt = _big_trained(seed=1)
+        fsdp_optim.load_checkpoint(path, model=other, optimizer=other_opt)
+        got = fsdp_optim.full_state_dict(other)
+        intact = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        return str(caught.value), sorted(os.listdir(folder)), intact
+
+    return run_distributed(fn, world_size=2, timeout=120)
+
+
+def test_a_full_file_system_is_named_with_the_figures(tmp_path):
+    """A real full file system (a 4 MiB tmpfs, filled until a quarter of what the save needs is free): the
+    write fails (in torch's writer mid-tensor, "[enforce fail at inline_container.cc:...] . unexpected pos",
+    or in a byte record's write); the error says "no space left on device" with the bytes free and needed,
+    on every rank; the previous checkpoint is intact and ``<path>.tmp`` is gone. Before: only torch's
+    "unexpected pos 704 vs 598"."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (the ulimit -f test below runs everywhere)")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (the ulimit -f test below runs everywhere)")
+
+    def fill(folder, sizes):
+        if dist.get_rank() != 0:
+            return None
+        st = os.statvfs(folder)
+        filler = os.path.join(folder, "filler")
+        with open(filler, "wb") as fh:
+            fh.write(b"\0" * max(st.f_bavail * st.f_frsize - sum(sizes.values()) // 4, 0))
+        return filler
+
+    def undo(filler):
+        if filler is not None:
+            os.remove(filler)
+
+    try:
+        out = _save_again_when_full(str(mnt), fill, undo)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    for msg, left, intact in out:
+        # (the first write to fail: a tensor's, in torch's zip writer, or a byte record's, in Python's)
+        assert re.search(r"ck\.tmp failed: no space left on device: .* had [\d,]+ bytes free before the save and "
+                         r"[\d,]+ when the write failed, for a save whose tensors alone take [\d,]+ bytes "
+                         r"\((RuntimeError: \[enforce fail at inline_container\.cc:\d+\] \. unexpected pos \d+ vs \d+|"
+                         r"OSError: \[Errno 28\] No space left on device)\); free space there or save elsewhere; the "
+                         r"previous checkpoint at .*ck \(if any\) is untouched$", msg), msg
+        assert left == ["ck"] and intact
+
+
+def test_a_file_size_limit_hit_mid_tensor_is_named_with_the_figures(tmp_path):
+    """``ulimit -f`` (RLIMIT_FSIZE, set in the forked ranks) at half the largest shard file: torch's writer
+    fails mid-tensor; the error says "file too large" with the limit and the bytes one file needs, on every
+    rank; the previous checkpoint is intact and ``<path>.tmp`` is gone. SIGXFSZ is ignored (Python's
+    default; set here too, else the kernel's default action kills the rank instead of failing the write)."""
+    import resource
+    import signal
+
+    def limit(folder, sizes):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max(v for f, v in sizes.items() if f.endswith(".distcp")) // 2, hard))
+        return soft, hard
+
+    def undo(token):
+        resource.setrlimit(resource.RLIMIT_FSIZE, token)
+
+    for msg, left, intact in _save_again_when_full(str(tmp_path), limit, undo):
+        assert re.search(r"ck\.tmp failed: file too large: a file reached the file-size limit \(ulimit -f\) of "
+                         r"[\d,]+ bytes \(RuntimeError: \[enforce fail at inline_container\.cc:\d+\] \. unexpected pos "
+                         r"\d+ vs \d+\); raise the limit \(ulimit -f unlimited\) or give the state more ranks \(each "
+                         r"rank writes its own file; the save's tensors take [\d,]+ bytes in all\); the previous "
+                         r"checkpoint at .*ck \(if any\) is untouched$", msg), msg
+        assert left == ["ck"] and intact
 
 
 def test_a_second_save_to_the_same_path_meanwhile_is_refused(tmp_path, monkeypatch):
