@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SwiGLUExperts", "TinyConfig", "TinyTransformer", "make_batch"]
+__all__ = ["SwiGLUExperts", "TinyConfig", "TinyTransformer", "full", "make_batch"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +87,13 @@ class TinyTransformer(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.output(self.norm(h))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``t`` as a whole tensor: a sharded one (a DTensor) gathered (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
 
 def make_batch(

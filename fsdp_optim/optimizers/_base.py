@@ -61,14 +61,51 @@ class StateShard(NamedTuple):
 
 
 def profiled_step(step: Callable) -> Callable:
-    """Decorate an optimizer's ``step``: a ``fsdp_optim::optimizer_step(<class>)`` profiler range."""
+    """Decorate an optimizer's ``step``: a ``fsdp_optim::optimizer_step(<class>)`` profiler range, after
+    ``check_layouts`` (the layouts its plans were made for are still the parameters')."""
 
     @functools.wraps(step)
     def wrapper(self, *args, **kwargs):
+        check_layouts(self)
         with torch.profiler.record_function(f"fsdp_optim::optimizer_step({type(self).__name__})"):
             return step(self, *args, **kwargs)
 
     return wrapper
+
+
+_LAYOUTS = "_fsdp_optim_planned_layouts"
+
+
+def record_layouts(optimizer: torch.optim.Optimizer) -> None:
+    """Remember each sharded parameter's spec as the optimizer planned (and made state) for it."""
+    seen = getattr(optimizer, _LAYOUTS, None)
+    if seen is None:
+        seen = {}
+        setattr(optimizer, _LAYOUTS, seen)
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if isinstance(p, RaggedDTensor) and p not in seen:
+                seen[p] = p._spec
+
+
+def check_layouts(optimizer: torch.optim.Optimizer) -> None:
+    """``ValueError`` if a sharded parameter was laid out again since the optimizer planned for it.
+
+    A root ``fully_shard`` call re-lays out the parameters of the inner calls it absorbs *in place*
+    (the same objects), so an optimizer built between the inner calls and the root holds live
+    parameters: torch's, which make state at their first step, train them; ours made their per-block
+    plans and state for the inner layout, which a step would then apply to other elements. One identity
+    comparison per parameter and step."""
+    record_layouts(optimizer)  # (parameters added since: planned for their current layout)
+    seen = getattr(optimizer, _LAYOUTS)
+    for p, spec in seen.items():
+        if p._spec is not spec:
+            name = getattr(p, "_fqn", "") or "<unnamed>"
+            raise ValueError(
+                f"{type(optimizer).__name__}: parameter {name} (shape {tuple(p.shape)}) was laid out again by a later "
+                f"fully_shard call (now {p.ragged}) after the optimizer planned its state; build the optimizer after "
+                "the outermost fully_shard call (the root), from model.parameters()"
+            )
 
 
 def state_range(info: LocalShard, state_before: Callable[[int], int]) -> StateShard:
@@ -184,6 +221,7 @@ def make_dcp_ready(optimizer: torch.optim.Optimizer) -> None:
     so ``torch.distributed.checkpoint`` save/load on them directly reshards across world sizes."""
     from ..sharding import register_optimizer_hooks
 
+    record_layouts(optimizer)
     if any(isinstance(p, RaggedDTensor) for g in optimizer.param_groups for p in g["params"]):
         register_optimizer_hooks(optimizer)
 

@@ -694,17 +694,18 @@ class Muon(torch.optim.Optimizer):
         low = [_low_precision(p.dtype) for p, _ in splits]  # such a piece travels out with its parameter values
         # out: my pieces, ordered by owner, then matrix (back: the same order, n elements each)
         sends, send_sizes, back_recv_sizes, at, back_at = [], [0] * w, [0] * w, 0, 0
-        for j in sorted(range(len(splits)), key=lambda j: (owners[j], j)):
+        group, g = info0.exchange_group()  # (sizes and buffers in group-rank order: g[coordinate])
+        for j in sorted(range(len(splits)), key=lambda j: (g[owners[j]], j)):
             (p, (off, r, c)), mine = splits[j], [x for x in pieces[j] if x[0] == me]
             if mine:
                 _, a, b = mine[0]
                 n, k = b - a, 1 + low[j]
                 sends.append(_SendPiece(p, off + a - self._plans[p].info.start, n, r, c, low[j], at, back_at))
-                send_sizes[owners[j]] += k * n
-                back_recv_sizes[owners[j]] += n
+                send_sizes[g[owners[j]]] += k * n
+                back_recv_sizes[g[owners[j]]] += n
                 at, back_at = at + k * n, back_at + n
         # in: pieces of the matrices I own, ordered by source rank, then matrix (the senders' order)
-        entries = sorted((q, j, a, b) for j in range(len(splits)) if owners[j] == me for q, a, b in pieces[j])
+        entries = sorted((g[q], j, a, b) for j in range(len(splits)) if owners[j] == me for q, a, b in pieces[j])
         recv_sizes, back_send_sizes, at, back_at, by_matrix = [0] * w, [0] * w, 0, 0, {}
         for q, j, a, b in entries:
             n, k = b - a, 1 + low[j]
@@ -717,7 +718,7 @@ class Muon(torch.optim.Optimizer):
             for j in sorted(by_matrix)
         )
         return _Exchange(
-            info0.exchange_group(), splits[0][0].device, tuple(sends), tuple(send_sizes), tuple(recv_sizes),
+            group, splits[0][0].device, tuple(sends), tuple(send_sizes), tuple(recv_sizes),
             tuple(back_send_sizes), tuple(back_recv_sizes), owned, tuple((p, p.dtype) for p, _ in splits),
         )  # fmt: skip
 

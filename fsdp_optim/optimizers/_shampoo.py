@@ -775,6 +775,7 @@ class Shampoo(BlockPreconditioner):
         strips it owns from every rank, both in (rank, parameter, strip) order."""
         info0 = self._plans[params[0]].info
         w = info0.world_size
+        group, g = info0.exchange_group()
         sends, recvs, owned = [], [], []
         for i, p in enumerate(params):
             plan = self._plans[p]
@@ -783,13 +784,14 @@ class Shampoo(BlockPreconditioner):
                     f"Shampoo: {plan.name} is sharded over {plan.info.world_size} ranks and {self._plans[params[0]].name} "
                     f"over {w} in the same process group; one group has one world size"
                 )
-            sends.extend(((x.owner, i, x.strip), _Send(p, x.local, x.n, x.owner)) for x in plan.pieces)
+            # (owners and sources by their rank in the group: the order of a collective's buffers)
+            sends.extend(((g[x.owner], i, x.strip), _Send(p, x.local, x.n, g[x.owner])) for x in plan.pieces)
             if plan.owned is not None:
                 j = len(owned)
                 owned.append((p, plan.owned))
-                recvs.extend(((q, i, plan.owned.strip), _Recv(p, j, a, b - a, q)) for q, a, b in plan.owned.pieces)
+                recvs.extend(((g[q], i, plan.owned.strip), _Recv(p, j, a, b - a, g[q])) for q, a, b in plan.owned.pieces)
         return _Exchange(
-            info0.exchange_group(), w, params[0].device, tuple(x for _, x in sorted(sends, key=lambda t: t[0])),
+            group, w, params[0].device, tuple(x for _, x in sorted(sends, key=lambda t: t[0])),
             tuple(x for _, x in sorted(recvs, key=lambda t: t[0])), tuple(owned),
             tuple((p, p.dtype, p.device) for p in params),
         )  # fmt: skip

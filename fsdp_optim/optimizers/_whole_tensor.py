@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from ..sharding import BlockSpec, elements, whole
 from ..sharding import LocalShard, RaggedDTensor, local_shard, local_tensor
-from ._base import profiled_step
+from ._base import profiled_step, record_layouts
 
 __all__ = ["WholeTensorOptimizer", "whole_tensor_rule"]
 
@@ -99,6 +99,7 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     g.setdefault(k, v)
         self._ready = True
+        record_layouts(self)
 
     # ---- ownership -----------------------------------------------------------------------
     def _owned_views(self, params: list[Tensor]) -> list[Tensor]:

@@ -155,6 +155,45 @@ class RaggedDTensor(DTensor):
         """This rank's flat ``[start, end)`` in the row-major flattened tensor."""
         return self.ragged.range(self.shard_rank)
 
+    @property
+    def data(self) -> RaggedDTensor:  # type: ignore[override]
+        """A detached alias (the same local piece), as ``Tensor.data``."""
+        return RaggedDTensor(self._local_tensor.detach(), self._spec, requires_grad=False)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``p.data = v`` copies ``v`` into this tensor's local piece in place: a sharded parameter's piece
+        is a view of its bucket's segment, which the runtime gathers from, so the object and its storage
+        stay (torch's ``set_data`` would change neither the piece nor the segment: a silent no-op).
+        ``v``: a ``RaggedDTensor`` of this layout, a DTensor replicated everywhere, or a plain tensor of
+        the global shape (this rank's range is taken); its dtype must be this tensor's."""
+        if value.dtype != self.dtype:
+            raise ValueError(
+                f"p.data = <{value.dtype} tensor>: this sharded tensor (shape {tuple(self.shape)}) is {self.dtype}, "
+                "and its piece lives in a flat buffer of that dtype; cast the model before fully_shard, or compute "
+                "in another dtype with fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...))"
+            )
+        if isinstance(value, RaggedDTensor):
+            if not value.ragged.same_layout(self.ragged):
+                raise ValueError(f"p.data = <RaggedDTensor laid out as {value.ragged}>: this tensor is laid out as {self.ragged}")
+            local = value._local_tensor
+        else:
+            if isinstance(value, DTensor):
+                if not all(isinstance(pl, Replicate) for pl in value.placements):
+                    raise ValueError(
+                        f"p.data = <DTensor with placements {value.placements}>: pass a full tensor or one of this layout"
+                    )
+                value = value.to_local()
+            if tuple(value.shape) != tuple(self.shape):
+                raise ValueError(
+                    f"p.data = <tensor of shape {tuple(value.shape)}>: this sharded tensor's global shape is "
+                    f"{tuple(self.shape)} (a plain tensor is taken as the whole tensor: each rank keeps its range)"
+                )
+            a, b = self.local_range
+            local = value.detach().reshape(-1)[a:b]
+        with torch.no_grad():
+            self._local_tensor.copy_(local.reshape(self._local_tensor.shape))
+
     def __repr__(self) -> str:  # type: ignore[override]
         a, b = self.local_range
         return (
@@ -221,12 +260,15 @@ class RaggedDTensor(DTensor):
         )
 
     # ---- torch.compile / pickling ------------------------------------------------------------
-    def __tensor_flatten__(self):
-        return ["_local_tensor"], (self._spec, self.requires_grad)
-
+    # (torch.compile: DTensor's own __tensor_flatten__, which dynamo expects of a DTensor; unflattened
+    # back into this class)
     @staticmethod
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
-        spec, requires_grad = flatten_spec
+        placements, meta, shard_order, requires_grad = flatten_spec
+        spec = DTensorSpec(
+            inner_tensors["device_mesh"], placements, tensor_meta=TensorMeta(outer_size, outer_stride, meta.dtype),
+            shard_order=shard_order,
+        )  # fmt: skip
         return RaggedDTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
 
     def __reduce_ex__(self, protocol):
@@ -442,22 +484,40 @@ def _with(placements: tuple, dim: int, p: Placement) -> tuple:
 
 
 # ---- pickled pieces --------------------------------------------------------------------------------
-class RaggedPiece:
-    """What ``torch.load`` gives for a pickled ``RaggedDTensor``: one rank's flat piece and where it lies.
-    Not a tensor: use ``fsdp_optim.full_state_dict(model)`` for a portable file, or ``save_checkpoint``."""
+class RaggedPiece(torch.Tensor):
+    """What ``torch.load`` gives for a pickled ``RaggedDTensor``: one rank's flat piece (``local``) and
+    where it lies, shaped as the whole tensor but holding no whole tensor: any op raises, naming
+    ``fsdp_optim.full_state_dict(model)`` (for a portable file) and ``save_checkpoint``."""
 
-    def __init__(self, local: torch.Tensor, shape: tuple[int, ...], bounds: tuple[int, ...], rank: int) -> None:
-        self.local, self.shape, self.bounds, self.rank = local, tuple(shape), tuple(bounds), rank
+    local: torch.Tensor
+    bounds: tuple[int, ...]
+    rank: int
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, shape: tuple[int, ...], bounds: tuple[int, ...], rank: int) -> RaggedPiece:
+        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=local.dtype, device=local.device)
+        r.local, r.bounds, r.rank = local, tuple(bounds), rank
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(
+            f"{func} on a RaggedPiece: one rank's flat piece of a sharded tensor, saved with torch.save(model."
+            "state_dict()). For a file any model loads, call fsdp_optim.full_state_dict(model) instead (and "
+            "torch.save that); for a sharded checkpoint, fsdp_optim.save_checkpoint or torch.distributed.checkpoint"
+        )
 
     @property
     def local_range(self) -> tuple[int, int]:
         return self.bounds[self.rank], self.bounds[self.rank + 1]
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]
         a, b = self.local_range
         return (
-            f"RaggedPiece(shape={self.shape}, local=[{a}, {b}) of {math.prod(self.shape)}): one rank's piece of a sharded "
-            "tensor saved with torch.save; save fsdp_optim.full_state_dict(model) for whole tensors"
+            f"RaggedPiece(shape={tuple(self.shape)}, local=[{a}, {b}) of {math.prod(self.shape)}): one rank's piece of "
+            "a sharded tensor saved with torch.save; save fsdp_optim.full_state_dict(model) for whole tensors"
         )
 
 

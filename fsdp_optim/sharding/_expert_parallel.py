@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ._dist import agree_on_error, rank_and_world_size
 from .plan import expert_ranges, token_splits
@@ -242,20 +243,15 @@ def _ep_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-# What fully_shard sets on each parameter it shards (``_shard_info._ATTR``, not imported: _shard_info imports
-# this module; tests/sharding/test_expert_parallel_fsdp.py checks that the two agree).
-_SHARDED_ATTR = "_fsdp_optim_shard"
-
-
 def _check_module(experts: nn.Module, ep_size: int) -> int:
     """The contract's shape part; returns E."""
     if isinstance(experts, ExpertParallelModule):
         raise ValueError(f"{type(experts).__name__} is already expert parallel; call expert_parallel once")
-    sharded = [name for name, p in experts.named_parameters() if getattr(p, _SHARDED_ATTR, None) is not None]
+    sharded = [name for name, p in experts.named_parameters() if isinstance(p, DTensor)]  # (fully_shard's, or any)
     if sharded:
         raise ValueError(
             f"expert_parallel: the parameters of {type(experts).__name__} ({', '.join(sharded)}) are already "
-            "sharded by fully_shard; the order is expert_parallel first, then fully_shard: groups = "
+            "sharded (DTensors: by fully_shard, or another parallelism); the order is expert_parallel first, then fully_shard: groups = "
             "expert_parallel_groups(ep); expert_parallel(experts, group=groups.ep); fully_shard(experts, "
             "mesh=groups.replicas); then fully_shard on the layers and the root"
         )

@@ -48,19 +48,17 @@ class LocalShard(NamedTuple):
             return None
         return self.mesh.get_group(self.mesh_dim)
 
-    def exchange_group(self) -> dist.ProcessGroup | None:
-        """The shard group for an exchange addressed by coordinate (split matrices and strips): its
-        ranks must be in coordinate order (a mesh ordered otherwise, as an expert-parallel one, raises)."""
+    def exchange_group(self) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
+        """The shard group for an exchange addressed by coordinate (split matrices and strips), and each
+        coordinate's rank in that group (the identity but for a mesh ordered otherwise than its group,
+        as an expert-parallel weight's): split sizes and buffers of a collective go in group-rank order."""
         group = self.group
         if group is None:
-            return None
-        dim_ranks = self.mesh.mesh[tuple(slice(None) if i == self.mesh_dim else c for i, c in enumerate(self.mesh.get_coordinate()))]
-        if dim_ranks.tolist() != dist.get_process_group_ranks(group):
-            raise ValueError(
-                f"{self.fqn or 'a tensor'}: its mesh {self.mesh} orders ranks other than its process group does; "
-                "a split block's exchange needs them in the same order"
-            )
-        return group
+            return None, tuple(range(self.world_size))
+        coord = self.mesh.get_coordinate()
+        dim_ranks = self.mesh.mesh[tuple(slice(None) if i == self.mesh_dim else c for i, c in enumerate(coord))]
+        group_ranks = dist.get_process_group_ranks(group)
+        return group, tuple(group_ranks.index(r) for r in dim_ranks.tolist())
 
     @property
     def world_size(self) -> int:

@@ -20,7 +20,7 @@ from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_gra
 from fsdp_optim._testing import random_block_layout as _random_layout
 from fsdp_optim.optimizers import AdamW8bit, adamw8bit_rule
 from fsdp_optim.optimizers._adamw8bit import dequantize_blockwise, quantize_blockwise
-from fsdp_optim.sharding import RaggedLayout, elements, local_tensor
+from fsdp_optim.sharding import RaggedDTensor, RaggedLayout, elements, local_tensor
 
 warnings.filterwarnings("ignore", message=".*KernelPreference.*")
 torchao_optim = pytest.importorskip("torchao.optim")
@@ -264,7 +264,7 @@ def emulated_ranks(params, grads, layouts, **kw):
             for p, g, lay in zip(ps, gs, layouts):
                 p.grad = sharded_grad(p, g)
             opt.step()
-    out_p = [lay.unshard([ps[i].detach() for ps, _ in ranks]) for i, lay in enumerate(layouts)]
+    out_p = [lay.unshard([ps[i].to_local().detach() for ps, _ in ranks]) for i, lay in enumerate(layouts)]
     out_s = {
         (i, key): torch.cat([opt.state[ps[i]][key].reshape(-1) for ps, opt in ranks])
         for i in range(len(layouts)) for key in ranks[0][1].state[ranks[0][0][i]] if key != "step"
@@ -334,15 +334,15 @@ def test_within_bitsandbytes_bounds_of_torch_adamw_over_50_steps(amsgrad):
         for gs in grads:
             for p, q, g_, lay in zip(ours, ref, gs, layouts):
                 p.grad = sharded_grad(p, g_)
-                q.grad = p.grad.clone()
+                q.grad = local_tensor(p.grad).clone()
             opt8.step()
             opt32.step()
-            err = torch.cat([(q - p).abs().detach() for p, q in zip(ours, ref)])
-            rel = torch.cat([((q - p).abs() / (q.abs() + 1e-9)).detach() for p, q in zip(ours, ref)])
+            err = torch.cat([(q - local_tensor(p)).abs().detach() for p, q in zip(ours, ref)])
+            rel = torch.cat([((q - local_tensor(p)).abs() / (q.abs() + 1e-9)).detach() for p, q in zip(ours, ref)])
             sums.append((err.sum().item(), rel.sum().item(), err.numel()))
             with torch.no_grad():
                 for p, q in zip(ours, ref):
-                    q.copy_(p)
+                    q.copy_(local_tensor(p))
                     for k, v in opt8.dequantized_state(p).items():
                         opt32.state[q][k].copy_(v)
         return sums
@@ -466,9 +466,9 @@ NO_GRAD_AT = {(1, 6)}  # (step, param): that parameter has no gradient at that s
 
 
 def shards_in_one_buffer(params, layouts, *, rank: int, bs: int = BS):
-    """This rank's pieces of ``params`` back to back in one flat buffer, as sharded ``nn.Parameter``
-    views of it with their ``ShardInfo`` (what a ``fully_shard`` bucket segment holds); also each
-    piece's offset and size in the buffer."""
+    """This rank's pieces of ``params`` back to back in one flat buffer, as sharded parameters whose
+    local pieces are views of it (what a ``fully_shard`` bucket segment holds); also each piece's
+    offset and size in the buffer."""
     sizes = [lay.shard(f, rank).numel() for f, lay in zip(params, layouts)]
     offs = [sum(sizes[:i]) for i in range(len(sizes))]
     flat = torch.cat([lay.shard(f.detach(), rank).reshape(-1) for f, lay in zip(params, layouts)])
@@ -502,11 +502,13 @@ def adjacent_run(params, grads, layouts, *, fuse_runs: bool, adjacent_grads: boo
                         p.grad = None
                         continue
                     local = lay.shard(g, rank).reshape(-1)
-                    if adjacent_grads:
-                        p.grad = gbuf[offs[i] : offs[i] + sizes[i]]
-                        p.grad.copy_(local)
+                    if adjacent_grads:  # a sharded gradient whose local piece is a view of gbuf
+                        view = gbuf[offs[i] : offs[i] + sizes[i]]
+                        view.copy_(local)
+                        p.grad = RaggedDTensor.from_local(view, p.device_mesh, p.placements)
+                        assert local_tensor(p.grad).data_ptr() == view.data_ptr()
                     else:
-                        p.grad = local.clone()
+                        p.grad = sharded_grad(p, g)
                 opt.step()
                 num_calls.append(len(calls))
         finally:
@@ -623,7 +625,7 @@ def test_runs_with_gradients_that_are_not_adjacent_and_a_state_dict_round_trip()
             for run in opt_c._runs for q in run
         )
         steps(c, opt_c, range(1, 3))
-        return all(torch.equal(x, y) for x, y in zip(a, c)) and all(
+        return all(torch.equal(local_tensor(x), local_tensor(y)) for x, y in zip(a, c)) and all(
             torch.equal(opt_a.state[x][k], opt_c.state[y][k]) for x, y in zip(a, c) for k in opt_a.state[x]
         )
 
@@ -631,8 +633,10 @@ def test_runs_with_gradients_that_are_not_adjacent_and_a_state_dict_round_trip()
 
 
 def test_runs_whose_storage_is_replaced_fall_back_to_one_call_per_tensor():
-    """A parameter moved to new storage after the optimizer was built (``p.data = ...``) breaks its
-    run's span: the step notices (pointer checks) and steps those parameters one by one, same bits."""
+    """A parameter whose local piece moved to new storage after the optimizer was built breaks its
+    run's span: the step notices (pointer checks) and steps those parameters one by one, same bits.
+    (``p.data = v`` on a sharded parameter copies into its piece in place, keeping the storage, so the
+    piece itself is moved here with ``set_``.)"""
     world_size = 1
     params, grads = make_data(RUN_SHAPES, 2, seed=9)
     layouts = [even_block_layout(s, world_size) for s in RUN_SHAPES]
@@ -644,11 +648,16 @@ def test_runs_whose_storage_is_replaced_fall_back_to_one_call_per_tensor():
             opt = AdamW8bit(ps, compile=False, lr=1e-2)
             assert any(len(r) > 1 for r in opt._runs)
             if replace:
+                from fsdp_optim.optimizers._quantized_adamw import _adjacent
+
                 for p in ps[3:5]:
-                    p.data = p.data.clone()
+                    old = local_tensor(p).data_ptr()
+                    local_tensor(p).set_(local_tensor(p).clone())
+                    assert local_tensor(p).data_ptr() != old
+                assert not all(_adjacent([local_tensor(q) for q in run]) for run in opt._runs)  # a span is broken
             for gs in grads:
                 for p, g in zip(ps, gs):
-                    p.grad = g.reshape(-1).clone()
+                    p.grad = sharded_grad(p, g)
                 opt.step()
             outs.append([local_tensor(p).clone() for p in ps])
         return all(torch.equal(a, b) for a, b in zip(*outs))
@@ -688,14 +697,14 @@ def test_runs_under_fully_shard_equal_per_tensor_and_torchao(world_size):
                 x = torch.randn(5, 64, generator=torch.Generator().manual_seed(s))
                 for m in models.values():
                     m(x).square().sum().backward()
-                adjacent_grads += [_adjacent([p.grad for p in run]) for run in opts["runs"]._runs]
+                adjacent_grads += [_adjacent([local_tensor(p.grad) for p in run]) for run in opts["runs"]._runs]
                 for o in opts.values():
                     o.step()
                     o.zero_grad()
         ps = {k: list(m.parameters()) for k, m in models.items()}
-        same = all(torch.equal(a, b) for a, b in zip(ps["runs"], ps["per_tensor"]))
+        same = all(torch.equal(local_tensor(a), local_tensor(b)) for a, b in zip(ps["runs"], ps["per_tensor"]))
         same_torchao = [
-            torch.equal(local_tensor(p).detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank).reshape(p.shape))
+            torch.equal(local_tensor(p).detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank))
             for p, q in zip(ps["runs"], ps["torchao"])
         ]
         return same, same_torchao, [len(r) for r in opts["runs"]._runs], adjacent_grads

@@ -791,7 +791,7 @@ def test_fully_shard_with_explicit_embedding_and_head_equals_torch(world_size):
 
 def test_explicit_group_errors_and_ignored_settings():
     full = torch.randn(6, 4)
-    p = make_sharded_param(full, spec=elements(1), layout=RaggedLayout((6, 4), (0, 24)), fqn="model.out.weight")
+    p = make_sharded_param(full, spec=elements(1), layout=RaggedLayout((6, 4), (0, 24)), fqn="model.out.weight", rank=0)
     with pytest.raises(ValueError, match=r"model\.out\.weight.*use_muon=True.*embedding_and_head"):
         Muon([{"params": [p], "use_muon": True}])
     q = torch.nn.Parameter(torch.randn(5))
@@ -829,8 +829,8 @@ def _nonfinite_run(world_size, nonfinite, *, split: bool, bad_rank: int, bad_ste
             for k, p in params.items():
                 p.grad = sharded_grad(p, g[k])
             if s == bad_step and dist.get_rank() == bad_rank:
-                params["a.weight"].grad[0] = float("nan")
-                params["e.bias"].grad.view(-1)[-1:] = float("inf")
+                local_tensor(params["a.weight"].grad)[0] = float("nan")  # (this rank's pieces)
+                local_tensor(params["e.bias"].grad)[-1:] = float("inf")
             with CommDebugMode() as mode, warnings.catch_warnings(record=True) as ws:
                 warnings.simplefilter("always")
                 opt.step()

@@ -29,7 +29,7 @@ from fsdp_optim.optimizers import (
     record_max_logits,
     recorded_max_logits,
 )
-from fsdp_optim.sharding import RaggedLayout, elements, local_tensor
+from fsdp_optim.sharding import RaggedLayout, elements, local_shard, local_tensor
 
 VOCAB, DIM, SEQ = 13, 16, 6
 
@@ -354,7 +354,7 @@ def _sharded_run(n_heads, n_kv_heads, tau, batches, *, world_size, split: bool, 
             calls.append(n[0])
             comms.append({str(op): c for op, c in mode.get_comm_counts().items() if c})
         cut = [i.fqn for b in model.layers for p in (b.attn.wq.weight, b.attn.wk.weight)
-               if (i := fsdp_optim.shard_info(p)) is not None and 0 < i.local_numel < i.numel]  # fmt: skip
+               if (i := local_shard(p)) is not None and 0 < i.local_numel < i.numel]  # fmt: skip
         return fsdp_optim.full_state_dict(model), stats, comms, calls, cut
 
     return run_distributed(fn, world_size=world_size, timeout=300)
@@ -431,7 +431,7 @@ def test_sharded_clip_on_ragged_pieces_cutting_rows_is_bitwise(world_size):
             attn.wk.weight = make_sharded_param(fk, spec=elements(1), layout=lk_, fqn="wk")
             record_max_logits(attn, maxima.view(1, 4, 1, 1))
             s = qk_clip_([attn], tau=tau)
-            out.append((attn.wq.weight.detach().clone(), attn.wk.weight.detach().clone(), s.num_clipped))
+            out.append((local_tensor(attn.wq.weight).clone(), local_tensor(attn.wk.weight).clone(), s.num_clipped))
         return out
 
     outs = run_distributed(fn, world_size=world_size)

@@ -558,8 +558,9 @@ def test_layout_that_cuts_a_strip_raises_naming_the_parameter_and_the_fix():
     with pytest.raises(DistributedTestError, match=r"ranks with errors: \[0, 1\]") as e:
         run_distributed(fn, world_size=2)
     assert "layers.0.w" in str(e.value) and "Shampoo.rule(max_preconditioner_dim=4)" in str(e.value)
-    ok = make_sharded_param(full, spec=elements(1), layout=RaggedLayout((9, 4), (0, 16, 36)), fqn="w")
-    Shampoo([ok], max_preconditioner_dim=4)  # strips whole: accepted whatever the recorded spec
+    for rank in range(2):  # (each rank emulated in this process)
+        ok = make_sharded_param(full, spec=elements(1), layout=RaggedLayout((9, 4), (0, 16, 36)), fqn="w", rank=rank)
+        Shampoo([ok], max_preconditioner_dim=4)  # strips whole: accepted whatever the recorded spec
 
 
 def test_a_group_refused_for_its_layout_leaves_the_optimizer_as_it_was():

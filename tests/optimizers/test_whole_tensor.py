@@ -86,7 +86,7 @@ def emulated_run(cls, kw, params, grads, layouts, *, sched_gamma: float | None =
             opt.zero_grad()
             if sched:
                 sched.step()
-    return [lay.unshard([ps[i].detach() for ps, _, _ in ranks]) for i, lay in enumerate(layouts)]
+    return [lay.unshard([ps[i].to_local().detach() for ps, _, _ in ranks]) for i, lay in enumerate(layouts)]
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -120,7 +120,7 @@ def test_fully_shard_then_step_equals_the_unsharded_optimizer_on_the_same_gradie
             g = torch.Generator().manual_seed(100 * step + dist.get_rank())
             x, y = torch.randn(4, 13, generator=g), torch.randn(4, 5, generator=g)
             F.mse_loss(model(x), y).backward()
-            full_grads = _gather_full([p.grad for p in model.parameters()], list(model.parameters()))
+            full_grads = _gather_full([local_tensor(p.grad) for p in model.parameters()], list(model.parameters()))
             with CommDebugMode() as comm:
                 opt.step()
             counts.append(comm.get_total_counts())
@@ -177,7 +177,7 @@ def test_param_groups_add_param_group_zero_grad_and_state_dict_round_trip():
     opt2.load_state_dict(sd)
     steps(ps, opt, range(2, 4))
     steps(ps2, opt2, range(2, 4))
-    assert all(torch.equal(a, b) for a, b in zip(ps, ps2))
+    assert all(torch.equal(local_tensor(a), local_tensor(b)) for a, b in zip(ps, ps2))
     owned = [p for p in ps if opt.owns(p)]
     assert owned and all(set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq", "mu_product"} for p in owned)
     assert all(p not in opt.state for p in ps if not opt.owns(p))  # no state for what another rank steps
@@ -239,7 +239,8 @@ def test_a_rank_owning_nothing_skips_and_plain_parameters_are_stepped_everywhere
     p = sharded(full, lay, 1, "w")
     plain = nn.Parameter(torch.randn(3))
     opt = WholeTensorOptimizer([p, plain], torch.optim.NAdam, lr=1e-2)
-    p.grad = torch.zeros(0)
+    p.grad = sharded_grad(p, torch.zeros(6, 4))  # rank 1's piece: empty
+    assert local_tensor(p.grad).numel() == 0
     plain.grad = torch.ones(3)
     before = plain.detach().clone()
     opt.step()
@@ -280,13 +281,12 @@ def _ckpt_model(matrices_only: bool) -> nn.Module:
 def _global_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
     """Gradients that depend on the step only (not on W), so every run sees the same ones."""
     g = torch.Generator().manual_seed(1000 + step)
-    return {n: torch.randn(tuple(fsdp_optim.global_shape(p)), generator=g) for n, p in model.named_parameters()}
+    return {n: torch.randn(tuple(p.shape), generator=g) for n, p in model.named_parameters()}
 
 
 def _set_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
     for n, p in model.named_parameters():
-        info = shard_info(p)
-        p.grad = grads[n].reshape(-1)[info.start : info.end].clone() if info is not None else grads[n].clone()
+        p.grad = sharded_grad(p, grads[n])
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -468,7 +468,7 @@ def test_rebuilt_from_state_dict_at_every_step_equals_the_unsharded_optimizer_re
             opt.step()
             sds[r] = copy.deepcopy(opt.state_dict())
     for i, lay in enumerate(layouts):
-        got, want = lay.unshard([ps[i].detach() for ps in ranks]), ref[i].detach()
+        got, want = lay.unshard([ps[i].to_local().detach() for ps in ranks]), ref[i].detach()
         assert not torch.equal(got, params[i]), f"{name}: param {i} did not move"
         assert torch.equal(got, want), f"{name}: param {i} {shapes[i]}: max diff {(got - want).abs().max()}"
 

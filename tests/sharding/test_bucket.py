@@ -18,7 +18,7 @@ from fsdp_optim._testing import run_distributed
 from fsdp_optim.sharding._bucket import BucketPhase, BucketState
 from fsdp_optim.sharding._context import TrainingState
 from fsdp_optim.sharding._runtime import _STATE
-from tests._models import TinyConfig, TinyTransformer, assert_close_after_adamw, make_batch
+from tests._models import TinyConfig, TinyTransformer, assert_close_after_adamw, full, make_batch
 
 CFG = TinyConfig(vocab_size=101, dim=24, num_heads=2, num_layers=2, mlp_dim=40)
 GLOBAL_BATCH, SEQ, LR = 6, 8, 1e-2
@@ -66,7 +66,7 @@ def _reference(num_steps: int, rows: int = GLOBAL_BATCH) -> dict[str, torch.Tens
         _loss(model, x[:rows], y[:rows]).backward()
         opt.step()
         opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: full(v) for k, v in model.state_dict().items()}
 
 
 def test_states_follow_the_note_through_an_iteration():
@@ -183,7 +183,7 @@ def test_gradient_copy_in_is_batched_and_exact(mp):
             _loss(model, x, y).backward()
         copy_in = [e for e in prof.events() if e.name.startswith("fsdp_optim::copy_in(")]
         names = [[c.name for c in e.cpu_children] for e in copy_in]
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
         return names, grads
 
     ref = _model()
@@ -333,6 +333,7 @@ def test_stream_graph_matches_the_note(hsdp):
             assert any(e[0] == "record" and e[1] == "all_reduce" for e in log)
 
 
+@pytest.mark.usefixtures("one_process_group")
 def test_setup_decisions_are_logged_under_the_fsdp_optim_logger(caplog):
     """INFO: one line per root call with the plan summary; DEBUG: one line per bucket (layout,
     sizes, dtypes). One process (a world of one), so caplog sees the records."""
@@ -367,10 +368,10 @@ def test_per_owner_reduction_under_mixed_precision_matches_the_flat_buffer(world
                 got = []
                 x, y = _batch(0)
                 _loss(model, _local(x), _local(y)).backward()  # fresh
-                got.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+                got.append({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
                 x, y = _batch(1)
                 _loss(model, _local(x), _local(y)).backward()  # added to the kept .grad
-                got.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+                got.append({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
                 for p in model.parameters():
                     p.grad = None
                 model.set_requires_gradient_sync(False)
@@ -378,12 +379,12 @@ def test_per_owner_reduction_under_mixed_precision_matches_the_flat_buffer(world
                 model.set_requires_gradient_sync(True)
                 x, y = _batch(2)
                 _loss(model, _local(x), _local(y)).backward()  # no sync, then sync: the flat buffer
-                got.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+                got.append({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
                 for p in model.parameters():
                     p.grad = None
                 model.set_gradient_divide_factor(3.0)
                 _loss(model, _local(x), _local(y)).backward()
-                got.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+                got.append({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
                 results.append(got)
             finally:
                 _Bucket._owner_chunks = saved

@@ -229,7 +229,8 @@ def _wrong_order(then_expert_parallel: bool):
 def test_expert_parallel_after_fully_shard_names_the_order():
     for msg in _wrong_order(then_expert_parallel=True):
         assert msg is not None and msg.startswith(
-            "expert_parallel: the parameters of ShardedSwiGLUExperts (w1, w3, w2) are already sharded by fully_shard; "
+            "expert_parallel: the parameters of ShardedSwiGLUExperts (w1, w3, w2) are already sharded (DTensors: by "
+            "fully_shard, or another parallelism); "
             "the order is expert_parallel first, then fully_shard: groups = expert_parallel_groups(ep); "
             "expert_parallel(experts, group=groups.ep); fully_shard(experts, mesh=groups.replicas)"
         ), msg
@@ -242,12 +243,6 @@ def test_experts_sharded_over_fewer_ranks_without_expert_parallel_names_it():
             in msg
         ), msg
         assert "for experts, the order is expert_parallel first, then fully_shard (groups = " in msg, msg
-
-
-def test_the_sharded_parameter_mark_is_the_one_fully_shard_sets():
-    from fsdp_optim.sharding import _expert_parallel, _shard_info
-
-    assert _expert_parallel._SHARDED_ATTR == _shard_info._ATTR
 
 
 def test_ep_groups_refuse_an_ep_that_does_not_divide_the_world():

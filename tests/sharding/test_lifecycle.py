@@ -23,6 +23,7 @@ import fsdp_optim
 from fsdp_optim._testing import DistributedTestError, run_distributed
 from fsdp_optim.optimizers import AdamW
 from fsdp_optim.sharding import local_shard as shard_info
+from fsdp_optim.sharding import local_tensor
 from tests._models import TinyConfig, TinyTransformer, assert_close_after_adamw, make_batch
 
 CFG = TinyConfig(vocab_size=101, dim=24, num_heads=2, num_layers=2, mlp_dim=40)
@@ -169,28 +170,37 @@ def test_fully_shard_under_torchrun_without_a_process_group_raises():
 
 
 @pytest.mark.parametrize("optimizer", ["torch", "ours"])
-def test_optimizer_built_before_the_root_call_raises_at_its_first_step(optimizer):
-    """An optimizer built between the layer calls and the root call holds replaced parameters (on main
-    every update was 0.0, silently)."""
+def test_optimizer_built_before_the_root_call(optimizer):
+    """An optimizer built between the layer calls and the root call: the root replaces the parameters
+    no inner call sharded (the embedding: every update would be 0.0, silently), so a step raises naming
+    it; the layers' parameters it holds are the objects the root re-lays out in place. torch's optimizer
+    over those makes its state at its first step and trains them like one built after the root; ours
+    planned their state for the inner layout and raise at their first step, naming the parameter from
+    the root (layers.1.*) and the fix."""
 
     def fn():
-        model = _model()
+        model, twin = _model(), _model()
         for layer in model.layers:
             fsdp_optim.fully_shard(layer)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR) if optimizer == "torch" else AdamW(model.parameters(), lr=LR)
-        layer_params = list(model.layers[1].parameters())
+        make = (lambda ps: torch.optim.AdamW(ps, lr=LR)) if optimizer == "torch" else (lambda ps: AdamW(ps, lr=LR))
+        everything = make(model.parameters())
+        layers = make(model.layers.parameters())
         fsdp_optim.fully_shard(model)
+        _shard(twin)
+        after = make(twin.layers.parameters())
         x, y = _batch(0)
-        _loss(model, _local(x), _local(y)).backward()
-        with pytest.raises(ValueError, match=r"fully_shard replaced.*after the outermost fully_shard"):
-            opt.step()
-        # A layer's parameter is named from the root (layers.1.*), not from the layer's own call (the
-        # same name in every layer).
-        with pytest.raises(ValueError, match=r"parameter layers\.1\.\S+ \(shape .*fully_shard replaced"):
-            torch.optim.AdamW(layer_params, lr=LR).step()
-        # Built after the root: fine.
-        torch.optim.AdamW(model.parameters(), lr=LR).step()
-        return True
+        for m in (model, twin):
+            _loss(m, _local(x), _local(y)).backward()
+        with pytest.raises(ValueError, match=r"parameter embed\.weight .*fully_shard replaced.*after the outermost"):
+            everything.step()
+        if optimizer == "ours":
+            with pytest.raises(ValueError, match=r"parameter layers\.\d\.\S+ \(shape .*laid out again.*after the outermost fully_shard"):
+                layers.step()
+            return True
+        layers.step()
+        after.step()
+        a, b = fsdp_optim.full_state_dict(model), fsdp_optim.full_state_dict(twin)
+        return all(torch.equal(a[k], b[k]) for k in a)
 
     assert run_distributed(fn, world_size=2) == [True, True]
 
@@ -232,6 +242,7 @@ def test_a_replaced_parameter_added_by_add_param_group_after_the_first_step_rais
     assert run_distributed(fn, world_size=2) == [True, True]
 
 
+@pytest.mark.usefixtures("one_process_group")
 def test_ours_built_from_parameters_replaced_earlier_raises_at_construction():
     model = _model()
     params = list(model.parameters())
@@ -495,7 +506,7 @@ def test_a_gradient_released_by_setting_grad_to_none_is_never_written_again(worl
         for name, p in m.named_parameters():
             info = shard_info(p)
             lo, hi = (info.start, info.end) if info is not None else (0, p.numel())
-            grads[name] = (lo, hi, p.grad.reshape(-1).clone())
+            grads[name] = (lo, hi, local_tensor(p.grad).reshape(-1).clone())
         return torch.equal(held, before), grads
 
     untouched, want = run(False)

@@ -13,9 +13,10 @@ from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp_optim
+from fsdp_optim.sharding import RaggedDTensor
 from fsdp_optim._testing import run_distributed
 from fsdp_optim.sharding._fully_shard import _STATE
-from tests._models import TinyConfig, TinyTransformer, assert_close_after_adamw, make_batch
+from tests._models import TinyConfig, TinyTransformer, assert_close_after_adamw, full, make_batch
 
 CFG = TinyConfig(vocab_size=67, dim=20, num_heads=2, num_layers=2, mlp_dim=36)
 GLOBAL_BATCH, SEQ, LR, STEPS = 12, 6, 1e-2, 4
@@ -43,7 +44,7 @@ def _reference(cfg: TinyConfig) -> dict[str, torch.Tensor]:
         _loss(model, *_batch(step)).backward()
         opt.step()
         opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: full(v) for k, v in model.state_dict().items()}
 
 
 def _torchtitan_wrap(model: TinyTransformer, reshard: bool | None) -> TinyTransformer:
@@ -143,7 +144,7 @@ def test_a_group_module_that_does_not_run_and_one_that_runs_twice(world_size):
 
     model = _TwoHeads()
     train(model, lambda t: t)
-    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    want = {k: full(v) for k, v in model.state_dict().items()}
 
     def fn():
         model = _TwoHeads()
@@ -154,7 +155,7 @@ def test_a_group_module_that_does_not_run_and_one_that_runs_twice(world_size):
         for step, (with_aux, twice) in enumerate(plan):
             g = torch.Generator().manual_seed(step)
             loss = model(_local(torch.randn(12, 8, generator=g)), with_aux, twice)
-            sharded_after.append(all(fsdp_optim.shard_info(p) is not None for p in model.head.parameters()))
+            sharded_after.append(all(isinstance(p, RaggedDTensor) for p in model.head.parameters()))
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -196,7 +197,7 @@ def test_a_group_as_the_only_call_is_its_own_root():
     def fn():
         model = Two()
         fsdp_optim.fully_shard([model.a, model.b])
-        names = sorted(fsdp_optim.shard_info(p).fqn for p in model.parameters())
+        names = sorted(p._fqn for p in model.parameters())
         steps(model, _local)
         out = fsdp_optim.full_state_dict(model), names
         del model
@@ -256,6 +257,7 @@ def test_bad_module_lists_are_refused_naming_them(arg, match):
         fsdp_optim.fully_shard(arg)
 
 
+@pytest.mark.usefixtures("one_process_group")
 def test_nested_or_repeated_modules_in_a_group_are_refused():
     model = TinyTransformer(CFG)
     with pytest.raises(ValueError, match=r"module 1 of the list \(Attention\) lies inside module 0 \(Block\)"):

