@@ -215,7 +215,7 @@ def main(args: argparse.Namespace) -> dict:
                 "numel": init[n].numel(),
                 "fsdp2_local_numel": fsdp_params[n].to_local().numel(),
                 "fsdp2_torchao_8bit": hasattr(st, "codes"),
-                "ours_local_numel": ours_params[n].numel(),
+                "ours_local_numel": ours_params[n].to_local().numel(),
                 "ours_8bit": ours.is_quantized(ours_params[n]),
             }
         bytes_ = {

@@ -151,8 +151,7 @@ def _build_ours(cfg, full_sd, rank):
     fsdp_optim.fully_shard(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            info = fsdp_optim.shard_info(p)
-            p.copy_(full_sd[name].reshape(-1)[info.start : info.end])
+            p.data = full_sd[name]  # (a full tensor: each rank keeps its range)
     return model
 
 

@@ -98,7 +98,7 @@ def main() -> None:
             error = f"{type(e).__name__}: {e}"
             t_layers = float("nan")
     seconds = time.perf_counter() - t0
-    shard = sum(p.numel() * p.element_size() for p in root.parameters() if p.device.type != "meta")
+    shard = sum(p.to_local().numel() * p.element_size() for p in root.parameters() if p.device.type != "meta")
     row = dict(
         model=args.model, world_size=args.world_size, num_layers=len(layers), optimizer=args.optimizer,
         num_params=numel, even_shard_mb=numel * 4 / args.world_size / MB, rank0_shard_mb=shard / MB,

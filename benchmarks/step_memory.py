@@ -140,8 +140,7 @@ def _build(runtime: str, cfg: TinyConfig, full_sd: dict, precision: str, mesh, w
         fsdp_optim.fully_shard(model, mp_policy=ours_mp, **root_kw)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                info = fsdp_optim.shard_info(p)
-                p.copy_(full_sd[name].reshape(-1)[info.start : info.end])
+                p.data = full_sd[name]  # (a full tensor: each rank keeps its range)
         return model
     from torch.distributed.fsdp import fully_shard
 
@@ -162,9 +161,9 @@ def _breakdown(model, runtime: str, precision: str, peak: int, wrap: str = "root
     """Sizes by purpose (bytes), computed alike for both runtimes (see the module docstring). Gathered
     at the busiest moment: the root's bucket and two layers' (``units``: the two largest units)."""
     compute = 2 if precision != "fp32" else 4
-    local = sum((p.to_local() if runtime == "fsdp2" else p).numel() for p in model.parameters()) * 4
-    def numel(p):  # global elements (ours: a flat local piece; FSDP2: a DTensor of the global shape)
-        return math.prod(fsdp_optim.global_shape(p)) if runtime == "fsdp_optim" else p.numel()
+    local = sum(p.to_local().numel() for p in model.parameters()) * 4
+    def numel(p):  # global elements (both: a DTensor of the global shape)
+        return p.numel()
 
     root = sum(numel(p) for n, p in model.named_parameters() if not n.startswith("layers."))
     layer = sum(numel(p) for p in model.layers[0].parameters())
@@ -231,7 +230,7 @@ def _gathered_and_grads(model) -> tuple[set, set]:
 
 
 def _global_shape(p) -> tuple:
-    return tuple(fsdp_optim.global_shape(p)) if not hasattr(p, "_local_tensor") else tuple(p.shape)
+    return tuple(p.shape)  # (a DTensor of the global shape in both runtimes)
 
 
 class _LivePeak(LiveBytes):

@@ -384,12 +384,15 @@ def test_state_dict_keys_and_shapes_are_checkpoint_shaped(world_size):
                                                     for g in opt.state_dict()["param_groups"]]
 
     outs = run_distributed(fn, world_size=world_size)
-    for before, after, shards, sizes, keys, groups in outs:
+    for rank, (before, after, shards, sizes, keys, groups) in enumerate(outs):
         assert before == after
         assert keys == outs[0][4] and groups == outs[0][5]  # the same keys and groups on every rank
         for i, st in shards.items():
             for k, (gnum, a, b, bounds) in st.items():
-                assert sizes[i][k] == b - a and (a, b) == (bounds[bounds.index(a)], b)
+                assert sizes[i][k] == b - a
+                # every rank's start, then the global size; this rank's range is its entry
+                assert len(bounds) == world_size + 1 and (bounds[rank], bounds[rank + 1], bounds[-1]) == (a, b, gnum)
+                assert bounds == outs[0][2][i][k][3]  # the same bounds on every rank
     for i in outs[0][2]:  # global sizes agree and the ranges tile the global state
         for k in outs[0][2][i]:
             gnum = outs[0][2][i][k][0]
@@ -466,7 +469,7 @@ def test_a_scheduler_keeps_the_adamw_to_muon_lr_ratio(schedule):
 
 
 def test_plain_named_parameters_equal_torch():
-    """W = 1 without ShardInfo: names route embeddings and the head to AdamW."""
+    """W = 1, plain (unsharded) parameters: names route embeddings and the head to AdamW."""
     init = _init(SHAPES)
     with _one_thread():
         params = [(k, torch.nn.Parameter(v.clone())) for k, v in init.items()]

@@ -168,7 +168,9 @@ def _checks(rule_name: str, mesh_shape: tuple[int, ...]) -> dict:
     )
     both_m, both_o = get_state_dict(model, opt)
     out["get_state_dict"] = (sorted(both_m) == sorted(msd), sorted(both_o["state"]) == sorted(osd["state"]))
-    # set_*: the sharded dicts back (after spoiling the values)
+    # set_*: the sharded dicts back (copies: the state dict's tensors alias the parameters), after spoiling
+    both_m = {k: v.clone() for k, v in both_m.items()}
+    both_o = {**both_o, "state": {n: {k: v.clone() for k, v in st.items()} for n, st in both_o["state"].items()}}
     saved = {k: v.full_tensor() for k, v in msd.items()}
     with torch.no_grad():
         for p in model.parameters():
@@ -227,3 +229,42 @@ def _assert_checks(results: list[dict], label: str) -> None:
             _report("get_optimizer_state_dict(full_state_dict)", f"max |diff| {out['full_optim']}")
             _report("state dicts hold", f"{out['model_sd_types']} (model), {out['optim_sd_types']} (optimizer)")
             _report("set_state_dict of the sharded dicts", f"max |diff| {out['set_state_dict']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# dcp.save / dcp.load of model.state_dict() and of get_state_dict(model, opt), at another world size
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("save_w,load_w", [(2, 3), (3, 2)])
+def test_dcp_of_torch_state_dicts_loads_at_another_world_size_and_the_next_step_is_bitwise(tmp_path, save_w, load_w):
+    x, y = make_batch(batch_size=4, seq_len=12, seed=3)
+    _, grads = _grads_of_reference(x, y)
+    path_m, path_both = str(tmp_path / "model"), str(tmp_path / "both")
+
+    def run(load: bool):
+        model = _shard(_model(), RULES["muon"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        if load:
+            fresh = {k: v.clone() for k, v in model.state_dict().items()}
+            dcp.load(fresh, checkpoint_id=path_m)  # model.state_dict(): resharded in place
+            model.load_state_dict(fresh)
+            m_sd, o_sd = get_state_dict(model, opt)
+            dcp.load({"model": m_sd, "optim": o_sd}, checkpoint_id=path_both)
+            set_state_dict(model, opt, model_state_dict=m_sd, optim_state_dict=o_sd)
+            steps = [2]
+        else:
+            steps = [0, 1, 2]
+        for step in steps:
+            _set_grads(model, {n: g * (step + 1) for n, g in grads.items()})
+            opt.step()
+            if step == 1:
+                dcp.save(model.state_dict(), checkpoint_id=path_m)
+                m_sd, o_sd = get_state_dict(model, opt)
+                dcp.save({"model": m_sd, "optim": o_sd}, checkpoint_id=path_both)
+        return fsdp_optim.full_state_dict(model)
+
+    straight = run_distributed(lambda: run(False), world_size=save_w)[0]
+    resumed = run_distributed(lambda: run(True), world_size=load_w)[0]
+    print(f"\n  dcp W={save_w} -> W={load_w}: next step max |diff| "
+          f"{max((resumed[k] - v).abs().max().item() for k, v in straight.items())}")
+    for k, v in straight.items():
+        assert torch.equal(resumed[k], v), k
