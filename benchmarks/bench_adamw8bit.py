@@ -46,7 +46,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fsdp_optim._testing import make_sharded_param, run_distributed  # noqa: E402
+from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_grad  # noqa: E402
 from fsdp_optim.optimizers import AdamW8bit  # noqa: E402
 from fsdp_optim.sharding import RaggedLayout, elements  # noqa: E402
 
@@ -174,7 +174,7 @@ def main(args: argparse.Namespace) -> dict:
             g = grads[t % len(grads)]
             for n in names:
                 fsdp_params[n].grad = distribute_tensor(g[n], mesh, [Shard(0)], src_data_rank=None)
-                ours_params[n].grad = layouts[n].shard(g[n], rank).clone()
+                ours_params[n].grad = sharded_grad(ours_params[n], g[n])
 
         times = {"fsdp2+torchao": [], "ours": []}
         sides = {"fsdp2+torchao": theirs, "ours": ours}
@@ -188,7 +188,7 @@ def main(args: argparse.Namespace) -> dict:
                 times[side].append(time.perf_counter() - t0)
             if t == 4:  # after 5 steps: snapshot both sides' full weights
                 snap_theirs = {n: fsdp_params[n].full_tensor().clone() for n in names}
-                snap_ours = {n: ours_params[n].detach().clone() for n in names}
+                snap_ours = {n: ours_params[n].to_local().clone() for n in names}
 
         # -- like for like: only the tensors both sides quantize on every rank (fresh optimizers)
         both = [n for n in names if ours.is_quantized(ours_params[n])

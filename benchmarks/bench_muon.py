@@ -52,10 +52,10 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fsdp_optim._testing import make_sharded_param, run_distributed  # noqa: E402
+from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_grad  # noqa: E402
 from fsdp_optim.optimizers import AdamW, Muon, Shampoo  # noqa: E402
 from fsdp_optim.optimizers._muon import _stacks_well, newton_schulz  # noqa: E402
-from fsdp_optim.sharding import RaggedLayout, rows, whole  # noqa: E402
+from fsdp_optim.sharding import local_tensor, RaggedLayout, rows, whole  # noqa: E402
 
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
 
@@ -90,7 +90,7 @@ def _slowest(t: float) -> float:
 
 
 def _maxabs(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
+    a, b = local_tensor(a).detach().reshape(-1), local_tensor(b).detach().reshape(-1)
     return (a - b).abs().max().item() if a.numel() else 0.0
 
 
@@ -148,9 +148,9 @@ def bench(args) -> dict:
         if step < args.shampoo_steps:
             grads_log.append(full)
         for n in shapes:
-            ours[n].grad = ragged[n].shard(full[n], rank).clone()
-            per[n].grad = ragged[n].shard(full[n], rank).clone()
-            split[n].grad = even[n].shard(full[n], rank).clone()
+            ours[n].grad = sharded_grad(ours[n], full[n])
+            per[n].grad = sharded_grad(per[n], full[n])
+            split[n].grad = sharded_grad(split[n], full[n])
             ref[n].grad = full[n].clone()
         for i in range(len(sides)):
             key, fn = sides[(i + step) % len(sides)]
@@ -227,8 +227,8 @@ def bench(args) -> dict:
     sc: dict[str, list[int]] = {}
     for step, full in enumerate(grads_log):
         for n in shapes:
-            sh[n].grad = strips[n].shard(full[n], rank).clone()
-            aw[n].grad = strips[n].shard(full[n], rank).clone()
+            sh[n].grad = sharded_grad(sh[n], full[n])
+            aw[n].grad = sharded_grad(aw[n], full[n])
         pair = [("shampoo", opt_sh.step), ("adamw", opt_aw.step)]
         for i in range(2):
             key, fn = pair[(i + step) % 2]

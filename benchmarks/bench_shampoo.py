@@ -38,10 +38,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fsdp_optim._testing import make_sharded_param, run_distributed  # noqa: E402
+from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_grad  # noqa: E402
 from fsdp_optim.optimizers import SOAP, Shampoo  # noqa: E402
 from fsdp_optim.optimizers._shampoo import shampoo_blocks  # noqa: E402
-from fsdp_optim.sharding import RaggedLayout  # noqa: E402
+from fsdp_optim.sharding import local_tensor, RaggedLayout  # noqa: E402
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -101,7 +101,7 @@ def bench(args) -> dict:
         full = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
         for params, _, is_sharded in sides.values():
             for n, p in params.items():
-                p.grad = layouts[n].shard(full[n], rank).clone() if is_sharded else full[n].clone()
+                p.grad = sharded_grad(p, full[n])
         for i in range(len(keys)):
             key = keys[(i + step) % len(keys)]
             dist.barrier()
@@ -130,7 +130,7 @@ def bench(args) -> dict:
     same = {}
     for name in ("shampoo", "shampoo looped", "soap", "soap looped"):
         ps, ps1 = sides[f"{name} W"][0], sides[f"{name} 1p"][0]
-        same[name] = all(torch.equal(ps[n].detach(), layouts[n].shard(ps1[n].detach(), rank)) for n in shapes)
+        same[name] = all(torch.equal(local_tensor(ps[n]), layouts[n].shard(local_tensor(ps1[n]).detach(), rank)) for n in shapes)
     batched_same = {
         at: all(torch.equal(sides[f"soap {at}"][0][n], sides[f"soap looped {at}"][0][n]) for n in shapes)
         for at in ("W", "1p")

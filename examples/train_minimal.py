@@ -74,9 +74,10 @@ def main() -> None:
         fsdp_optim.fully_shard(layer, blocks=Muon.blocks)
     fsdp_optim.fully_shard(model, blocks=Muon.blocks)
 
-    # 4. Optimizer, built after sharding. Weight decay by *global* shape (after sharding p.ndim is 1
-    #    for every parameter). Muon orthogonalizes the hidden matrices; the embedding, the head
-    #    (recognised by module type and name: docs/muon.md) and the norms get its AdamW fallback.
+    # 4. Optimizer, built after sharding (each parameter is now a DTensor of its full shape, so the
+    #    usual "decay matrices, p.ndim >= 2" grouping holds). Muon orthogonalizes the hidden matrices;
+    #    the embedding, the head (recognised by module type and name: docs/muon.md) and the norms get
+    #    its AdamW fallback.
     groups = fsdp_optim.param_groups(model, weight_decay=0.01)
     for g in groups:
         g["adamw_weight_decay"] = g["weight_decay"]

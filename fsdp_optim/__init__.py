@@ -44,4 +44,4 @@ __all__ = [
     "sharding",
     "suggest_mesh",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
