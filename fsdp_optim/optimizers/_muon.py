@@ -22,8 +22,9 @@ where the matrix is:
   the send/receive layouts are precomputed then, so a step does O(pieces it touches) work.
 
 Both exchanges carry bf16: torch.optim.Muon casts the update to bf16 as the first thing Newton–
-Schulz does, and its output is bf16, so the exchange is exact and the owner orthogonalizes the same
-bits as for a matrix held whole. What comes back depends on the parameter's dtype:
+Schulz does, and its output is bf16 (``gram_newton_schulz`` reads and returns bf16 too), so the
+exchange is exact and the owner orthogonalizes the same bits as for a matrix held whole. What
+comes back depends on the parameter's dtype:
 - fp32 / fp64: Newton–Schulz's result; each rank adds its piece (``_foreach_add_``). Their ``add``
   rounds each element once whatever the tensors' extent and strides, so a piece gets the whole
   matrix's bits.
@@ -557,6 +558,8 @@ class Muon(torch.optim.Optimizer):
     def _add_split_group(self, group: dict[str, Any]) -> None:
         super().add_param_group(group)
         group = self.param_groups[-1]
+        if group["use_muon"]:
+            _ns_key(group)  # ValueError for bad orthogonalization settings in the group
         keep = set(_MUON_KEYS) if group["use_muon"] else {"lr", "betas", "eps", "weight_decay", "adamw_lr", "base_lr"}
         keep |= {"params", "param_names", "use_muon", "initial_lr"}
         for k in [k for k in group if k not in keep and (k in self.defaults)]:
@@ -567,7 +570,6 @@ class Muon(torch.optim.Optimizer):
             if group["use_muon"] and not info.spec.is_matrix:
                 info = self._as_matrix(info, plain=shard_info(p) is None)
             if group["use_muon"]:
-                _ns_key(group)  # ValueError for bad orthogonalization settings in the group
                 self._check_layout(info)
             self._plans[p] = _plan_param(info, use_muon=group["use_muon"])
             self._init_state(p, group["use_muon"])

@@ -189,13 +189,18 @@ def gram_newton_schulz(
     if g.ndim not in (2, 3):
         raise ValueError(f"gram_newton_schulz needs a matrix or a batch of matrices, got shape {tuple(g.shape)}")
     sched = schedule(coefficients, steps)
-    x = g.bfloat16()
+    x = g.to(torch.bfloat16, copy=True)  # a copy: normalized in place below
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
-    x = x.float()
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) if x.ndim == 3 else torch.linalg.vector_norm(x)
-    x = (x / (norm + eps)).to(dtype)  # (a 0-dim norm for one matrix: the same quotients, half the time)
+    # the fp32 norm of the bf16 values (a 0-dim one for one matrix: the same quotients, half the time)
+    f32 = torch.float32
+    norm = (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=f32) if x.ndim == 3
+            else torch.linalg.vector_norm(x, dtype=f32)) + eps  # fmt: skip
+    if dtype == torch.bfloat16:
+        x = x.div_(norm)  # float(x) / norm rounded once to bf16: the fp32 quotient's bits, one pass
+    else:
+        x = (x.float() / norm).to(dtype)
     x = _iterate(x, sched) if x.size(-2) == x.size(-1) else _gram_iterate(x, sched, frozenset(restarts))
     x = x.bfloat16()
     return x.mT if tall else x

@@ -101,6 +101,15 @@ def test_square_matrices_run_the_plain_iteration_as_the_authors(shape):
         assert torch.equal(gram_newton_schulz(g, coefficients=POLAR_EXPRESS), _authors(POLAR_EXPRESS)(g))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gram_leaves_its_input_alone(dtype):
+    """(The bf16 path normalizes in place, on its own copy, also when the input is already bf16.)"""
+    for g in (torch.randn(3, 40, 90).bfloat16(), torch.randn(90, 40)):
+        before = g.clone()
+        out = gram_newton_schulz(g, coefficients=POLAR_EXPRESS, dtype=dtype)
+        assert torch.equal(g, before) and out.dtype == torch.bfloat16 and out.shape == g.shape
+
+
 def test_polar_express_newton_schulz_applies_the_published_coefficients():
     """``newton_schulz`` (bf16, torch's ops) with Polar Express is the authors' plain iteration with their
     coefficients, to bf16's precision: no farther from theirs than torch.optim.Muon's own Newton–Schulz is
