@@ -214,8 +214,13 @@ def main(argv: list[str] | None = None) -> dict:
     res: dict = {"command": "python benchmarks/orthogonalize_quality.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
                  "config": {k: v for k, v in vars(args).items() if k != "out"}, "torch": torch.__version__,
                  "platform": platform.platform(), "loss": {}}  # fmt: skip
-    runs = {m: [train(args, seed, kw, tuple(args.capture) if (m, seed) == ("torch NS", args.seeds[0]) else ())
-                for seed in args.seeds] for m, kw in METHODS.items()}  # fmt: skip
+    runs: dict[str, list[dict]] = {}
+    for m, kw in METHODS.items():
+        for seed in args.seeds:
+            capture = tuple(args.capture) if (m, seed) == ("torch NS", args.seeds[0]) else ()
+            runs.setdefault(m, []).append(train(args, seed, kw, capture))
+            print(f"[orthogonalize_quality] {m}, seed {seed}: held-out {runs[m][-1]['held_out_loss']:.4f} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
     first = runs["torch NS"][0]
     res["muon_params"] = first["muon_params"]
     res["polar"] = polar_distances(first["captured"])
@@ -223,7 +228,6 @@ def main(argv: list[str] | None = None) -> dict:
         h = [r["held_out_loss"] for r in runs[m]]
         res["loss"][m] = {"held_out_loss": h, "train_loss_last10": [r["train_loss_last10"] for r in runs[m]],
                           "held_out_minus_torch_ns": [a - r["held_out_loss"] for a, r in zip(h, runs["torch NS"])]}  # fmt: skip
-        print(f"[orthogonalize_quality] {m}: held-out {statistics.fmean(h):.4f} [{min(h):.4f}, {max(h):.4f}]", flush=True)
     res["wall_s"] = time.time() - t0
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "orthogonalize_quality.json").write_text(json.dumps(res, indent=1) + "\n")

@@ -42,12 +42,12 @@ DEFAULT_NS_COEFFICIENTS: Coefficients = (3.4445, -4.7750, 2.0315)
 DEFAULT_NS_STEPS = 5
 DEFAULT_EPS = 1e-7
 
-# Polar Express (Amsel, Persson, Musco, Gower, arXiv:2505.16932, Algorithm 1): the minimax-optimal
-# degree-5 polynomials for iterations 1..5 as printed there (the first five rows of its coefficient
-# list). Divided by a safety factor as (a / s, b / s^3, c / s^5) with s = 1.05, which is what the
-# authors' gram-newton-schulz 0.1.6 ships as POLAR_EXPRESS_COEFFICIENTS (coefficients.py; the paper's
-# own listing uses s = 1.01, as NVIDIA Emerging-Optimizers' "polar_express" set does). Checked against
-# both in tests/optimizers/test_orthogonalize.py.
+# Polar Express (Amsel, Persson, Musco, Gower, arXiv:2505.16932): the minimax-optimal degree-5
+# polynomials of iterations 1..5, unscaled, as gram-newton-schulz 0.1.6 (coefficients.py, whose authors
+# include Amsel) lists them from the paper. A safety factor s divides them as (a / s, b / s^3, c / s^5):
+# s = 1.05 in that package's POLAR_EXPRESS_COEFFICIENTS, which we use; the paper's Algorithm 1 uses
+# s = 1.01, as NVIDIA Emerging-Optimizers' "polar_express" set does (muon_utils.py, 4 decimals). Both
+# are checked in tests/optimizers/test_orthogonalize.py.
 _POLAR_EXPRESS_UNSCALED: tuple[Coefficients, ...] = (
     (8.28721201814563, -23.595886519098837, 17.300387312530933),
     (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
@@ -109,16 +109,17 @@ def resolve(
             )
         if coefficients == "torch":
             return orthogonalize, schedule(ns_coefficients, ns_steps)
-        coefficients = POLAR_EXPRESS
+        sched, given = POLAR_EXPRESS, repr(coefficients)
     elif coefficients is None or not isinstance(coefficients, Sequence):
         raise ValueError(
             f"coefficients must be one of {COEFFICIENTS} or a list of (a, b, c) per iteration, got {coefficients!r}"
         )
-    sched = schedule(coefficients)
+    else:
+        sched, given = schedule(coefficients), "a list"
     if tuple(ns_coefficients) != DEFAULT_NS_COEFFICIENTS:
         raise ValueError(
             f"ns_coefficients={tuple(ns_coefficients)} applies only with coefficients='torch'; coefficients="
-            f"{coefficients if isinstance(coefficients, str) else 'a list'} sets every iteration's (a, b, c): pass one"
+            f"{given} sets every iteration's (a, b, c): pass one of them"
         )
     if ns_steps not in (DEFAULT_NS_STEPS, len(sched)):
         raise ValueError(f"ns_steps={ns_steps} but coefficients give {len(sched)} iterations: leave ns_steps out")

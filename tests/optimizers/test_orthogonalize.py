@@ -150,7 +150,7 @@ def test_muon_arguments_are_validated_naming_the_argument_and_the_choices():
         Muon(w, coefficients=[(1.0, float("nan"), 2.0)])
     with pytest.raises(ValueError, match=r"coefficients: a list needs 1 to 99"):
         Muon(w, coefficients=[])
-    with pytest.raises(ValueError, match=r"ns_coefficients=.*applies only with coefficients='torch'"):
+    with pytest.raises(ValueError, match=r"ns_coefficients=.*applies only with coefficients='torch'; coefficients='polar_express' sets"):
         Muon(w, coefficients="polar_express", ns_coefficients=(3.0, -3.0, 1.0))
     with pytest.raises(ValueError, match=r"ns_steps=3 but coefficients give 5 iterations"):
         Muon(w, coefficients="polar_express", ns_steps=3)
