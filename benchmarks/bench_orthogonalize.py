@@ -282,7 +282,7 @@ def sharded(shapes: dict[str, tuple[int, ...]], w: int, rounds: int) -> dict:
                 dist.barrier()
         return dict(step_s=mine, one_s=one if rank == 0 else None,
                     collectives=max(counts), flops=sum(flops("newton_schulz", *rc, 5) for k in shapes
-                                                      for rc in _local_matrices(k, shapes[k], layouts[k], rank)))  # fmt: skip
+                                                      for rc in _local_matrices(shapes[k], layouts[k], rank)))  # fmt: skip
 
     outs = run_distributed(fn, world_size=w, timeout=3600)
     rows = []
@@ -300,7 +300,7 @@ def sharded(shapes: dict[str, tuple[int, ...]], w: int, rounds: int) -> dict:
     return {"rows": rows}
 
 
-def _local_matrices(name: str, shape: tuple[int, ...], layout: RaggedShard, rank: int) -> list[tuple[int, int]]:
+def _local_matrices(shape: tuple[int, ...], layout: RaggedShard, rank: int) -> list[tuple[int, int]]:
     lo, hi = layout.bounds[rank], layout.bounds[rank + 1]
     per = math.prod(shape[-2:])
     return [shape[-2:]] * ((hi - lo) // per)

@@ -81,7 +81,7 @@ def exact_polynomial(g: torch.Tensor, coeffs) -> torch.Tensor:
     return x.mT if tall else x
 
 
-def setup(args, seed: int):
+def setup(seed: int):
     cfg = load_config(ROOT / "recipes" / "configs" / "tiny.toml")
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     cfg.model.vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
@@ -114,7 +114,7 @@ def make_optimizer(model, cfg, kw: dict) -> tuple[Muon, torch.optim.lr_scheduler
 def train(args, seed: int, kw: dict, capture: tuple[int, ...] = ()) -> dict:
     """``args.steps`` steps of the recipe's model; ``capture``: steps at which every hidden matrix's
     Newton–Schulz input is kept (the Nesterov update, as Muon computes it)."""
-    cfg, data, model = setup(args, seed)
+    cfg, data, model = setup(seed)
     cfg.train.steps = args.steps
     opt, sched = make_optimizer(model, cfg, kw)
     sampler = Sampler(data, args.batch_size, 0, 1, seed)
