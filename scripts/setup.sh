@@ -11,8 +11,9 @@ PY=${PYTHON:-python3}
 if "$PY" - 2>/dev/null <<'PYEOF'
 # Exit 0 (skip installing) only if fsdp_optim resolves to this checkout and every requirement of what
 # this script installs, `.[dev]` (the core dependencies, the dev extra and the extras it names:
-# fsdp_optim[recipes,hf]), is importable (distribution name -> module name: "-" -> "_").
-import importlib.util, os, re, sys
+# fsdp_optim[recipes,hf]), is importable (distribution name -> module name: "-" -> "_"), and the
+# test-only reference below is installed at its pinned version.
+import importlib.metadata, importlib.util, os, re, sys
 try:
     import tomllib
 except ImportError:  # Python 3.10: the tomli backport, if installed; otherwise install (it is a dependency there)
@@ -37,7 +38,11 @@ names = [re.split(r"[<>=!~ \[]", r, maxsplit=1)[0] for r in reqs if ";" not in r
 sys.path = [p for p in sys.path if p != ""]
 spec = importlib.util.find_spec("fsdp_optim")
 ours = spec is not None and os.path.samefile(os.path.dirname(spec.origin), "fsdp_optim")
-sys.exit(0 if ours and all(importlib.util.find_spec(n.lower().replace("-", "_")) for n in names) else 1)
+try:
+    reference = importlib.metadata.version("gram-newton-schulz") == "0.1.6"
+except importlib.metadata.PackageNotFoundError:
+    reference = False
+sys.exit(0 if ours and reference and all(importlib.util.find_spec(n.lower().replace("-", "_")) for n in names) else 1)
 PYEOF
 then
   exit 0
@@ -46,3 +51,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
 "$PY" -m pip install --quiet -e ".[dev]"
+# The reference the Gram Newton-Schulz / Polar Express tests compare with (tests/optimizers/
+# test_orthogonalize.py): the authors' package, pure-torch backend. --no-deps: its declared
+# dependencies (quack-kernels, nvidia-cutlass-dsl) are its CUDA kernels, unused by that backend.
+"$PY" -m pip install --quiet --no-deps "gram-newton-schulz==0.1.6"

@@ -165,6 +165,41 @@ def test_bench_shampoo_quick(tmp_path):
     assert all(math.isfinite(v) and v > 0 for v in out["ratios"].values())
 
 
+def test_bench_orthogonalize_quick(tmp_path):
+    """The orthogonalization benchmark runs (dims / 32, W = 2): every method on every set, the FLOP ratios
+    of the Gram rows as _orthogonalize.flops counts them, and no collective in a sharded step."""
+    bench = _load("bench_orthogonalize")
+    bench.main(["--quick", "--out", str(tmp_path)])
+    out = json.loads((tmp_path / "bench_orthogonalize.json").read_text())
+    assert set(out["sets"]) == {"llama3-8b", "llama3-8b mlp", "deepseek-v3 experts"}
+    assert "| Gram NS bf16 |" in (tmp_path / "bench_orthogonalize.md").read_text()
+    for s in out["sets"].values():
+        assert [r["method"] for r in s["step"]] == list(bench.METHODS)
+        assert all(math.isfinite(r["ms"]) and r["ms"] > 0 for r in s["step"] + s["per_shape"])
+        for w in s["sharded"]:
+            assert [r["world_size"] for r in w["rows"]] == [2] * len(bench.METHODS)
+            assert all(r["collectives_per_step"] == 0 and r["flops_max_over_mean"] < 1.1 for r in w["rows"])
+    mlp = {r["method"]: r["flop_ratio"] for r in out["sets"]["llama3-8b mlp"]["step"]}
+    assert mlp["torch NS"] == mlp["Polar Express"] == 1 and mlp["Gram NS bf16"] == pytest.approx(0.70, abs=0.01)
+
+
+def test_orthogonalize_quality_quick(tmp_path):
+    """The quality script trains the recipe's model with every method and measures the captured updates:
+    the methods that run one polynomial sit next to its exact float64 evaluation."""
+    quality = _load("orthogonalize_quality")
+    quality.main(["--quick", "--out", str(tmp_path)])
+    out = json.loads((tmp_path / "orthogonalize_quality.json").read_text())
+    polar = {r["method"]: r for r in out["polar"]}
+    assert set(polar) == {*quality.METHODS, "exact torch polynomial", "exact PE polynomial"}
+    assert polar["exact torch polynomial"]["off_spectrum"] < 1e-6  # the spectral decomposition is exact there
+    for m, exact in (("torch NS", "exact torch polynomial"), ("Gram NS fp16", "exact torch polynomial"),
+                     ("Polar Express", "exact PE polynomial")):  # fmt: skip
+        assert abs(polar[m]["rel_frobenius"] - polar[exact]["rel_frobenius"]) < 0.05, m
+    assert out["loss"]["torch NS"]["held_out_minus_torch_ns"] == [0.0]
+    assert all(math.isfinite(v) for r in out["loss"].values() for v in r["held_out_loss"])
+    assert "| Gram + PE bf16 |" in (tmp_path / "orthogonalize_quality.md").read_text()
+
+
 def test_issue27_tables_on_one_preset():
     """planner_scale's default plan table and comm_model --balanced on Llama 3 8B: the cells the
     results files hold, at small W."""

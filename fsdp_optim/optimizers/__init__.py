@@ -4,6 +4,7 @@ from ._adamw import AdamW, adamw_update
 from ._adamw4bit import AdamW4bit
 from ._adamw8bit import AdamW8bit
 from ._muon import Muon
+from ._normuon import NorMuon
 from ._qk_clip import ClipStats, attention_with_max_logits, measure_max_logits, qk_clip_, record_max_logits, recorded_max_logits
 from ._rules import adamw8bit_rule, adamw_rule, is_embedding_or_head, muon_rule, shampoo_rule
 from ._shampoo import Shampoo
@@ -16,6 +17,7 @@ __all__ = [
     "AdamW8bit",
     "ClipStats",
     "Muon",
+    "NorMuon",
     "SOAP",
     "Shampoo",
     "WholeTensorOptimizer",

@@ -22,8 +22,9 @@ where the matrix is:
   the send/receive layouts are precomputed then, so a step does O(pieces it touches) work.
 
 Both exchanges carry bf16: torch.optim.Muon casts the update to bf16 as the first thing Newton–
-Schulz does, and its output is bf16, so the exchange is exact and the owner orthogonalizes the same
-bits as for a matrix held whole. What comes back depends on the parameter's dtype:
+Schulz does, and its output is bf16 (``gram_newton_schulz`` reads and returns bf16 too), so the
+exchange is exact and the owner orthogonalizes the same bits as for a matrix held whole. What
+comes back depends on the parameter's dtype:
 - fp32 / fp64: Newton–Schulz's result; each rank adds its piece (``_foreach_add_``). Their ``add``
   rounds each element once whatever the tensors' extent and strides, so a piece gets the whole
   matrix's bits.
@@ -81,14 +82,11 @@ from ..sharding import BlockRule, expert, whole
 from ..sharding import LocalShard, RaggedDTensor
 from ._adamw import adamw_update
 from ._base import range_pieces, StateShard, checked_param_info, local_tensor, make_dcp_ready, per_element, require_spec, profiled_step
+from ._orthogonalize import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS, GRAM_DTYPE
+from ._orthogonalize import gram_newton_schulz, newton_schulz, resolve
 from ._rules import ambiguous_name_guess, muon_rule
 
 __all__ = ["Muon", "newton_schulz", "adjust_lr"]
-
-# torch.optim._muon (from Keller Jordan's Muon post, https://kellerjordan.github.io/posts/muon/).
-DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-DEFAULT_NS_STEPS = 5
-DEFAULT_EPS = 1e-7
 
 _STACK_NUMEL = 1 << 25
 """Most elements in one batched Newton–Schulz stack (64 MiB of bf16; the chain's transients are a
@@ -105,49 +103,20 @@ def _stacks_well(rows: int, cols: int, device: torch.device) -> bool:
     return device.type != "cpu" or rows * cols <= _CPU_STACK_MAX_NUMEL
 
 
-_MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+_MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn",
+              "orthogonalize", "coefficients")
 _ADAMW_KEYS = ("adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay")
 _ADAMW_GROUP_KEYS = {"lr": "adamw_lr", "betas": "adamw_betas", "eps": "adamw_eps", "weight_decay": "adamw_weight_decay"}
 _NONFINITE = ("ignore", "error", "skip")
+_GRAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # ---- math (pure) ----------------------------------------------------------------------
-def newton_schulz(
-    g: Tensor,
-    *,
-    coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
-    steps: int = DEFAULT_NS_STEPS,
-    eps: float = DEFAULT_EPS,
-) -> Tensor:
-    """bf16 quintic Newton–Schulz orthogonalization of a matrix ``[r, c]`` or a batch ``[n, r, c]``.
-
-    The same ops and layouts as torch.optim.Muon (transpose tall matrices, divide by the
-    Frobenius norm clamped at ``eps``, ``steps`` iterations of ``X <- aX + (bA + cA^2)X`` with
-    ``A = XX^T``), so the same input gives the same bits (a batch: see [Note: batched
-    Newton–Schulz]). ``g`` is not modified.
-    """
-    if g.ndim not in (2, 3):
-        raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(g.shape)}")
-    if steps >= 100:
-        raise ValueError(f"ns_steps must be < 100, got {steps}")
-    a, b, c = coefficients
-    x = g.bfloat16()
-    tall = g.size(-2) > g.size(-1)
-    if tall:
-        x = x.mT
-    if x.ndim == 2:
-        x = x.div(x.norm().clamp(min=eps))  # out of place: g may already be bf16
-        for _ in range(steps):
-            gram = x @ x.mT
-            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.addmm(x, poly, x, beta=a)
-    else:
-        x = x.div(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
-        for _ in range(steps):
-            gram = x @ x.mT
-            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.baddbmm(x, poly, x, beta=a)
-    return x.mT if tall else x
+def _ns_key(group: dict[str, Any]) -> tuple:
+    """A Muon group's orthogonalization settings ``(method, per-iteration (a, b, c), eps)``; a
+    ``ValueError`` for bad ones (see [Note: which orthogonalization] in _orthogonalize.py)."""
+    method, sched = resolve(group["orthogonalize"], group["coefficients"], group["ns_coefficients"], group["ns_steps"])
+    return method, sched, group["eps"]
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -404,6 +373,11 @@ class Muon(torch.optim.Optimizer):
     parameters on every rank; ``"skip"``: the whole step (AdamW part included) is skipped on every
     rank, with a warning naming them. Both agree across the shard group with one small all_reduce
     per step, before any state changes or split-matrix exchange, so no rank is left waiting.
+    ``orthogonalize``: ``"newton_schulz"`` (default, torch.optim.Muon's bits) or ``"gram_newton_schulz"``
+    (the same polynomial through the Gram matrix, fewer flops on rectangular matrices, in ``gram_dtype``:
+    fp16 by default, as its authors); ``coefficients``: ``"torch"`` (default: ``ns_coefficients`` for
+    ``ns_steps`` iterations), ``"polar_express"`` or a list of ``(a, b, c)``, one per iteration. Both
+    may be set per group. See [Note: which orthogonalization] in _orthogonalize.py and docs/muon.md.
     """
 
     blocks = staticmethod(muon_rule())
@@ -441,6 +415,9 @@ class Muon(torch.optim.Optimizer):
         blocks: BlockRule | None = None,
         batched: bool = True,
         nonfinite: str = "ignore",
+        orthogonalize: str = "newton_schulz",
+        coefficients: str | Sequence[tuple[float, float, float]] = "torch",
+        gram_dtype: torch.dtype = GRAM_DTYPE,
     ) -> None:
         if not lr >= 0.0 or not adamw_lr >= 0.0:
             raise ValueError(f"learning rates must be >= 0, got lr={lr}, adamw_lr={adamw_lr}")
@@ -456,6 +433,10 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"ns_steps must be < 100, got {ns_steps}")
         if nonfinite not in _NONFINITE:
             raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
+        resolve(orthogonalize, coefficients, ns_coefficients, ns_steps)  # ValueError naming the argument
+        if gram_dtype not in _GRAM_DTYPES:
+            raise ValueError(f"gram_dtype must be one of {_GRAM_DTYPES}, got {gram_dtype!r}")
+        self.gram_dtype = gram_dtype
         self._rule: BlockRule = blocks if blocks is not None else Muon.blocks
         self._plans: dict[Tensor, _ParamPlan] = {}
         self._exchanges: tuple[_Exchange, ...] | None = None
@@ -467,7 +448,8 @@ class Muon(torch.optim.Optimizer):
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
             adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
-            adamw_weight_decay=adamw_weight_decay,
+            adamw_weight_decay=adamw_weight_decay, orthogonalize=orthogonalize,
+            coefficients=coefficients if isinstance(coefficients, str) else tuple(map(tuple, coefficients)),
         )  # fmt: skip
         super().__init__(params, defaults)
         self._exchanges = self._plan_exchanges()
@@ -576,6 +558,8 @@ class Muon(torch.optim.Optimizer):
     def _add_split_group(self, group: dict[str, Any]) -> None:
         super().add_param_group(group)
         group = self.param_groups[-1]
+        if group["use_muon"]:
+            _ns_key(group)  # ValueError for bad orthogonalization settings in the group
         keep = set(_MUON_KEYS) if group["use_muon"] else {"lr", "betas", "eps", "weight_decay", "adamw_lr", "base_lr"}
         keep |= {"params", "param_names", "use_muon", "initial_lr"}
         for k in [k for k in group if k not in keep and (k in self.defaults)]:
@@ -829,7 +813,7 @@ class Muon(torch.optim.Optimizer):
         jobs = []
         for p, upd in updates.items():
             g = group_of[p]
-            key = (tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
+            key = _ns_key(g)
             flat = local_tensor(p).view(-1)
             for run in self._plans[p].runs:
                 rc = run.rows * run.cols
@@ -854,10 +838,9 @@ class Muon(torch.optim.Optimizer):
                 continue
             if job.count != 1:
                 raise AssertionError(f"Muon: a per-matrix job holds {job.count} matrices")
-            ns = dict(coefficients=job.key[2], steps=job.key[3], eps=job.key[4])
-            yield [(i, newton_schulz(job.matrices()[0], **ns).unsqueeze(0))]
+            yield [(i, self._run(job.matrices()[0], job.key).unsqueeze(0))]
         for key, idx in by_key.items():
-            rows, cols, coefficients, steps, eps = key
+            rows, cols = key[:2]
             chunk: list[int] = []
             for n, i in enumerate(idx):
                 chunk.append(i)
@@ -869,7 +852,7 @@ class Muon(torch.optim.Optimizer):
                 for j in chunk:
                     stack[pos : pos + jobs[j].count].copy_(jobs[j].matrices())  # the cast NS starts with
                     pos += jobs[j].count
-                res = newton_schulz(stack, coefficients=coefficients, steps=steps, eps=eps)
+                res = self._run(stack, key)
                 del stack
                 done, pos = [], 0
                 for j in chunk:
@@ -877,6 +860,13 @@ class Muon(torch.optim.Optimizer):
                     pos += jobs[j].count
                 yield done
                 chunk = []
+
+    def _run(self, x: Tensor, key: tuple) -> Tensor:
+        """Orthogonalize ``x`` with a job key's settings ``(rows, cols, method, coefficients, eps)``."""
+        _, _, method, coefficients, eps = key
+        if method == "newton_schulz":
+            return newton_schulz(x, coefficients=coefficients, eps=eps)
+        return gram_newton_schulz(x, coefficients=coefficients, eps=eps, dtype=self.gram_dtype)
 
     def _exchange_out(
         self, ex: _Exchange, updates: dict[Tensor, _Update], group_of: dict[Tensor, dict], jobs: list[_Job]
@@ -905,7 +895,7 @@ class Muon(torch.optim.Optimizer):
                 if param is not None:
                     param[a : a + n].copy_(recv[at + n : at + 2 * n].view(param.dtype))
             g = group_of[om.param]
-            key = (om.rows, om.cols, tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
+            key = (om.rows, om.cols, *_ns_key(g))
             jobs.append(_Job(key, g, 1, om.rows, om.cols, None, 0, full.view(1, om.rows, om.cols), None, om,
                              None if param is None else param.view(om.rows, om.cols)))  # fmt: skip
 
