@@ -53,11 +53,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _out import ROOT, out_dir  # noqa: E402
-from fsdp_optim._testing import make_sharded_param, run_distributed  # noqa: E402
+from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_grad  # noqa: E402
 from fsdp_optim.optimizers import Muon  # noqa: E402
 from fsdp_optim.optimizers._muon import assign_owners  # noqa: E402
 from fsdp_optim.optimizers._orthogonalize import POLAR_EXPRESS, flops, gram_newton_schulz, newton_schulz  # noqa: E402
-from fsdp_optim.sharding import RaggedShard, expert, whole  # noqa: E402
+from fsdp_optim.sharding import RaggedLayout, expert, whole  # noqa: E402
 
 METHODS = {
     "torch NS": {},
@@ -223,19 +223,19 @@ def step_one_process(shapes: dict[str, tuple[int, ...]], rounds: int) -> list[di
                  flop_ratio=set_flops(shapes, kw) / base_flops) for k, kw in METHODS.items()]  # fmt: skip
 
 
-def layouts_for(shapes: dict[str, tuple[int, ...]], w: int) -> dict[str, RaggedShard]:
+def layouts_for(shapes: dict[str, tuple[int, ...]], w: int) -> dict[str, RaggedLayout]:
     """Each rank's share: 2-D matrices whole on an owner (longest first by flops), experts in equal runs."""
     out, two_d = {}, [k for k, s in shapes.items() if len(s) == 2]
     owners = assign_owners([flops("newton_schulz", *shapes[k], 5) for k in two_d], [[1] * w] * len(two_d), [0] * w)
     for k, o in zip(two_d, owners):
         n = math.prod(shapes[k])
-        out[k] = RaggedShard(shapes[k], tuple([0] * (o + 1) + [n] * (w - o)))
+        out[k] = RaggedLayout(shapes[k], tuple([0] * (o + 1) + [n] * (w - o)))
     for k, s in shapes.items():
         if len(s) == 3:
             if s[0] % w:
                 raise ValueError(f"--experts {s[0]} does not divide evenly over W = {w}")
             per = math.prod(s[1:])
-            out[k] = RaggedShard(s, tuple(r * (s[0] // w) * per for r in range(w)) + (math.prod(s),))
+            out[k] = RaggedLayout(s, tuple(r * (s[0] // w) * per for r in range(w)) + (math.prod(s),))
     return out
 
 
@@ -254,7 +254,7 @@ def sharded(shapes: dict[str, tuple[int, ...]], w: int, rounds: int) -> dict:
             params = []
             for k, s in shapes.items():
                 p = make_sharded_param(init[k], spec=whole() if len(s) == 2 else expert(), layout=layouts[k], fqn=k)
-                p.grad = layouts[k].shard(grads[k], rank).clone()
+                p.grad = sharded_grad(p, grads[k])
                 params.append(p)
             opts[name] = Muon(params, lr=0.02, **kw)
         plain = {k: _plain_opt(shapes, kw, grads) for k, kw in METHODS.items()} if rank == 0 else {}
@@ -300,7 +300,7 @@ def sharded(shapes: dict[str, tuple[int, ...]], w: int, rounds: int) -> dict:
     return {"rows": rows}
 
 
-def _local_matrices(shape: tuple[int, ...], layout: RaggedShard, rank: int) -> list[tuple[int, int]]:
+def _local_matrices(shape: tuple[int, ...], layout: RaggedLayout, rank: int) -> list[tuple[int, int]]:
     lo, hi = layout.bounds[rank], layout.bounds[rank + 1]
     per = math.prod(shape[-2:])
     return [shape[-2:]] * ((hi - lo) // per)

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from fsdp_optim._testing import make_sharded_param, random_block_layout, run_distributed
+from fsdp_optim._testing import make_sharded_param, random_block_layout, run_distributed, sharded_grad
 from fsdp_optim.optimizers import Muon, NorMuon
 from fsdp_optim.optimizers._orthogonalize import DEFAULT_NS_COEFFICIENTS
-from fsdp_optim.sharding import RaggedShard, expert, whole
+from fsdp_optim.sharding import RaggedLayout, expert, local_tensor, whole
 from tests.optimizers.test_muon import (
     ADAMW_KW, MATRICES, SHAPES, STEPS, _grads, _init, _one_thread, _specs, _split_case, assert_bitwise, reference,
 )  # fmt: skip
@@ -96,13 +96,13 @@ def _run(init, shapes, specs, layouts, *, world_size, configs, rule=None):
             for s in range(STEPS):
                 g = _grads(shapes, s)
                 for k, p in params.items():
-                    p.grad = layouts[k].shard(g[k], rank).clone()
+                    p.grad = sharded_grad(p, g[k])
                 with CommDebugMode() as mode:
                     opt.step()
                 counts.append({str(op): n for op, n in mode.get_comm_counts().items() if n})
             state = {k: (opt.state_shards(p)["second_momentum_buffer"], opt.state[p]["second_momentum_buffer"].clone())
                      for k, p in params.items() if "second_momentum_buffer" in opt.state[p]}  # fmt: skip
-            out.append(({k: p.detach().clone() for k, p in params.items()}, state, counts))
+            out.append(({k: local_tensor(p).clone() for k, p in params.items()}, state, counts))
         return out
 
     outs = run_distributed(fn, world_size=world_size)
@@ -127,7 +127,7 @@ def _run(init, shapes, specs, layouts, *, world_size, configs, rule=None):
 def test_normuon_equals_the_authors_algorithm(nesterov):
     """Matrices (AdamW for embeddings, head, norms, biases), STEPS steps, one process."""
     init, specs = _init(SHAPES), _specs(SHAPES)
-    layouts = {k: RaggedShard(s, (0, math.prod(s))) for k, s in SHAPES.items()}
+    layouts = {k: RaggedLayout(s, (0, math.prod(s))) for k, s in SHAPES.items()}
     kw = {**KW, "nesterov": nesterov}
     [(ours, second, _)] = _run(init, SHAPES, specs, layouts, world_size=1, configs=[kw])
     want, want_second = normuon_reference(init, SHAPES, MATRICES, **kw)
@@ -143,7 +143,7 @@ def test_normuon_equals_the_authors_algorithm(nesterov):
 def test_heads_fused_qkv_and_experts_are_normalized_per_sub_matrix():
     shapes, rule, specs, subs = _sub_case()
     init = _init(shapes)
-    layouts = {k: RaggedShard(s, (0, math.prod(s))) for k, s in shapes.items()}
+    layouts = {k: RaggedLayout(s, (0, math.prod(s))) for k, s in shapes.items()}
     [(ours, second, _)] = _run(init, shapes, specs, layouts, world_size=1, configs=[KW], rule=rule)
     want, want_second = normuon_reference(init, shapes, list(shapes), sub_matrices=subs, **KW)
     _close(ours, want, shapes, subs)
@@ -160,7 +160,7 @@ def one_process():
     shapes, rule, specs, _ = _sub_case()
     shapes, specs = {**SHAPES, **shapes}, {**_specs(SHAPES), **specs}
     init = _init(shapes)
-    layouts = {k: RaggedShard(s, (0, math.prod(s))) for k, s in shapes.items()}
+    layouts = {k: RaggedLayout(s, (0, math.prod(s))) for k, s in shapes.items()}
     return shapes, rule, specs, init, _run(init, shapes, specs, layouts, world_size=1, configs=CONFIGS, rule=rule)
 
 
@@ -179,7 +179,7 @@ def test_sharded_equals_one_process_with_zero_collectives(world_size, one_proces
         starts = [o for o, _, _ in specs[k].matrices(s)] + [math.prod(s)]  # cut only between (sub-)matrices
         gen = torch.Generator().manual_seed(seed)
         cuts = sorted(starts[j] for j in torch.randint(0, len(starts), (world_size - 1,), generator=gen).tolist())
-        layouts[k] = RaggedShard(s, (0, *cuts, math.prod(s)))
+        layouts[k] = RaggedLayout(s, (0, *cuts, math.prod(s)))
         assert layouts[k].is_aligned(specs[k]), k
     assert any(len({b for b in layouts[k].bounds[1:-1] if 0 < b < math.prod(s)}) > 0
                for k, s in shapes.items() if len(specs[k].matrices(s)) > 1)  # some parameter really cut
