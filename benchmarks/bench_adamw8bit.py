@@ -48,7 +48,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_grad  # noqa: E402
 from fsdp_optim.optimizers import AdamW8bit  # noqa: E402
-from fsdp_optim.sharding import RaggedLayout, elements  # noqa: E402
+from fsdp_optim.sharding.plan import RaggedLayout
+from fsdp_optim.sharding import elements  # noqa: E402
 
 warnings.filterwarnings("ignore")
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

@@ -55,7 +55,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_grad  # noqa: E402
 from fsdp_optim.optimizers import AdamW, Muon, Shampoo  # noqa: E402
 from fsdp_optim.optimizers._muon import _stacks_well, newton_schulz  # noqa: E402
-from fsdp_optim.sharding import local_tensor, RaggedLayout, rows, whole  # noqa: E402
+from fsdp_optim.sharding.contract import local_tensor
+from fsdp_optim.sharding.plan import RaggedLayout
+from fsdp_optim.sharding import rows, whole  # noqa: E402
 
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
 

@@ -57,7 +57,8 @@ from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_gra
 from fsdp_optim.optimizers import Muon  # noqa: E402
 from fsdp_optim.optimizers._muon import assign_owners  # noqa: E402
 from fsdp_optim.optimizers._orthogonalize import POLAR_EXPRESS, flops, gram_newton_schulz, newton_schulz  # noqa: E402
-from fsdp_optim.sharding import RaggedLayout, expert, whole  # noqa: E402
+from fsdp_optim.sharding.plan import RaggedLayout
+from fsdp_optim.sharding import expert, whole  # noqa: E402
 
 METHODS = {
     "torch NS": {},

@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_grad  # noqa: E402
 from fsdp_optim.optimizers import SOAP, Shampoo  # noqa: E402
 from fsdp_optim.optimizers._shampoo import shampoo_blocks  # noqa: E402
-from fsdp_optim.sharding import local_tensor, RaggedLayout  # noqa: E402
+from fsdp_optim.sharding.contract import local_tensor
+from fsdp_optim.sharding.plan import RaggedLayout  # noqa: E402
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 

@@ -38,7 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _out import out_dir  # noqa: E402
 
 from fsdp_optim._testing import run_distributed  # noqa: E402
-from fsdp_optim.sharding import BucketPlan, DistributedBuffer, Layout, Placement, RaggedLayout, elements  # noqa: E402
+from fsdp_optim.sharding.plan import BucketPlan, Layout, Placement, RaggedLayout
+from fsdp_optim.sharding._buffer import DistributedBuffer
+from fsdp_optim.sharding import elements  # noqa: E402
 
 
 def _plan(numel: int, sizes: list[int]) -> BucketPlan:

@@ -79,7 +79,8 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_optim._cli import optimizer_rule
-from fsdp_optim.sharding import BucketPlan, Layout, PlanConfig, plan_model
+from fsdp_optim.sharding.plan import BucketPlan, Layout, plan_model
+from fsdp_optim.sharding import PlanConfig
 from fsdp_optim.sharding.plan import PRESETS, preset_buckets, preset_names
 from fsdp_optim.sharding.plan import LinkModel, WireMode, choose_wire_mode, split_exchange
 

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _out import out_dir  # noqa: E402
 
 from fsdp_optim._cli import optimizer_balance, optimizer_rule
-from fsdp_optim.sharding import PlanConfig, plan_model
+from fsdp_optim.sharding import PlanConfig
+from fsdp_optim.sharding.plan import plan_model
 from fsdp_optim.sharding.plan import preset_buckets, preset_names
 
 OPTIMIZERS = ("adamw", "adamw8bit", "muon", "shampoo")

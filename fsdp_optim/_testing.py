@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from .sharding import BlockSpec, RaggedLayout
+    from .sharding import BlockSpec
+    from .sharding.plan import RaggedLayout
 
 __all__ = ["run_distributed", "DistributedTestError", "LiveBytes", "emulated_mesh", "make_sharded_param", "random_block_layout", "seeded_tensors", "sharded_grad", "train_steps"]
 
@@ -193,7 +194,7 @@ def random_block_layout(shape, world_size: int, seed: int, *, block: int, empty_
     import math
     import random
 
-    from .sharding import RaggedLayout
+    from .sharding.plan import RaggedLayout
 
     rng = random.Random(seed)
     numel = math.prod(shape)

@@ -99,16 +99,34 @@ def test_the_cycle_finder_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_optimizers_import_only_the_sharding_face():
+def test_optimizers_import_only_the_optimizer_authors_face():
     graph = _graph()
     reach_ins = {
         (m, t)
         for m, ts in graph.items()
         if m.startswith("fsdp_optim.optimizers")
         for t in ts
-        if t.startswith("fsdp_optim.sharding") and t != "fsdp_optim.sharding"
+        if t.startswith("fsdp_optim.sharding") and t != "fsdp_optim.sharding.contract"
     }
-    assert not reach_ins, f"optimizers must import from fsdp_optim.sharding's face only: {sorted(reach_ins)}"
+    assert not reach_ins, f"optimizers must import from fsdp_optim.sharding.contract only: {sorted(reach_ins)}"
+
+
+def test_each_audience_has_its_face():
+    """Users, optimizer authors and planning each import one module; the faces do not re-export one
+    another wholesale (a name on two faces is one the two audiences share: the block rules)."""
+    import fsdp_optim.sharding as users
+    from fsdp_optim.sharding import contract, plan
+
+    shared = {"BlockRule", "BlockSpec", "elements", "expert", "heads", "rows", "whole"}
+    assert set(users.__all__) & set(contract.__all__) <= shared | {"RaggedDTensor", "is_ragged"}
+    assert len(users.__all__) <= 30 and len(contract.__all__) <= 20, "a face grew: is every name for its audience?"
+    for name, home in users._MOVED.items():  # pre-0.2.0 names still resolve, with a warning naming the new home
+        with pytest.warns(DeprecationWarning, match=home.replace(".", r"\.")):
+            obj = getattr(users, name)
+        assert obj is getattr(importlib.import_module(home), name)
+        assert name not in users.__all__
+    with pytest.raises(AttributeError):
+        users.no_such_name  # noqa: B018
 
 
 def test_layout_math_is_pure():
@@ -123,7 +141,7 @@ def test_layout_math_is_pure():
 
 
 # The public names as of the DTensor parameters (issue #34; ShardInfo / shard_info / global_shape /
-# to_dtensor / from_dtensor went with the flat parameters they described): each must keep working.
+# to_dtensor / from_dtensor went with the flat parameters they described), per face: each must keep working.
 _PUBLIC = {
     "fsdp_optim": [
         "Float8AllGather", "MixedPrecisionPolicy", "ShardedModule", "clip_grad_norm_", "export_hf",
@@ -135,11 +153,21 @@ _PUBLIC = {
         "adamw_rule", "adamw_update", "is_embedding_or_head", "muon_rule", "shampoo_rule", "whole_tensor_rule",
     ],
     "fsdp_optim.sharding": [
-        "BlockKind", "BlockRule", "BlockSpec", "BucketPlan", "CollectiveHandle", "DistributedBuffer", "Float8AllGather",
-        "Layout", "Placement", "Plan", "PlanConfig", "PlanStats", "RaggedLayout", "TensorSpec", "block_aligned_splits",
-        "chunk_bounds", "default_rule", "dequantize_blockwise", "distribute_ragged", "elements", "expert", "heads",
-        "LocalShard", "local_shard", "local_tensor", "plan_model", "quantize_blockwise", "RaggedDTensor", "RaggedShard",
-        "rows", "tensor_cost", "whole",
+        "BlockRule", "BlockSpec", "ExpertGroups", "ExpertShard", "Float8AllGather", "MixedPrecisionPolicy",
+        "PlanConfig", "RaggedDTensor", "RaggedShard", "ShardedModule", "clip_grad_norm_", "contract", "default_rule",
+        "distribute_ragged", "elements", "expert", "expert_parallel", "expert_parallel_groups", "expert_shard",
+        "fully_shard", "grouped_linear", "heads", "init_weights", "is_ragged", "plan", "rows", "sharded_plan",
+        "suggest_mesh", "whole",
+    ],
+    "fsdp_optim.sharding.contract": [
+        "BlockKind", "BlockRule", "BlockSpec", "LocalShard", "OwnedState", "RaggedDTensor", "ShardedState",
+        "check_not_replaced", "elements", "expert", "heads", "is_ragged", "local_shard", "local_tensor",
+        "materialize_all", "merge_small_dims", "register_optimizer_hooks", "rows", "whole",
+    ],
+    "fsdp_optim.sharding.plan": [
+        "BlockKind", "BucketPlan", "Layout", "MeshCandidate", "MeshSuggestion", "Placement", "Plan", "PlanConfig",
+        "PlanStats", "RaggedLayout", "TensorSpec", "block_aligned_splits", "chunk_bounds", "expert_ranges",
+        "merge_small_dims", "plan_model", "suggest_mesh", "tensor_cost",
     ],
 }
 
@@ -195,6 +223,38 @@ def test_every_name_the_docs_use_imports():
 
 
 MAX_MODULE_LINES = 1000
+
+
+_NOTE_DEF = re.compile(r'^\s*(?:#\s*|"""|r""")?\[Note: ([^\]]+)\]', re.M)
+
+
+def _note_definitions() -> dict[str, set[str]]:
+    """Every ``[Note: NAME]`` that opens a line (a comment or a docstring: a definition, not a
+    "see [Note: ...]"), name -> the files (relative to ``fsdp_optim/``) defining it."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        for name in _NOTE_DEF.findall(path.read_text()):
+            found.setdefault(name, set()).add(path.relative_to(PKG).as_posix())
+    return found
+
+
+def test_the_note_map_matches_the_code():
+    """docs/architecture.md's map names every note the code defines, each in the file that defines it,
+    and no note the code no longer has."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    section = doc[doc.index("## Map of the"):].split("\n## ", 1)[0]
+    mapped = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 3 and cells[0] not in ("note", "---"):
+            mapped[cells[0]] = cells[1].strip("`")
+    defined = _note_definitions()
+    assert defined, "no [Note: ...] definitions found: the pattern is wrong"
+    missing = sorted(set(defined) - set(mapped))
+    stale = sorted(set(mapped) - set(defined))
+    wrong = sorted(f"{n}: map says {f}, defined in {sorted(defined[n])}" for n, f in mapped.items()
+                   if n in defined and f not in defined[n])
+    assert not (missing or stale or wrong), f"note map: missing {missing}, stale {stale}, wrong file {wrong}"
 
 
 def test_every_module_is_under_1000_lines():

@@ -78,7 +78,8 @@ def test_split_exchange_and_hsdp():
     link = cm.LinkConfig()
     # a forced even layout with no padding allowance splits matrices: two all-to-alls per such bucket
     from fsdp_optim._cli import optimizer_rule
-    from fsdp_optim.sharding import PlanConfig, plan_model
+    from fsdp_optim.sharding import PlanConfig
+    from fsdp_optim.sharding.plan import plan_model
     from fsdp_optim.sharding.plan import preset_buckets
 
     plan = plan_model(preset_buckets("llama3-8b", rule=optimizer_rule("muon")), world_size=64,

@@ -10,10 +10,18 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..sharding import BlockRule, BlockSpec
-from ..sharding import LocalShard, RaggedDTensor, check_not_replaced, local_shard, local_tensor
-from ..sharding import materialize_all
-from ..sharding import ShardedState  # (re-exported: the checkpoint contract lives with the checkpoints)
+# ShardedState: re-exported, the checkpoint contract lives with the checkpoints
+from ..sharding.contract import (
+    BlockRule,
+    BlockSpec,
+    LocalShard,
+    RaggedDTensor,
+    ShardedState,
+    check_not_replaced,
+    local_shard,
+    local_tensor,
+    materialize_all,
+)
 
 __all__ = ["range_pieces", "param_info", "checked_param_info", "require_spec", "check_adam_hparams", "make_dcp_ready", "StateShard", "ShardedState", "apply_update", "discard_last_group", "local_tensor", "per_element", "state_range"]
 
@@ -219,7 +227,7 @@ def make_dcp_ready(optimizer: torch.optim.Optimizer) -> None:
     """Make ``optimizer.state_dict()`` / ``load_state_dict()`` DCP-ready when any parameter is
     sharded (sharded state as ``RaggedDTensor`` s of its global form, as FSDP2 does with DTensor),
     so ``torch.distributed.checkpoint`` save/load on them directly reshards across world sizes."""
-    from ..sharding import register_optimizer_hooks
+    from ..sharding.contract import register_optimizer_hooks
 
     record_layouts(optimizer)
     if any(isinstance(p, RaggedDTensor) for g in optimizer.param_groups for p in g["params"]):

@@ -78,8 +78,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..sharding import BlockRule, expert, whole
-from ..sharding import LocalShard, RaggedDTensor
+from ..sharding.contract import BlockRule, LocalShard, RaggedDTensor, expert, whole
 from ._adamw import adamw_update
 from ._base import range_pieces, StateShard, checked_param_info, local_tensor, make_dcp_ready, per_element, require_spec, profiled_step
 from ._orthogonalize import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS, GRAM_DTYPE
@@ -115,7 +114,9 @@ _GRAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _ns_key(group: dict[str, Any]) -> tuple:
     """A Muon group's orthogonalization settings ``(method, per-iteration (a, b, c), eps)``; a
     ``ValueError`` for bad ones (see [Note: which orthogonalization] in _orthogonalize.py)."""
-    method, sched = resolve(group["orthogonalize"], group["coefficients"], group["ns_coefficients"], group["ns_steps"])
+    # Groups saved before 0.2.0 have neither key and step as they did then: torch's iteration.
+    method, coefficients = group.get("orthogonalize", "newton_schulz"), group.get("coefficients", "torch")
+    method, sched = resolve(method, coefficients, group["ns_coefficients"], group["ns_steps"])
     return method, sched, group["eps"]
 
 

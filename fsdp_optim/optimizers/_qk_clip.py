@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..sharding import local_shard, local_tensor
+from ..sharding.contract import local_shard, local_tensor
 
 __all__ = [
     "ClipStats",

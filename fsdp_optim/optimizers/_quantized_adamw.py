@@ -61,8 +61,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..sharding import BlockRule, elements
-from ..sharding import LocalShard
+from ..sharding.contract import BlockRule, LocalShard, elements
 from ._base import StateShard, check_adam_hparams, checked_param_info, local_tensor, make_dcp_ready, per_element, require_spec, profiled_step, state_range
 
 __all__ = ["QUANTIZE_MIN_NUMEL", "QuantFormat", "FORMAT_8BIT", "FORMAT_4BIT", "quantize_blockwise", "dequantize_blockwise"]

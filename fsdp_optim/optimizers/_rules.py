@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..sharding import BlockRule, BlockSpec, elements, expert, merge_small_dims, rows, whole
+from ..sharding.contract import BlockRule, BlockSpec, elements, expert, merge_small_dims, rows, whole
 from ._strips import shampoo_blocks
 
 __all__ = [

@@ -126,8 +126,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..sharding import BlockRule
-from ..sharding import LocalShard, RaggedDTensor
+from ..sharding.contract import BlockRule, LocalShard, RaggedDTensor
 from ._base import range_pieces, StateShard, apply_update, checked_param_info, local_tensor, per_element, require_spec, state_range
 from ._linalg import aligned, bmm, eigh
 from ._preconditioner import (

@@ -67,7 +67,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..sharding import BlockRule, BlockSpec, LocalShard, elements, whole
+from ..sharding.contract import BlockRule, BlockSpec, LocalShard, elements, whole
 from ._base import StateShard, apply_update, checked_param_info, local_tensor, per_element, require_spec, state_range
 from ._linalg import aligned, batched_ok, bmm, eigh, qr_q
 from ._preconditioner import BlockPreconditioner, factor_ema_, outer, outer_batched, square_view

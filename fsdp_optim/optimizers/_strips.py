@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from ..sharding import BlockKind, BlockSpec, merge_small_dims
+from ..sharding.contract import BlockKind, BlockSpec, merge_small_dims
 
 __all__ = ["BlockGeometry", "shampoo_blocks"]
 

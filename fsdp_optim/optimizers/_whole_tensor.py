@@ -47,8 +47,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..sharding import BlockSpec, elements, whole
-from ..sharding import LocalShard, RaggedDTensor, local_shard, local_tensor
+from ..sharding.contract import (
+    BlockSpec,
+    LocalShard,
+    RaggedDTensor,
+    elements,
+    local_shard,
+    local_tensor,
+    whole,
+)
 from ._base import profiled_step, record_layouts
 
 __all__ = ["WholeTensorOptimizer", "whole_tensor_rule"]

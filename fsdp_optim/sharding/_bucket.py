@@ -77,7 +77,7 @@ from ._context import CommContext, Streams, TrainingState
 from ._float8 import Float8AllGather, Float8Gather, tile_aligned
 from ._mixed_precision import MixedPrecisionPolicy
 from ._dtensor import RaggedDTensor
-from ._replaced import mark_replaced, rename_replaced
+from ._param import ShardedParam
 from .plan import BucketPlan, Placement, WireMode, choose_wire_mode
 
 __all__ = ["BucketConfig", "BucketEntry", "BucketPhase", "BucketState", "run_post_accumulate_grad_hooks"]
@@ -154,7 +154,6 @@ class _Bucket:
     ) -> None:
         self.index = index
         self.plan = plan
-        self.entries = entries
         self.ctx = ctx
         self.is_root = config.is_root
         self.is_expert = config.is_expert
@@ -180,8 +179,9 @@ class _Bucket:
         self.num_replicas = config.num_replicas
         self.replicate_group = config.replicate_group if config.num_replicas > 1 else None
         self._native_avg = self.replicate_group is not None and "nccl" in str(dist.get_backend(self.replicate_group))
-        self.sharded = self._shard_entries(config)  # RaggedDTensors viewing the segment
-        self.expected_ptrs = [sp._local_tensor.data_ptr() for sp in self.sharded]
+        self.params: list[ShardedParam] = self._shard_entries(entries, config)
+        self.sharded: list[nn.Parameter] = [sp.sharded for sp in self.params]
+        """The sharded parameters (``RaggedDTensor`` s viewing the segment), in plan order."""
         if self._lazy:
             self.buffer.drop_segment()
         # Gathered buffer (compute dtype) and unsharded parameters: views into its ``.data``, so the
@@ -190,6 +190,7 @@ class _Bucket:
         # storage is freed (resized to 0) and re-allocated in place, so the views stay valid.
         self.gathered: torch.Tensor | None = None
         self.unsharded: list[nn.Parameter] | None = None
+        """The unsharded parameters (views of the gathered buffer), once gathered."""
         self._gathered_nbytes = self.buffer.total_numel * self.param_dtype.itemsize
         self._device = config.device
         # FP8 all-gather (opt-in): which parameters travel as codes + scales (see [Note: FP8 all-gather]).
@@ -221,57 +222,43 @@ class _Bucket:
         """A group's modules called with grad whose backward has not begun ([Note: module groups])."""
         self._arrived: list[bool] | None = None  # which parameters got a gradient since the last reduction
         self._reduced_arrived: list[bool] | None = None  # the same, for the reduction in flight
-        self._set_params(self.sharded)
+        self._show_sharded()
 
     def __repr__(self) -> str:
         return f"_Bucket({self.plan.name!r}, {self.where.value}, {self.phase.value})"
 
-    def _shard_entries(self, config: BucketConfig) -> list[nn.Parameter]:
-        """This rank's piece of every entry as a sharded parameter (a ``RaggedDTensor`` viewing the
-        segment); the entries' full tensors are dropped and the originals marked replaced. A parameter
-        an absorbed root sharded keeps its object: it is re-laid out (``adopt_moved``) once its piece moved."""
-        sharded = []
-        self._to_adopt: list[tuple[int, torch.Tensor, DTensorSpec]] = []
-        with torch.no_grad():
-            for i, (e, pl, view) in enumerate(zip(self.entries, self.plan.placements, self.buffer.local_views())):
-                spec = config.param_spec(pl, self.buffer.dtype)
-                if isinstance(e.param, RaggedDTensor):
-                    self._to_adopt.append((i, view, spec))
-                    sharded.append(e.param)
-                    e.full = None
-                    continue
-                if e.full is not None:
-                    a, b = pl.shard.range(self.rank)
-                    view.copy_(e.full.detach().reshape(-1)[a:b])
-                sp = nn.Parameter(RaggedDTensor._from_local_and_spec(view, spec), requires_grad=e.requires_grad)
-                sp._local_tensor = view  # (Parameter() took a detached alias: keep the segment view itself)
-                sp._fqn = e.fqn
-                sharded.append(sp)
-                e.full = None
-                mark_replaced(e.param, e.fqn, replacement=sp)
-                e.param = sp  # drop the original (full) tensor: it is not kept alive by the runtime
-        return sharded
+    def _shard_entries(self, entries: list[BucketEntry], config: BucketConfig) -> list[ShardedParam]:
+        """One ``ShardedParam`` per entry: this rank's piece as a sharded parameter viewing the segment
+        (the entries' full tensors dropped, the originals marked replaced). A parameter an absorbed root
+        sharded keeps its object: it is re-laid out (``adopt_moved``) once its piece moved here."""
+        params = []
+        self._to_adopt: list[tuple[ShardedParam, torch.Tensor, DTensorSpec]] = []
+        for i, (e, pl, view) in enumerate(zip(entries, self.plan.placements, self.buffer.local_views())):
+            spec = config.param_spec(pl, self.buffer.dtype)
+            if isinstance(e.param, RaggedDTensor):
+                sp = ShardedParam.adopted(fqn=e.fqn, owners=e.owners, index=i, param=e.param)
+                self._to_adopt.append((sp, view, spec))
+            else:
+                a, b = pl.shard.range(self.rank)
+                sp = ShardedParam.shard(
+                    fqn=e.fqn, owners=e.owners, index=i, param=e.param, full=e.full, view=view, spec=spec,
+                    start=a, end=b, requires_grad=e.requires_grad,
+                )  # fmt: skip
+            e.full = None
+            e.param = sp.sharded  # drop the original (full) tensor: it is not kept alive by the runtime
+            params.append(sp)
+        return params
 
     def grad_view(self, i: int, view: torch.Tensor) -> RaggedDTensor:
         """Parameter ``i``'s gradient: its flat view of the gradient segment, with the parameter's layout."""
-        sp = self.sharded[i]
-        spec = sp._spec
-        if spec.tensor_meta.dtype != view.dtype:  # (the segment has the parameter's dtype)
-            raise AssertionError(f"fully_shard internal error: gradient segment {view.dtype} for a {spec.tensor_meta.dtype} parameter")
-        return RaggedDTensor._from_local_and_spec(view, spec)
+        return self.params[i].grad_view(view)
 
     def adopt_moved(self) -> None:
         """Point the parameters of absorbed roots at this bucket's segment and layout, once their pieces
         moved here: the same objects (whoever holds them sees the new layout), their old gradients dropped."""
-        for i, view, spec in self._to_adopt:
-            sp = self.sharded[i]
-            sp.grad = None
-            sp._local_tensor = view
-            sp._spec = spec
-            sp._fqn = self.entries[i].fqn
-            rename_replaced(sp, sp._fqn)
+        for sp, view, spec in self._to_adopt:
+            sp.adopt(view, spec)
         self._to_adopt = []
-        self.expected_ptrs = [sp._local_tensor.data_ptr() for sp in self.sharded]
 
     @property
     def trainable_local(self) -> list[int]:
@@ -300,7 +287,7 @@ class _Bucket:
             self.gather_handle.wait()
             self.gather_handle = None
         self.buffer = self.gathered = self.flat_grad = self.flat_views = self.grad_seg = self.fp8_gather = None
-        self.sharded, self.unsharded, self.entries = [], [], []
+        self.params, self.sharded, self.unsharded = [], [], []
         self.where = BucketState.RELEASED
 
     # ---- internal API for _init and checkpoint/ ---------------------------------------------------
@@ -322,7 +309,8 @@ class _Bucket:
         if not self._lazy or self.where is BucketState.RELEASED:
             return
         self.buffer.allocate_segment()
-        self.expected_ptrs = [sp._local_tensor.data_ptr() for sp in self.sharded]  # the storage moved
+        for sp in self.params:  # the storage moved
+            sp.expected_ptr = sp.sharded._local_tensor.data_ptr()
         self._lazy = False
 
     def gather_full(self) -> torch.Tensor:
@@ -336,10 +324,13 @@ class _Bucket:
         return self.buffer.full_views(flat)
 
     # ---- parameters -------------------------------------------------------------------------
-    def _set_params(self, params: list[nn.Parameter]) -> None:
-        for e, p in zip(self.entries, params):
-            for m, name in e.owners:
-                m._parameters[name] = p
+    def _show_sharded(self) -> None:
+        for sp in self.params:
+            sp.to_sharded()
+
+    def _show_unsharded(self) -> None:
+        for sp in self.params:
+            sp.to_unsharded()
 
     def _free_gathered(self) -> None:
         if self.gathered is not None:
@@ -352,40 +343,24 @@ class _Bucket:
             # buffer is kept and later training forwards write into it.
             with torch.inference_mode(False):
                 self.gathered = torch.empty(self.buffer.total_numel, dtype=self.param_dtype, device=self._device)
-                self.unsharded = [
-                    nn.Parameter(view, requires_grad=sp.requires_grad)
-                    for sp, view in zip(self.sharded, self.buffer.full_views(self.gathered.data))
-                ]
+                for sp, view in zip(self.params, self.buffer.full_views(self.gathered.data)):
+                    sp.init_unsharded(view)
+                self.unsharded = [sp.unsharded for sp in self.params]
         elif self.gathered.untyped_storage().nbytes() == 0:
             self.gathered.untyped_storage().resize_(self._gathered_nbytes)
 
     def rebind(self) -> None:
-        """Re-point sharded parameters whose local piece was replaced (``module.to_empty`` / ``.to``:
-        ``nn.Module._apply`` sets ``param.data``, which swaps the RaggedDTensor's local tensor): copy its
-        values into the segment and view the segment again. A dtype or device the bucket does not keep
-        raises (the module was converted after sharding)."""
-        if self._lazy:  # (``to_empty`` gave uninitialized memory: the zeros stand for it)
+        """Re-point sharded parameters whose local piece ``nn.Module._apply`` swapped (``module.to_empty``
+        / ``.to``; ``ShardedParam.rebind``), or materialize a lazy bucket (``to_empty`` gave uninitialized
+        memory: the zeros stand for it)."""
+        if self._lazy:
             self.materialize()
             return
-        views = None
-        for i, (sp, ptr) in enumerate(zip(self.sharded, self.expected_ptrs)):
-            new = sp._local_tensor
-            if new.data_ptr() == ptr and new.dtype == self.buffer.dtype == sp._spec.tensor_meta.dtype:
-                continue
-            views = views if views is not None else self.buffer.local_views()
-            view = views[i]
-            if new.dtype != view.dtype or (new.device != view.device and new.device.type != "meta"):
-                raise ValueError(
-                    f"fully_shard: parameter {self.entries[i].fqn!r} (shape {tuple(sp.shape)}) was converted to "
-                    f"{new.dtype} on {new.device} after sharding, but its bucket keeps {view.dtype} on {view.device} "
-                    "(module.to(dtype) / .double() / .to(device) after fully_shard). Convert or move the model before "
-                    "calling fully_shard, or compute in another dtype with "
-                    "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...))"
-                )
-            if new.numel() and new.device.type != "meta" and new.data_ptr() != view.data_ptr():
-                with torch.no_grad():
-                    view.copy_(new.reshape(-1))
-            sp._local_tensor = view
+        if all(sp.sharded._local_tensor.data_ptr() == sp.expected_ptr for sp in self.params):
+            if all(sp.sharded._spec.tensor_meta.dtype == self.buffer.dtype for sp in self.params):
+                return
+        for sp, view in zip(self.params, self.buffer.local_views()):
+            sp.rebind(view)
 
     # ---- gather / free ---------------------------------------------------------------------
     def unshard(self) -> None:
@@ -422,10 +397,7 @@ class _Bucket:
         """GATHERING -> UNSHARDED; the modules now show the unsharded parameters."""
         self._finish_gather()
         _invariant(self.where is BucketState.UNSHARDED, f"{self!r}: wait_unshard without unshard")
-        for sp, up in zip(self.sharded, self.unsharded):
-            if up.requires_grad != sp.requires_grad:  # frozen or unfrozen since the last gather
-                up.requires_grad_(sp.requires_grad)
-        self._set_params(self.unsharded)
+        self._show_unsharded()
 
     def reshard(self) -> None:
         """GATHERING / UNSHARDED -> SHARDED: free the gathered buffer; the modules show the sharded
@@ -433,7 +405,7 @@ class _Bucket:
         self._finish_gather()
         if self.where is BucketState.RELEASED:
             return
-        self._set_params(self.sharded)
+        self._show_sharded()
         self.explicit_unshard = False
         if self.where is BucketState.UNSHARDED:
             self._free_gathered()
@@ -464,7 +436,7 @@ class _Bucket:
         if self.reshard_after_forward:
             self.reshard()
         else:
-            self._set_params(self.sharded)  # the module shows its sharded parameters between passes
+            self._show_sharded()  # the module shows its sharded parameters between passes
 
     # ---- backward ---------------------------------------------------------------------------
     def pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:

@@ -246,7 +246,8 @@ class ShardedModule:
         if bucket is None:
             return
         if not unshard_in_backward:
-            for e, sp in zip(bucket.entries, bucket.sharded):
+            for e in bucket.params:
+                sp = e.sharded
                 for owner, _ in e.owners:
                     if not _reads_no_weight_in_backward(owner):
                         raise ValueError(

@@ -11,7 +11,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_grad, train_steps
 from fsdp_optim.optimizers import AdamW, adamw_update
-from fsdp_optim.sharding import RaggedLayout, elements, local_tensor
+from fsdp_optim.sharding.plan import RaggedLayout
+from fsdp_optim.sharding import elements
+from fsdp_optim.sharding.contract import local_tensor
 
 # Shapes that divide nothing (and a few degenerate ones): 1-D, 2-D, 3-D, one element.
 SHAPES = [(37, 19), (5,), (1,), (3, 7, 5), (2, 1)]

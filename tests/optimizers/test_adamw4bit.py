@@ -21,8 +21,10 @@ from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_gra
 from fsdp_optim._testing import random_block_layout as _random_layout
 from fsdp_optim.optimizers import AdamW4bit, AdamW8bit
 from fsdp_optim.optimizers._quantized_adamw import FORMAT_4BIT, dequantize_blockwise, quantize_blockwise
-from fsdp_optim.sharding import RaggedLayout, elements, local_tensor
-from fsdp_optim.sharding import local_shard as shard_info
+from fsdp_optim.sharding.plan import RaggedLayout
+from fsdp_optim.sharding import elements
+from fsdp_optim.sharding.contract import local_tensor
+from fsdp_optim.sharding.contract import local_shard as shard_info
 from tests.optimizers.test_adamw8bit import dynamo_disabled, torchao_amsgrad  # (TORCHDYNAMO_DISABLE=1 for torchao's step)
 
 warnings.filterwarnings("ignore", message=".*KernelPreference.*")

@@ -20,7 +20,9 @@ from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_gra
 from fsdp_optim._testing import random_block_layout as _random_layout
 from fsdp_optim.optimizers import AdamW8bit, adamw8bit_rule
 from fsdp_optim.optimizers._adamw8bit import dequantize_blockwise, quantize_blockwise
-from fsdp_optim.sharding import RaggedDTensor, RaggedLayout, elements, local_tensor
+from fsdp_optim.sharding import RaggedDTensor, elements
+from fsdp_optim.sharding.plan import RaggedLayout
+from fsdp_optim.sharding.contract import local_tensor
 
 warnings.filterwarnings("ignore", message=".*KernelPreference.*")
 torchao_optim = pytest.importorskip("torchao.optim")
@@ -673,7 +675,7 @@ def test_runs_under_fully_shard_equal_per_tensor_and_torchao(world_size):
     covered above). Test idea from the q8seg branch."""
     from fsdp_optim import fully_shard
     from fsdp_optim.optimizers._quantized_adamw import _adjacent
-    from fsdp_optim.sharding import local_shard as shard_info
+    from fsdp_optim.sharding.contract import local_shard as shard_info
 
     def model():
         torch.manual_seed(0)

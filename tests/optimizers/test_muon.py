@@ -21,7 +21,9 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed, sharded_grad
 from fsdp_optim.optimizers import Muon
 from fsdp_optim.optimizers._muon import DEFAULT_NS_COEFFICIENTS, assign_owners, newton_schulz
-from fsdp_optim.sharding import RaggedLayout, elements, expert, local_tensor, whole
+from fsdp_optim.sharding.plan import RaggedLayout
+from fsdp_optim.sharding import elements, expert, whole
+from fsdp_optim.sharding.contract import local_tensor
 
 STEPS = 3
 
@@ -624,7 +626,7 @@ def test_fully_shard_with_muon_blocks_equals_torch_muon(world_size):
             for o in (opt, muon, adamw):
                 o.step()
                 o.zero_grad()
-        from fsdp_optim.sharding import local_shard as shard_info
+        from fsdp_optim.sharding.contract import local_shard as shard_info
 
         return [(n, torch.equal(local_tensor(p).detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank)))
                 for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())]  # fmt: skip
@@ -779,7 +781,7 @@ def test_fully_shard_with_explicit_embedding_and_head_equals_torch(world_size):
             opt = Muon(model.parameters(), lr=0.02, blocks=rule)
         assert [g["use_muon"] for g in opt.param_groups] == [True, False]
         _train_out_head(model, opt)
-        from fsdp_optim.sharding import local_shard as shard_info
+        from fsdp_optim.sharding.contract import local_shard as shard_info
 
         return {n: (local_tensor(p).clone(), shard_info(p).layout) for n, p in model.named_parameters()}
 

@@ -23,7 +23,9 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 from fsdp_optim._testing import make_sharded_param, random_block_layout, run_distributed, sharded_grad
 from fsdp_optim.optimizers import Muon, NorMuon
 from fsdp_optim.optimizers._orthogonalize import DEFAULT_NS_COEFFICIENTS
-from fsdp_optim.sharding import RaggedLayout, expert, local_tensor, whole
+from fsdp_optim.sharding.plan import RaggedLayout
+from fsdp_optim.sharding import expert, whole
+from fsdp_optim.sharding.contract import local_tensor
 from tests.optimizers.test_muon import (
     ADAMW_KW, MATRICES, SHAPES, STEPS, _grads, _init, _one_thread, _specs, _split_case, assert_bitwise, reference,
 )  # fmt: skip

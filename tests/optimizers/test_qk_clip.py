@@ -29,7 +29,9 @@ from fsdp_optim.optimizers import (
     record_max_logits,
     recorded_max_logits,
 )
-from fsdp_optim.sharding import RaggedLayout, elements, local_shard, local_tensor
+from fsdp_optim.sharding.plan import RaggedLayout
+from fsdp_optim.sharding import elements
+from fsdp_optim.sharding.contract import local_shard, local_tensor
 
 VOCAB, DIM, SEQ = 13, 16, 6
 

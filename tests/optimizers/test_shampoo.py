@@ -17,7 +17,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed, seeded_tensors, sharded_grad
 from fsdp_optim.optimizers import Shampoo
 from fsdp_optim.optimizers._shampoo import matrix_inverse_root, shampoo_blocks
-from fsdp_optim.sharding import RaggedLayout, elements, expert, local_tensor, rows
+from fsdp_optim.sharding.plan import RaggedLayout
+from fsdp_optim.sharding import elements, expert, rows
+from fsdp_optim.sharding.contract import local_tensor
 from tests.optimizers.test_linalg import _at, last_param_after
 
 K = 4  # max_preconditioner_dim: small, so that shapes below have partial strips and column blocks
@@ -626,7 +628,7 @@ def test_fully_shard_with_shampoo_rule_equals_single_process(world_size):
                 m(x).square().sum().backward()
                 o.step()
                 o.zero_grad()
-        from fsdp_optim.sharding import local_shard as shard_info
+        from fsdp_optim.sharding.contract import local_shard as shard_info
 
         return [(n, torch.equal(local_tensor(p).detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank)))
                 for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())]  # fmt: skip

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_grad
 from fsdp_optim.optimizers import Shampoo
 from fsdp_optim.optimizers._shampoo import shampoo_blocks
-from fsdp_optim.sharding import RaggedLayout, local_tensor
+from fsdp_optim.sharding.plan import RaggedLayout
+from fsdp_optim.sharding.contract import local_tensor
 from tests.optimizers.test_shampoo import K, OPT, SHAPES, _grads, _init, _spec, run_layouts
 
 STEPS = 5
@@ -122,7 +123,7 @@ def test_fully_shard_plan_splits_strips_and_checkpoint_reshards_w2_to_w4_and_w1(
     uninterrupted single-process run. (W=4, not 3: fully_shard averages the ranks' equal gradients,
     and ``(g + g + g) / 3`` is not always ``g``.)"""
     import fsdp_optim
-    from fsdp_optim.sharding import local_shard as shard_info
+    from fsdp_optim.sharding.contract import local_shard as shard_info
 
     def uninterrupted():  # in a rank too: the ranks' thread settings decide the gradients' bits
         ref = _model()

@@ -18,7 +18,9 @@ from fsdp_optim.optimizers import SOAP
 from fsdp_optim.optimizers._preconditioner import outer as _outer
 from fsdp_optim.optimizers._soap import _rotate, reference_merge_dims
 from fsdp_optim.optimizers._shampoo import shampoo_blocks
-from fsdp_optim.sharding import RaggedLayout, elements, local_tensor, whole
+from fsdp_optim.sharding.plan import RaggedLayout
+from fsdp_optim.sharding import elements, whole
+from fsdp_optim.sharding.contract import local_tensor
 from tests.optimizers.test_linalg import last_param_after
 from tests.optimizers.test_shampoo import _split64, assert_step_refused_changing_nothing
 

@@ -21,8 +21,10 @@ from torch.distributed.tensor.debug import CommDebugMode
 import fsdp_optim
 from fsdp_optim._testing import make_sharded_param, run_distributed, sharded_grad, train_steps
 from fsdp_optim.optimizers import WholeTensorOptimizer
-from fsdp_optim.sharding import PlanConfig, RaggedLayout, elements, local_tensor, whole
-from fsdp_optim.sharding import local_shard as shard_info
+from fsdp_optim.sharding import PlanConfig, elements, whole
+from fsdp_optim.sharding.plan import RaggedLayout
+from fsdp_optim.sharding.contract import local_tensor
+from fsdp_optim.sharding.contract import local_shard as shard_info
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from fsdp_optim.sharding import BlockKind, elements, expert, heads, rows, whole
+from fsdp_optim.sharding.contract import BlockKind
+from fsdp_optim.sharding import elements, expert, heads, rows, whole
 
 SHAPES = [(7,), (5, 3), (4, 6), (1, 9), (3, 2, 5), (2, 3, 4)]
 

@@ -19,22 +19,9 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
 from fsdp_optim._testing import run_distributed
-from fsdp_optim.sharding import (
-    BlockSpec,
-    BucketPlan,
-    CollectiveHandle,
-    DistributedBuffer,
-    Layout,
-    Placement,
-    PlanConfig,
-    RaggedLayout,
-    TensorSpec,
-    elements,
-    expert,
-    plan_model,
-    rows,
-    whole,
-)
+from fsdp_optim.sharding import BlockSpec, PlanConfig, elements, expert, rows, whole
+from fsdp_optim.sharding.plan import BucketPlan, Layout, Placement, RaggedLayout, TensorSpec, plan_model
+from fsdp_optim.sharding._buffer import CollectiveHandle, DistributedBuffer
 
 WORLD_SIZES = [1, 2, 3, 4]
 

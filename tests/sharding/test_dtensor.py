@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fsdp_optim._testing import emulated_mesh, run_distributed
-from fsdp_optim.sharding import RaggedDTensor, RaggedLayout, RaggedShard, distribute_ragged, elements, whole
+from fsdp_optim.sharding import RaggedDTensor, RaggedShard, distribute_ragged, elements, whole
+from fsdp_optim.sharding.plan import RaggedLayout
 from fsdp_optim.sharding._dtensor import RaggedPiece
 
 SHAPE = (5, 7)

@@ -17,7 +17,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 import fsdp_optim
 from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import Muon
-from fsdp_optim.sharding import RaggedDTensor, expert_parallel, expert_parallel_groups, local_shard
+from fsdp_optim.sharding import RaggedDTensor, expert_parallel, expert_parallel_groups
+from fsdp_optim.sharding.contract import local_shard
 from fsdp_optim.sharding._fully_shard import _STATE
 from tests._models import SwiGLUExperts
 

@@ -26,10 +26,10 @@ import fsdp_optim
 from fsdp_optim import Float8AllGather, MixedPrecisionPolicy
 from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import AdamW, AdamW8bit, Muon, Shampoo, adamw8bit_rule, adamw_rule, muon_rule, shampoo_rule
-from fsdp_optim.sharding import (
-    DistributedBuffer, PlanConfig, TensorSpec, dequantize_blockwise, elements, plan_model, quantize_blockwise, rows,
-    whole,
-)
+from fsdp_optim.sharding._buffer import DistributedBuffer
+from fsdp_optim.sharding import PlanConfig, elements, rows, whole
+from fsdp_optim.sharding.plan import TensorSpec, plan_model
+from fsdp_optim.sharding._float8 import dequantize_blockwise, quantize_blockwise
 from fsdp_optim.sharding._fully_shard import _STATE
 from tests._models import TinyConfig, TinyTransformer, make_batch
 

@@ -36,7 +36,8 @@ from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import adamw_rule, muon_rule, shampoo_rule
 from torch.distributed.tensor import DTensor
 
-from fsdp_optim.sharding import PlanConfig, RaggedDTensor, RaggedShard, elements, local_shard, whole
+from fsdp_optim.sharding import PlanConfig, RaggedDTensor, RaggedShard, elements, whole
+from fsdp_optim.sharding.contract import local_shard
 from fsdp_optim.sharding._fully_shard import _STATE
 from tests._models import TinyConfig, TinyTransformer, make_batch
 

@@ -42,7 +42,8 @@ from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import Muon, adamw_rule, muon_rule
 from torch.distributed.tensor import Replicate
 
-from fsdp_optim.sharding import PlanConfig, RaggedShard, local_shard, local_tensor
+from fsdp_optim.sharding import PlanConfig, RaggedShard
+from fsdp_optim.sharding.contract import local_shard, local_tensor
 from fsdp_optim.sharding._fully_shard import _STATE
 from tests._models import assert_close_after_adamw
 from tests.sharding.checkpoint.test_checkpoint import assert_same

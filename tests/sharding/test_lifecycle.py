@@ -22,8 +22,8 @@ from torch import nn
 import fsdp_optim
 from fsdp_optim._testing import DistributedTestError, run_distributed
 from fsdp_optim.optimizers import AdamW
-from fsdp_optim.sharding import local_shard as shard_info
-from fsdp_optim.sharding import local_tensor
+from fsdp_optim.sharding.contract import local_shard as shard_info
+from fsdp_optim.sharding.contract import local_tensor
 from tests._models import TinyConfig, TinyTransformer, assert_close_after_adamw, make_batch
 
 CFG = TinyConfig(vocab_size=101, dim=24, num_heads=2, num_layers=2, mlp_dim=40)

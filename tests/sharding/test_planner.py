@@ -15,17 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsdp_optim.sharding import (
-    Layout,
-    PlanConfig,
-    TensorSpec,
-    elements,
-    expert,
-    plan_model,
-    rows,
-    tensor_cost,
-    whole,
-)
+from fsdp_optim.sharding.plan import Layout, TensorSpec, plan_model, tensor_cost
+from fsdp_optim.sharding import PlanConfig, elements, expert, rows, whole
 from fsdp_optim.sharding.plan import _even, _planner, _stream
 
 

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsdp_optim.sharding import PlanConfig, TensorSpec, elements, plan_model, rows, whole
+from fsdp_optim.sharding import PlanConfig, elements, rows, whole
+from fsdp_optim.sharding.plan import TensorSpec, plan_model
 from fsdp_optim.sharding.plan import _planner
 from fsdp_optim.sharding.plan._report import _counting_bound, _excluded, block_sizes, whole_block_bound
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from fsdp_optim._cli import optimizer_balance, optimizer_rule
-from fsdp_optim.sharding import Layout, PlanConfig, plan_model
+from fsdp_optim.sharding.plan import Layout, plan_model
+from fsdp_optim.sharding import PlanConfig
 from fsdp_optim.sharding.plan import PRESETS, preset_buckets, preset_names, preset_shapes
 
 from .test_planner import packing_budget

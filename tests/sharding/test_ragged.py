@@ -7,17 +7,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_optim._testing import run_distributed
-from fsdp_optim.sharding import (
-    RaggedLayout,
-    block_aligned_splits,
-    chunk_bounds,
-    elements,
-    expert,
-    RaggedShard,
-    distribute_ragged,
-    rows,
-    whole,
-)
+from fsdp_optim.sharding.plan import RaggedLayout, block_aligned_splits, chunk_bounds
+from fsdp_optim.sharding import elements, expert, RaggedShard, distribute_ragged, rows, whole
 
 CASES = [
     ((7,), elements(1)),

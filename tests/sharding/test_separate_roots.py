@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_optim
-from fsdp_optim.sharding import local_shard
+from fsdp_optim.sharding.contract import local_shard
 from fsdp_optim._testing import run_distributed
 from tests._models import full
 

@@ -187,7 +187,7 @@ def test_a_materialized_lazy_bucket_is_not_copied_again_at_every_forward():
         fsdp_optim.fully_shard(model)
         fsdp_optim.init_weights(model)
         buckets = model._fsdp_optim_state.runtime.buckets
-        return all(b.expected_ptrs == [sp.to_local().data_ptr() for sp in b.sharded] for b in buckets)
+        return all([sp.expected_ptr for sp in b.params] == [p.to_local().data_ptr() for p in b.sharded] for b in buckets)
 
     assert run_distributed(fn, world_size=2) == [True, True]
 

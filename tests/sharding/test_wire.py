@@ -18,7 +18,9 @@ import torch.nn.functional as F
 
 import fsdp_optim
 from fsdp_optim._testing import run_distributed
-from fsdp_optim.sharding import BucketPlan, DistributedBuffer, Layout, Placement, RaggedLayout, elements
+from fsdp_optim.sharding.plan import BucketPlan, Layout, Placement, RaggedLayout
+from fsdp_optim.sharding._buffer import DistributedBuffer
+from fsdp_optim.sharding import elements
 from fsdp_optim.sharding.plan import LinkModel, WireMode, choose_wire_mode, grouped_seconds, padded_seconds
 from tests._models import TinyConfig, TinyTransformer, assert_close_after_adamw, make_batch
 

@@ -119,7 +119,13 @@ def _bytes_of(obj: Any) -> int:
 def _prepare(path: str) -> None:
     """Rank 0: refuse a target a save may not replace, and create an empty ``<path>.tmp``."""
     tmp, old = path + ".tmp", path + ".old"
-    if os.path.islink(path):  # see [Note: saving onto a symlink]
+    # [Note: saving onto a symlink]
+    # A save renames ``<path>.tmp`` onto ``path``. With ``path`` a link, that would replace the link
+    # (the checkpoint it pointed to left behind, the link gone) or, followed, write through it into
+    # a folder the user named by another path; an earlier version crashed in ``rmtree`` on it and lost
+    # later saves. Neither is what "save to path" means, so the save is refused before anything is
+    # written, on every rank, with the two ways out.
+    if os.path.islink(path):
         raise ValueError(
             f"save_checkpoint: {path} is a symbolic link (to {os.readlink(path)}); a save replaces the "
             "directory at the path, so it would replace the link, not the checkpoint it points to. Save to "

@@ -24,7 +24,9 @@ from torch import nn
 
 import fsdp_optim
 from fsdp_optim._testing import DistributedTestError, make_sharded_param, run_distributed, sharded_grad
-from fsdp_optim.sharding import RaggedDTensor, RaggedLayout, elements, local_tensor
+from fsdp_optim.sharding import RaggedDTensor, elements
+from fsdp_optim.sharding.plan import RaggedLayout
+from fsdp_optim.sharding.contract import local_tensor
 from fsdp_optim.sharding.checkpoint import (
     MANIFEST,
     load_checkpoint,
@@ -33,7 +35,7 @@ from fsdp_optim.sharding.checkpoint import (
     register_state_dict_hooks,
     save_checkpoint,
 )
-from fsdp_optim.sharding import local_shard as shard_info
+from fsdp_optim.sharding.contract import local_shard as shard_info
 from fsdp_optim.sharding.plan import flat_range_boxes
 
 PAIRS = [(2, 4), (4, 2), (4, 3), (1, 3), (3, 1)]

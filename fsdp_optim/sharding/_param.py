@@ -1,0 +1,118 @@
+"""``ShardedParam``: one sharded parameter's owner (FSDP2's ``FSDPParam``).
+
+A bucket (``_bucket.py``) owns one ``ShardedParam`` per parameter it manages. Everything that is about
+one parameter lives here: its name and the module attributes that register it, the sharded parameter
+(a ``RaggedDTensor`` viewing the bucket's segment, the one object users and optimizers hold), the
+unsharded parameter shown while the bucket is gathered (a view of the gathered buffer), which of the
+two the modules show, its gradient as a view of the gradient segment, and re-pointing it after a root
+re-laid it out or ``nn.Module._apply`` swapped its local piece. The bucket does what concerns all of
+its parameters at once (the flat buffers and their collectives).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+from ._dtensor import RaggedDTensor
+from ._replaced import mark_replaced, rename_replaced
+
+__all__ = ["ShardedParam"]
+
+
+@dataclass(eq=False, kw_only=True)
+class ShardedParam:
+    """One managed parameter of a bucket (see the module docstring)."""
+
+    fqn: str
+    """The first name from the root (tied parameters: their first name)."""
+    owners: list[tuple[nn.Module, str]]
+    """Every ``(module, attribute)`` registering it."""
+    index: int
+    """Its position in the bucket's plan."""
+    sharded: nn.Parameter
+    """The ``RaggedDTensor`` parameter; its local piece is ``view`` (a slice of the bucket's segment)."""
+    unsharded: nn.Parameter | None = None
+    """While gathered: the global-shape view of the gathered buffer the modules compute with."""
+    expected_ptr: int = field(default=0)
+    """Where the local piece starts in memory (a moved piece is copied back: ``rebind``)."""
+
+    @classmethod
+    def shard(cls, *, fqn: str, owners, index: int, param: torch.Tensor, full: torch.Tensor | None,
+              view: torch.Tensor, spec: DTensorSpec, start: int, end: int, requires_grad: bool) -> ShardedParam:  # fmt: skip
+        """A new sharded parameter viewing ``view`` (this rank's ``[start, end)`` of ``full``, copied
+        in when given); the original ``param`` is marked replaced."""
+        if full is not None:
+            with torch.no_grad():
+                view.copy_(full.detach().reshape(-1)[start:end])
+        sp = nn.Parameter(RaggedDTensor._from_local_and_spec(view, spec), requires_grad=requires_grad)
+        sp._local_tensor = view  # (Parameter() took a detached alias: keep the segment view itself)
+        sp._fqn = fqn
+        mark_replaced(param, fqn, replacement=sp)
+        return cls(fqn=fqn, owners=owners, index=index, sharded=sp, expected_ptr=view.data_ptr())
+
+    @classmethod
+    def adopted(cls, *, fqn: str, owners, index: int, param: RaggedDTensor) -> ShardedParam:
+        """An earlier root's sharded parameter, kept as the same object: ``adopt`` re-lays it out once its
+        piece moved into this bucket."""
+        return cls(fqn=fqn, owners=owners, index=index, sharded=param, expected_ptr=param._local_tensor.data_ptr())
+
+    # ---- which one the modules show ---------------------------------------------------------------
+    def to_sharded(self) -> None:
+        for m, name in self.owners:
+            m._parameters[name] = self.sharded
+
+    def to_unsharded(self) -> None:
+        if self.unsharded.requires_grad != self.sharded.requires_grad:  # frozen or unfrozen since the last gather
+            self.unsharded.requires_grad_(self.sharded.requires_grad)
+        for m, name in self.owners:
+            m._parameters[name] = self.unsharded
+
+    def init_unsharded(self, view: torch.Tensor) -> None:
+        """The unsharded parameter: a view of the gathered buffer (made once; the buffer's storage is
+        freed and re-allocated in place, so the view stays valid)."""
+        self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
+
+    # ---- where its piece lives --------------------------------------------------------------------
+    def adopt(self, view: torch.Tensor, spec: DTensorSpec) -> None:
+        """View this bucket's segment with this plan's layout (the same object; its old gradient dropped)."""
+        sp = self.sharded
+        sp.grad = None
+        sp._local_tensor = view
+        sp._spec = spec
+        sp._fqn = self.fqn
+        rename_replaced(sp, self.fqn)
+        self.expected_ptr = view.data_ptr()
+
+    def rebind(self, view: torch.Tensor) -> None:
+        """After ``nn.Module._apply`` (``model.to``, ``to_empty``) swapped the local piece: copy its values
+        into the segment ``view`` and view it again. A dtype or device the bucket does not keep raises
+        (the module was converted after sharding)."""
+        sp = self.sharded
+        new = sp._local_tensor
+        if new.data_ptr() == self.expected_ptr and new.dtype == view.dtype == sp._spec.tensor_meta.dtype:
+            return
+        if new.dtype != view.dtype or (new.device != view.device and new.device.type != "meta"):
+            raise ValueError(
+                f"fully_shard: parameter {self.fqn!r} (shape {tuple(sp.shape)}) was converted to {new.dtype} on "
+                f"{new.device} after sharding, but its bucket keeps {view.dtype} on {view.device} "
+                "(module.to(dtype) / .double() / .to(device) after fully_shard). Convert or move the model before "
+                "calling fully_shard, or compute in another dtype with "
+                "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...))"
+            )
+        if new.numel() and new.device.type != "meta" and new.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(new.reshape(-1))
+        sp._local_tensor = view
+
+    def grad_view(self, view: torch.Tensor) -> RaggedDTensor:
+        """Its gradient: ``view`` (of the gradient segment) with the parameter's layout."""
+        spec = self.sharded._spec
+        if spec.tensor_meta.dtype != view.dtype:  # (the segment has the parameter's dtype)
+            raise AssertionError(
+                f"fully_shard internal error: gradient segment {view.dtype} for {self.fqn} ({spec.tensor_meta.dtype})"
+            )
+        return RaggedDTensor._from_local_and_spec(view, spec)
