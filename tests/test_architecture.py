@@ -120,6 +120,7 @@ def test_each_audience_has_its_face():
     shared = {"BlockRule", "BlockSpec", "elements", "expert", "heads", "rows", "whole"}
     assert set(users.__all__) & set(contract.__all__) <= shared | {"RaggedDTensor", "is_ragged"}
     assert len(users.__all__) <= 30 and len(contract.__all__) <= 20, "a face grew: is every name for its audience?"
+    assert "plan_model" in plan.__all__ and "plan_model" not in users.__all__ and "fully_shard" not in plan.__all__
     for name, home in users._MOVED.items():  # pre-0.2.0 names still resolve, with a warning naming the new home
         with pytest.warns(DeprecationWarning, match=home.replace(".", r"\.")):
             obj = getattr(users, name)

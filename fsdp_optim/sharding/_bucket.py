@@ -705,7 +705,7 @@ class _Bucket:
         self.num_pending_calls = 0
         self.awaiting_backward = set()
 
-    def end_of_backward(self) -> None:
+    def backward_finished(self) -> None:
         """The end-of-backward callback, after every reduction was waited for: -> SHARDED / IDLE."""
         self.reshard()
         _invariant(self.where is BucketState.SHARDED, f"{self!r} at the end of backward")

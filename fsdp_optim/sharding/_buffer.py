@@ -107,7 +107,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ._dist import device_of_backend
+from ._dist import backend_device
 from .plan import BucketPlan
 from .plan import WireMode
 
@@ -206,7 +206,7 @@ class DistributedBuffer:
                 f"plan with world_size={group_size} or call torch.distributed.init_process_group first"
             )
         if device is None:
-            device = device_of_backend(self.backend)
+            device = backend_device(self.backend)
         self.device = torch.device(device)
         self.dtype = dtype
         self.sizes: list[int] = plan.segment_sizes

@@ -97,7 +97,7 @@ class CommContext:
     world_size: int
     device: torch.device
     streams: Streams
-    end_of_backward: Callable[[], None] | None = None
+    backward_finished: Callable[[], None] | None = None
     """The root's end-of-backward callback (queued on the autograd engine once per backward; set by
     the runtime that owns this context)."""
     state: TrainingState = TrainingState.IDLE
@@ -138,10 +138,10 @@ class CommContext:
 
     def queue_final_callback(self) -> None:
         if not self.callback_queued:
-            if self.end_of_backward is None:
+            if self.backward_finished is None:
                 raise AssertionError("fully_shard internal error: a context without its runtime's callback")
             self.callback_queued = True
-            Variable._execution_engine.queue_callback(self.end_of_backward)
+            Variable._execution_engine.queue_callback(self.backward_finished)
 
     # ---- collectives -------------------------------------------------------------------------
     def check_collective(self, bucket_name: str, op: str) -> None:

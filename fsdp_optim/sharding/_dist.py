@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree_on_error", "device_of_backend", "is_distributed", "rank_and_world_size", "same_group"]
+__all__ = ["agree_on_error", "backend_device", "is_distributed", "rank_and_world_size", "same_group"]
 
 # [Note: agreeing on errors]
 # A user error found on one rank must raise on every rank, or the others wait forever in the next
@@ -66,7 +66,7 @@ def same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool
     return (a if a is not None else world) is (b if b is not None else world)
 
 
-def device_of_backend(group_or_backend: dist.ProcessGroup | str | None) -> torch.device:
+def backend_device(group_or_backend: dist.ProcessGroup | str | None) -> torch.device:
     """The device a backend's collectives run on: this process's current CUDA device for NCCL, else CPU."""
     backend = group_or_backend
     if isinstance(group_or_backend, dist.ProcessGroup):

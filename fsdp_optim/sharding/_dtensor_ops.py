@@ -193,8 +193,7 @@ def _elementwise(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _copy(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
-    dst, src = args[0], args[1]
-    if not isinstance(dst, cls):
+    if not isinstance(args[0], cls):
         raise unsupported(func, "copying a RaggedDTensor into a plain tensor; copy from .full_tensor() or .to_local()")
     return _elementwise(cls, func, args, kwargs)
 

@@ -11,20 +11,22 @@ Each module passed to ``fully_shard`` is one *bucket*: one flat buffer, one all-
 reduce-scatter. A list of modules is one bucket for all of them (``fully_shard([model.norm,
 model.output])``, as FSDP2 and torchtitan: gathered before the first of them runs, freed or kept
 after the last; [Note: module groups] in ``_runtime.py``). The root's bucket holds the parameters no
-inner bucket holds (embeddings, final norm, head). After sharding, each managed parameter is an
-``nn.Parameter`` holding this rank's flat 1-D piece of the global tensor, a view into the bucket's
-segment, with a ``ShardInfo`` (``shard_info(p)``); after backward its ``.grad`` is the matching view
-into the gradient segment.
+inner bucket holds (embeddings, final norm, head). After sharding, each managed parameter is a
+``RaggedDTensor`` parameter of the global shape (docs/dtensor.md) whose local piece is this rank's
+flat range, a view into the bucket's segment; after backward its ``.grad`` is the matching
+``RaggedDTensor`` over the gradient segment. Each has one owner, a ``ShardedParam`` (``_param.py``).
 
 [Note: which call is the root]
 Balance is global, so the planner must see every bucket of a model at once. Every call shards
 what it is given right away, and a call on a module that contains modules sharded by earlier calls
-*absorbs* them: everything under the new call is planned again, at once, with ``plan_model``, into
-new ``nn.Parameter`` objects, and the absorbed parameters' pieces move shard to shard into them (one
-``all_to_all_single`` per bucket; never the whole model on a rank: [Note: absorbing without the full
-model]). Build the optimizer after the outermost call: one built earlier holds the replaced
-parameters, which would train nothing, so its first step raises (a guard through torch's global
-optimizer hooks; ours check at construction). The outermost call is
+*absorbs* them: everything under the new call is planned again, at once, with ``plan_model``, and
+the absorbed parameters' pieces move shard to shard into the new buckets (one ``all_to_all_single``
+per bucket; never the whole model on a rank: [Note: absorbing without the full model]); the sharded
+parameter objects stay the same, re-laid out in place. Build the optimizer after the outermost call:
+one built on the original parameters (before the first call) would train nothing, so its first step
+raises (a guard through torch's global optimizer hooks), and fsdp_optim's optimizers, which plan
+their state from the layout, raise if a parameter was re-laid out after they were built. The
+outermost call is
 therefore the root: in the usage above ``layers.0`` is provisionally a root until
 ``fully_shard(model)`` absorbs every layer. Calls on two disjoint modules make two independent
 roots (e.g. a student and a teacher model). Inner calls' settings (``blocks``, ``mp_policy``,

@@ -304,7 +304,7 @@ class _Runtime:
         self.device = root.device
         self.ctx = ctx  # shared with the buckets: iteration state, streams, reductions in flight
         self.group_states: list[_ModuleState] = []  # calls on module groups ([Note: module groups])
-        ctx.end_of_backward = self.final_callback
+        ctx.backward_finished = self.final_callback
         self._arrival_work: tuple[Any, torch.Tensor] | None = None
         _LIVE_RUNTIMES.add(self)
         _install_optimizer_hooks()
@@ -368,7 +368,7 @@ class _Runtime:
         self.ctx.finish_reduces()
         self.settle_unarrived()
         for b in self.buckets:
-            b.end_of_backward()
+            b.backward_finished()
         self.ctx.generation += 1  # calls registered by graphs that backward did not reach no longer count
         self.ctx.callback_queued = False
         self.ctx.state = TrainingState.IDLE

@@ -45,7 +45,7 @@ from torch.distributed.tensor import Replicate
 
 from ._bucket import BucketConfig, _Bucket
 from ._context import CommContext, Streams
-from ._dist import agree_on_error, device_of_backend, same_group
+from ._dist import agree_on_error, backend_device, same_group
 from ._expert_parallel import expert_shard
 from ._mixed_precision import MixedPrecisionPolicy
 from ._runtime import _STATE, _ModuleState, _Runtime
@@ -96,7 +96,7 @@ def _resolve_mesh(mesh: Any) -> ResolvedMesh:
         raise _no_process_group_error()
     if mesh is None or isinstance(mesh, dist.ProcessGroup):
         group = dist.group.WORLD if mesh is None else mesh
-        device = device_of_backend(group)
+        device = backend_device(group)
         device_mesh = DeviceMesh.from_group(group, device.type)
         return ResolvedMesh(group, dist.get_rank(group), dist.get_world_size(group), device, None, 1, device_mesh, 0)
     if isinstance(mesh, DeviceMesh):

@@ -24,7 +24,7 @@ from fsdp_optim.optimizers._quantized_adamw import FORMAT_4BIT, dequantize_block
 from fsdp_optim.sharding.plan import RaggedLayout
 from fsdp_optim.sharding import elements
 from fsdp_optim.sharding.contract import local_tensor
-from fsdp_optim.sharding.contract import local_shard as shard_info
+from fsdp_optim.sharding.contract import local_shard
 from tests.optimizers.test_adamw8bit import dynamo_disabled, torchao_amsgrad  # (TORCHDYNAMO_DISABLE=1 for torchao's step)
 
 warnings.filterwarnings("ignore", message=".*KernelPreference.*")
@@ -278,7 +278,7 @@ def test_checkpoint_reshards_2_to_3_bitwise(tmp_path, shapes, layout):
         out = {}
         for name, p in model.named_parameters():
             every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, (shard_info(p).start, local_tensor(p).clone()))
+            dist.all_gather_object(every, (local_shard(p).start, local_tensor(p).clone()))
             out[name] = torch.cat([t for _, t in sorted(every, key=lambda x: x[0])])
         return out
 

@@ -675,7 +675,7 @@ def test_runs_under_fully_shard_equal_per_tensor_and_torchao(world_size):
     covered above). Test idea from the q8seg branch."""
     from fsdp_optim import fully_shard
     from fsdp_optim.optimizers._quantized_adamw import _adjacent
-    from fsdp_optim.sharding.contract import local_shard as shard_info
+    from fsdp_optim.sharding.contract import local_shard
 
     def model():
         torch.manual_seed(0)
@@ -706,7 +706,7 @@ def test_runs_under_fully_shard_equal_per_tensor_and_torchao(world_size):
         ps = {k: list(m.parameters()) for k, m in models.items()}
         same = all(torch.equal(local_tensor(a), local_tensor(b)) for a, b in zip(ps["runs"], ps["per_tensor"]))
         same_torchao = [
-            torch.equal(local_tensor(p).detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank))
+            torch.equal(local_tensor(p).detach(), local_shard(p).layout.shard(q.detach(), local_shard(p).rank))
             for p, q in zip(ps["runs"], ps["torchao"])
         ]
         return same, same_torchao, [len(r) for r in opts["runs"]._runs], adjacent_grads

@@ -626,9 +626,9 @@ def test_fully_shard_with_muon_blocks_equals_torch_muon(world_size):
             for o in (opt, muon, adamw):
                 o.step()
                 o.zero_grad()
-        from fsdp_optim.sharding.contract import local_shard as shard_info
+        from fsdp_optim.sharding.contract import local_shard
 
-        return [(n, torch.equal(local_tensor(p).detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank)))
+        return [(n, torch.equal(local_tensor(p).detach(), local_shard(p).layout.shard(q.detach(), local_shard(p).rank)))
                 for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())]  # fmt: skip
 
     for per_rank in run_distributed(fn, world_size=world_size):
@@ -781,9 +781,9 @@ def test_fully_shard_with_explicit_embedding_and_head_equals_torch(world_size):
             opt = Muon(model.parameters(), lr=0.02, blocks=rule)
         assert [g["use_muon"] for g in opt.param_groups] == [True, False]
         _train_out_head(model, opt)
-        from fsdp_optim.sharding.contract import local_shard as shard_info
+        from fsdp_optim.sharding.contract import local_shard
 
-        return {n: (local_tensor(p).clone(), shard_info(p).layout) for n, p in model.named_parameters()}
+        return {n: (local_tensor(p).clone(), local_shard(p).layout) for n, p in model.named_parameters()}
 
     outs = run_distributed(fn, world_size=world_size)
     for n, want in ref.items():

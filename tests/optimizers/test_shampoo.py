@@ -628,9 +628,9 @@ def test_fully_shard_with_shampoo_rule_equals_single_process(world_size):
                 m(x).square().sum().backward()
                 o.step()
                 o.zero_grad()
-        from fsdp_optim.sharding.contract import local_shard as shard_info
+        from fsdp_optim.sharding.contract import local_shard
 
-        return [(n, torch.equal(local_tensor(p).detach(), shard_info(p).layout.shard(q.detach(), shard_info(p).rank)))
+        return [(n, torch.equal(local_tensor(p).detach(), local_shard(p).layout.shard(q.detach(), local_shard(p).rank)))
                 for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())]  # fmt: skip
 
     for per_rank in run_distributed(fn, world_size=world_size):

@@ -123,7 +123,7 @@ def test_fully_shard_plan_splits_strips_and_checkpoint_reshards_w2_to_w4_and_w1(
     uninterrupted single-process run. (W=4, not 3: fully_shard averages the ranks' equal gradients,
     and ``(g + g + g) / 3`` is not always ``g``.)"""
     import fsdp_optim
-    from fsdp_optim.sharding.contract import local_shard as shard_info
+    from fsdp_optim.sharding.contract import local_shard
 
     def uninterrupted():  # in a rank too: the ranks' thread settings decide the gradients' bits
         ref = _model()
@@ -137,7 +137,7 @@ def test_fully_shard_plan_splits_strips_and_checkpoint_reshards_w2_to_w4_and_w1(
         opt = Shampoo(model.parameters(), **MODEL_OPT)
         _train(model, opt, range(2))
         fsdp_optim.save_checkpoint(tmp_path / "ck", model=model, optimizer=opt)
-        return [n for n, p in model.named_parameters() if shard_info(p).split]
+        return [n for n, p in model.named_parameters() if local_shard(p).split]
 
     def load():
         model = _sharded()
@@ -146,8 +146,8 @@ def test_fully_shard_plan_splits_strips_and_checkpoint_reshards_w2_to_w4_and_w1(
             warnings.filterwarnings("ignore", "checkpoint saved at world size", UserWarning)  # RNG states
             fsdp_optim.load_checkpoint(tmp_path / "ck", model=model, optimizer=opt)
         _train(model, opt, range(2, 3))
-        split = [n for n, p in model.named_parameters() if shard_info(p).split]
-        return split, {n: (shard_info(p).start, local_tensor(p).clone()) for n, p in model.named_parameters()}
+        split = [n for n, p in model.named_parameters() if local_shard(p).split]
+        return split, {n: (local_shard(p).start, local_tensor(p).clone()) for n, p in model.named_parameters()}
 
     assert all(run_distributed(save, world_size=2))  # some parameter has split strips at W=2
     for world_size in (4, 1):

@@ -24,7 +24,7 @@ from fsdp_optim.optimizers import WholeTensorOptimizer
 from fsdp_optim.sharding import PlanConfig, elements, whole
 from fsdp_optim.sharding.plan import RaggedLayout
 from fsdp_optim.sharding.contract import local_tensor
-from fsdp_optim.sharding.contract import local_shard as shard_info
+from fsdp_optim.sharding.contract import local_shard
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 
@@ -144,7 +144,7 @@ def _gather_full(pieces: list[torch.Tensor], params: list[torch.Tensor]) -> list
     dist.all_gather_object(every, [t.detach().clone() for t in pieces])
     out = []
     for i, p in enumerate(params):
-        info = shard_info(p)
+        info = local_shard(p)
         out.append(torch.cat([e[i].reshape(-1) for e in every]).view(info.shape))
     return out
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 
 import pytest
 import torch

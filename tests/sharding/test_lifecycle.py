@@ -22,7 +22,7 @@ from torch import nn
 import fsdp_optim
 from fsdp_optim._testing import DistributedTestError, run_distributed
 from fsdp_optim.optimizers import AdamW
-from fsdp_optim.sharding.contract import local_shard as shard_info
+from fsdp_optim.sharding.contract import local_shard
 from fsdp_optim.sharding.contract import local_tensor
 from tests._models import TinyConfig, TinyTransformer, assert_close_after_adamw, make_batch
 
@@ -504,7 +504,7 @@ def test_a_gradient_released_by_setting_grad_to_none_is_never_written_again(worl
         m(torch.randn(3, 4, generator=gen)).pow(2).sum().backward()
         grads = {}
         for name, p in m.named_parameters():
-            info = shard_info(p)
+            info = local_shard(p)
             lo, hi = (info.start, info.end) if info is not None else (0, p.numel())
             grads[name] = (lo, hi, local_tensor(p.grad).reshape(-1).clone())
         return torch.equal(held, before), grads

@@ -14,7 +14,6 @@ Muon's whole-matrix rule; HSDP 2 x 2). Every check prints its figure (``pytest -
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -26,7 +25,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
-    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -35,7 +33,7 @@ from torch.distributed.tensor import DTensor
 import fsdp_optim
 from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import muon_rule
-from fsdp_optim.sharding import RaggedDTensor, default_rule
+from fsdp_optim.sharding import default_rule
 from tests._models import TinyConfig, TinyTransformer, make_batch
 
 CFG = TinyConfig(frozen=False)

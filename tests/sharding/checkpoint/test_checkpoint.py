@@ -35,7 +35,7 @@ from fsdp_optim.sharding.checkpoint import (
     register_state_dict_hooks,
     save_checkpoint,
 )
-from fsdp_optim.sharding.contract import local_shard as shard_info
+from fsdp_optim.sharding.contract import local_shard
 from fsdp_optim.sharding.plan import flat_range_boxes
 
 PAIRS = [(2, 4), (4, 2), (4, 3), (1, 3), (3, 1)]
@@ -140,7 +140,7 @@ def gather_pieces(pieces: dict[str, tuple[torch.Tensor, int, tuple[int, ...]]]) 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     pieces = {}
     for name, p in model.named_parameters():
-        info = shard_info(p)
+        info = local_shard(p)
         pieces[name] = (p, info.start, info.shape)
     return gather_pieces(pieces)
 
@@ -150,7 +150,7 @@ def full_optim_state(model: nn.Module, opt) -> dict[str, torch.Tensor | float]:
     pieces, out = {}, {}
     for name, p in model.named_parameters():
         shards = opt.state_shards(p) if hasattr(opt, "state_shards") else None
-        info = shard_info(p)
+        info = local_shard(p)
         for k, v in opt.state[p].items():
             if shards is not None and k in shards:
                 pieces[f"{name}.{k}"] = (v, shards[k].start, (shards[k].global_numel,))
@@ -799,7 +799,7 @@ def full_state(model, opt) -> tuple[dict, dict]:
     if isinstance(opt, AdamW8bit):
         pieces = {}
         for name, p in model.named_parameters():
-            info = shard_info(p)
+            info = local_shard(p)
             for k, v in opt.dequantized_state(p).items():
                 pieces[f"{name}.{k}.dequantized"] = (v, info.start, (info.numel,))
         state.update(gather_pieces(pieces))
