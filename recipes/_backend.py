@@ -4,7 +4,8 @@ or ``torch`` (PyTorch FSDP2, torch optimizers, DCP).
 Everything that differs between them is a method or a capability of a ``Backend``: the recipe looks its
 backend up once (``BACKENDS[pick_backend(cfg)]``) and never branches on the name. A capability the
 torch backend lacks (block-wise FP8 all-gather, expert parallelism, QK-clip, Hugging Face import and
-export, our optimizers) is refused at start-up by ``_checks.resolve_config``, naming the key and the fix.
+export, our optimizers, Muon's other orthogonalizations) is refused at start-up by
+``_checks.resolve_config``, naming the key and the fix.
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ import torch.distributed as dist
 
 from config import DEFAULT_LR, Config
 
-__all__ = ["BACKENDS", "Backend", "FP8_TILES", "OPTIMIZERS", "TORCH_PER_TENSOR", "build_optimizer", "pick_backend",
-           "shard_model"]
+__all__ = ["BACKENDS", "Backend", "FP8_TILES", "GRAM_DTYPES", "MUON_FAMILY", "OPTIMIZERS", "TORCH_PER_TENSOR",
+           "build_optimizer", "describe_optimizer", "pick_backend", "shard_model"]
 
 # optim.name -> the class in fsdp_optim.optimizers. "torch.<Name>": torch.optim.<Name> (a per-tensor
 # optimizer) stepped whole on the rank that owns each tensor, by WholeTensorOptimizer.
 TORCH_PER_TENSOR = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop",
                     "Rprop", "SGD")
 OPTIMIZERS = {
-    "adamw": "AdamW", "adamw4bit": "AdamW4bit", "adamw8bit": "AdamW8bit", "muon": "Muon", "shampoo": "Shampoo",
-    "soap": "SOAP", **{f"torch.{name}": "WholeTensorOptimizer" for name in TORCH_PER_TENSOR},
+    "adamw": "AdamW", "adamw4bit": "AdamW4bit", "adamw8bit": "AdamW8bit", "muon": "Muon", "normuon": "NorMuon",
+    "shampoo": "Shampoo", "soap": "SOAP", **{f"torch.{name}": "WholeTensorOptimizer" for name in TORCH_PER_TENSOR},
 }  # fmt: skip
 FP8_TILES = ("128x128", "1x128")  # train.fp8_all_gather / --fp8-allgather tiles (fsdp_optim.Float8AllGather)
+MUON_FAMILY = ("muon", "normuon")  # the optim.name values that take optim.orthogonalize / coefficients / gram_dtype
+GRAM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # optim.gram_dtype
 
 
 class Backend:
@@ -42,6 +45,8 @@ class Backend:
     expert_parallel: bool  # parallel.ep > 1
     qk_clip: bool  # optim.qk_clip_tau > 0 (it scales the sharded weights)
     hf_io: bool  # --export-hf / --init-from-hf
+    orthogonalize: tuple[str, ...]  # optim.orthogonalize values its Muon can run
+    coefficients: tuple[str, ...]  # optim.coefficients names its Muon can run ("list": a list of (a, b, c) too)
 
     def shard(self, model: torch.nn.Module, opt_name: str, param_dtype: torch.dtype, fp8_all_gather: str = "off",
               max_preconditioner_dim: int = 1024, ep: int = 1) -> None:
@@ -81,19 +86,24 @@ class FsdpOptimBackend(Backend):
     name = "fsdp_optim"
     optimizers = tuple(OPTIMIZERS)
     fp8_all_gather = expert_parallel = qk_clip = hf_io = True
+    orthogonalize = ("newton_schulz", "gram_newton_schulz")
+    coefficients = ("torch", "polar_express", "list")
 
     def shard(self, model, opt_name, param_dtype, fp8_all_gather="off", max_preconditioner_dim=1024, ep=1):
         """With the optimizer's block rule (Shampoo's follows ``optim.max_preconditioner_dim``).
         ``fp8_all_gather``: ``off`` or a tile (``128x128``, ``1x128``) for the block-wise FP8 all-gather.
         ``ep`` > 1 (MoE): first each layer's experts are split whole over groups of ``ep`` ranks
         (``expert_parallel``) and each rank's slice sharded over the ranks holding the same experts
-        (docs/expert-parallel.md); ``ep`` = 1 leaves them in their layer, sharded with it."""
+        (docs/expert-parallel.md); ``ep`` = 1 leaves them in their layer, sharded with it. NorMuon normalizes
+        whole matrices on their owner, so its plan never cuts one (``balance="whole"``, ragged buckets)."""
         import fsdp_optim
         from fsdp_optim import optimizers
+        from fsdp_optim.sharding import PlanConfig
 
         blocks = getattr(optimizers, OPTIMIZERS[opt_name]).blocks
         if opt_name == "shampoo":
             blocks = optimizers.Shampoo.rule(max_preconditioner_dim=max_preconditioner_dim)
+        plan = PlanConfig(layout="ragged", balance="whole") if opt_name == "normuon" else None
         mp = None
         if param_dtype != torch.float32:
             mp = fsdp_optim.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -105,10 +115,11 @@ class FsdpOptimBackend(Backend):
             for layer in model.layers:  # the experts' own fully_shard comes before their layer's
                 experts = layer.feed_forward.experts
                 expert_parallel(experts, group=groups.ep)
-                fsdp_optim.fully_shard(experts, mesh=groups.replicas, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8)
+                fsdp_optim.fully_shard(experts, mesh=groups.replicas, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8,
+                                       plan_config=plan)
         for layer in model.layers:
-            fsdp_optim.fully_shard(layer, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8)
-        fsdp_optim.fully_shard(model, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8)
+            fsdp_optim.fully_shard(layer, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8, plan_config=plan)
+        fsdp_optim.fully_shard(model, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8, plan_config=plan)
 
     def init_sharded(self, model, device):
         import fsdp_optim
@@ -135,13 +146,14 @@ class FsdpOptimBackend(Backend):
             kw = {k: v for k, v in (("betas", o.betas), ("eps", o.eps))
                   if k in takes and isinstance(v, type(takes[k].default))}
             return optimizers.WholeTensorOptimizer(groups, cls, lr=lr, **kw)
-        if o.name == "muon":  # matrices: Muon; embeddings, head, norms: its AdamW fallback (own lr)
+        if o.name in MUON_FAMILY:  # matrices: (Nor)Muon; embeddings, head, norms: its AdamW fallback (own lr)
             for g in groups:
                 g["adamw_weight_decay"] = g["weight_decay"]
-            return optimizers.Muon(
-                groups, lr=lr, momentum=o.momentum, adamw_lr=adamw_lr, adamw_betas=o.betas,
-                adamw_eps=o.eps,
-            )
+            kw = dict(lr=lr, momentum=o.momentum, adamw_lr=adamw_lr, adamw_betas=o.betas, adamw_eps=o.eps,
+                      orthogonalize=o.orthogonalize, coefficients=o.coefficients, gram_dtype=GRAM_DTYPES[o.gram_dtype])
+            if o.name == "normuon":
+                return optimizers.NorMuon(groups, beta2=o.normuon_beta2, norm_eps=o.normuon_eps, **kw)
+            return optimizers.Muon(groups, **kw)
         return optimizers.Shampoo(  # Adam grafting: DistributedShampoo's default is none (docs/shampoo.md)
             groups, lr=lr, betas=o.betas, grafting="adam", grafting_epsilon=o.eps, max_preconditioner_dim=o.max_preconditioner_dim,
             precondition_frequency=o.precondition_frequency,
@@ -172,6 +184,10 @@ class TorchBackend(Backend):
     name = "torch"
     optimizers = ("adamw", "adamw8bit")
     fp8_all_gather = expert_parallel = qk_clip = hf_io = False
+    # What torch.optim.Muon can do (its Newton–Schulz with one (a, b, c)), should Muon join ``optimizers``:
+    # it has no Muon today, so _checks refuses any other value here before it refuses optim.name.
+    orthogonalize = ("newton_schulz",)
+    coefficients = ("torch",)
 
     def shard(self, model, opt_name, param_dtype, fp8_all_gather="off", max_preconditioner_dim=1024, ep=1):
         if ep > 1:  # (resolve_config refuses it first; this guards direct callers)
@@ -243,6 +259,16 @@ def needs_our_optimizer(opt_name: str) -> str:
         f"optim.name = {opt_name!r} needs fsdp_optim.optimizers.{OPTIMIZERS[opt_name]} (train.backend = 'fsdp_optim'); "
         f"the torch backend (PyTorch FSDP2) runs {' and '.join(TorchBackend.optimizers)}"
     )
+
+
+def describe_optimizer(cfg: Config) -> str:
+    """``optim.name``, with the orthogonalization when it is not the default (the start line, the plot title)."""
+    o = cfg.optim
+    if o.name not in MUON_FAMILY or (o.orthogonalize, o.coefficients) == ("newton_schulz", "torch"):
+        return o.name
+    coefficients = o.coefficients if isinstance(o.coefficients, str) else f"{len(o.coefficients)} (a, b, c)"
+    gram = f" {o.gram_dtype}" if o.orthogonalize == "gram_newton_schulz" else ""
+    return f"{o.name} ({o.orthogonalize}{gram}, {coefficients} coefficients)"
 
 
 def pick_backend(cfg: Config) -> str:

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-from _backend import BACKENDS, FP8_TILES, OPTIMIZERS, needs_our_optimizer, pick_backend
+from _backend import BACKENDS, FP8_TILES, MUON_FAMILY, OPTIMIZERS, Backend, needs_our_optimizer, pick_backend
 from _checkpointing import check_resume_config, check_resume_data, check_unfinished, finished_run, latest_checkpoint
-from config import Config, check_ranges, load_config
+from config import Config, OptimConfig, check_ranges, load_config
 from data import Sampler, TokenWindows, build_tokenizer, load_tokens, val_batches
 from model import build_model, max_seq_len, max_seq_len_key, model_vocab
 
-__all__ = ["UsageError", "check_model", "check_parallel", "check_seq_len", "load_data", "parse_args", "preflight",
-           "resolve_config", "torchrun_command"]
+__all__ = ["UsageError", "check_model", "check_optim_options", "check_parallel", "check_seq_len", "load_data",
+           "parse_args", "preflight", "resolve_config", "torchrun_command"]
 
 
 class UsageError(ValueError):
@@ -118,6 +118,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
             f"train.fp8_all_gather={cfg.train.fp8_all_gather} (--fp8-allgather) needs the fsdp_optim backend, "
             f"but the backend is {backend.name}; set train.backend=fsdp_optim or drop --fp8-allgather"
         )
+    check_optim_options(cfg, backend)
     if cfg.optim.name not in backend.optimizers:
         raise ValueError(needs_our_optimizer(cfg.optim.name))
     check_parallel(cfg)
@@ -130,6 +131,39 @@ def resolve_config(args: argparse.Namespace) -> Config:
                 f"export to a subfolder, e.g. {Path(args.out) / 'hf'}"
             )
     return cfg
+
+
+def check_optim_options(cfg: Config, backend: Backend) -> None:
+    """The optimizer-specific keys: set away from their defaults only for an optimizer that takes them
+    (a setting that would do nothing is an error, not a silent no-op), and only to what ``backend`` runs."""
+    o, default = cfg.optim, OptimConfig()
+    takes = {"orthogonalize": MUON_FAMILY, "coefficients": MUON_FAMILY, "gram_dtype": MUON_FAMILY,
+             "normuon_beta2": ("normuon",), "normuon_eps": ("normuon",)}
+    for key, names in takes.items():
+        value = getattr(o, key)
+        if value != getattr(default, key) and o.name not in names:
+            raise ValueError(
+                f"optim.{key} = {value!r} is an option of optim.name {' or '.join(names)}, but optim.name = "
+                f"{o.name!r}; set optim.name={names[0]} (--optimizer {names[0]}) or leave optim.{key} out"
+            )
+    if o.gram_dtype != default.gram_dtype and o.orthogonalize != "gram_newton_schulz":
+        raise ValueError(
+            f"optim.gram_dtype = {o.gram_dtype!r} applies to optim.orthogonalize = 'gram_newton_schulz' only, but "
+            f"optim.orthogonalize = {o.orthogonalize!r}; set optim.orthogonalize=gram_newton_schulz or leave "
+            "optim.gram_dtype out"
+        )
+    named = isinstance(o.coefficients, str)  # else a list of (a, b, c): the backend's "list"
+    for key, value, shown in (("orthogonalize", o.orthogonalize, o.orthogonalize),
+                              ("coefficients", o.coefficients if named else "list", o.coefficients if named
+                               else [list(t) for t in o.coefficients])):
+        allowed = getattr(backend, key)
+        if value not in allowed:
+            raise ValueError(
+                f"optim.{key} = {shown!r} needs fsdp_optim.optimizers.{OPTIMIZERS[o.name]} (train.backend = "
+                f"'fsdp_optim'): the {backend.name} backend runs {' and '.join(backend.optimizers)}, and of optim.{key} "
+                f"only {' or '.join(map(repr, allowed))} (what torch.optim.Muon does); set train.backend=fsdp_optim or "
+                f"leave optim.{key} out"
+            )
 
 
 def check_parallel(cfg: Config, world: int | None = None) -> None:

@@ -2,7 +2,9 @@
 
 Every key of the TOML file and every override must name a field below; anything else is a
 ``ValueError`` naming the key, where it came from, and the valid keys (with a close match).
-Override values are parsed as TOML values (``--set model.dim=128``, ``--set train.dtype=bf16``,
+Keys with a fixed set of values (``CHOICES``: ``optim.orthogonalize``, ``optim.coefficients``, which may also
+be a list of ``[a, b, c]``, ``optim.gram_dtype``) are checked as they are read, naming the key, the value and
+the allowed ones. Override values are parsed as TOML values (``--set model.dim=128``, ``--set train.dtype=bf16``,
 ``--set data.path='"/data/*.txt"'``); a value that is not valid TOML is taken as a plain string.
 ``check_ranges`` refuses numbers outside each key's range (``RANGES``), naming the key, the value and
 the range; ``pretrain.py`` calls it once the command-line flags are applied.
@@ -68,8 +70,8 @@ class DataConfig:
 @dataclass(kw_only=True)
 class OptimConfig:
     name: str = "adamw"
-    """adamw, adamw4bit, adamw8bit, muon, shampoo, soap, or torch.<Name> (torch.optim.<Name>, a per-tensor
-    optimizer such as NAdam or Adafactor, through WholeTensorOptimizer; see pretrain.TORCH_PER_TENSOR)."""
+    """adamw, adamw4bit, adamw8bit, muon, normuon, shampoo, soap, or torch.<Name> (torch.optim.<Name>, a
+    per-tensor optimizer such as NAdam or Adafactor, through WholeTensorOptimizer; see _backend.TORCH_PER_TENSOR)."""
     lr: float | None = None
     """None: the optimizer's default (see DEFAULT_LR)."""
     adamw_lr: float | None = None
@@ -78,7 +80,20 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     momentum: float = 0.95
-    """Muon momentum."""
+    """Muon momentum (NorMuon's too)."""
+    orthogonalize: str = "newton_schulz"
+    """Muon / NorMuon: newton_schulz (torch.optim.Muon's) or gram_newton_schulz (the same polynomial through
+    the Gram matrix; docs/muon.md, "Which orthogonalization")."""
+    coefficients: str | tuple[tuple[float, float, float], ...] = "torch"
+    """Muon / NorMuon: torch (torch.optim.Muon's (a, b, c), 5 times), polar_express (Polar Express's 5
+    polynomials), or a list of [a, b, c], one per iteration."""
+    gram_dtype: str = "fp16"
+    """Muon / NorMuon with orthogonalize = gram_newton_schulz: fp16 (the authors'), bf16 (the fast one on
+    CPUs, less accurate) or fp32."""
+    normuon_beta2: float = 0.95
+    """NorMuon: decay of the per-row second moment of the orthogonalized update (its beta2)."""
+    normuon_eps: float = 1e-10
+    """NorMuon: added to sqrt(v) and to the rescale's norm (its norm_eps)."""
     max_preconditioner_dim: int = 1024
     """Shampoo block rows; SOAP's max_precond_dim."""
     precondition_frequency: int = 10
@@ -88,7 +103,8 @@ class OptimConfig:
     attention head whose max pre-softmax logit exceeded tau (0: off). The max logit is logged either way."""
 
 
-DEFAULT_LR = {"adamw": 3e-3, "adamw4bit": 3e-3, "adamw8bit": 3e-3, "muon": 0.02, "shampoo": 3e-3, "soap": 3e-3}
+DEFAULT_LR = {"adamw": 3e-3, "adamw4bit": 3e-3, "adamw8bit": 3e-3, "muon": 0.02, "normuon": 0.02, "shampoo": 3e-3,
+              "soap": 3e-3}
 """Default lr per optim.name; any other (torch.<Name>) gets 3e-3."""
 
 
@@ -191,6 +207,41 @@ def _coerce(value: Any, f: dataclasses.Field, key: str, where: str) -> Any:
     return _coerce_scalar(value, typ.split(" |")[0], key, where)
 
 
+# Keys with a fixed set of values, checked as they are read (load_config: before anything else runs).
+# The orthogonalization names are fsdp_optim.optimizers.Muon's (tests/recipes/test_orthogonalize_options.py
+# checks that they still are).
+ORTHOGONALIZE = ("newton_schulz", "gram_newton_schulz")
+COEFFICIENTS = ("torch", "polar_express")
+GRAM_DTYPES = ("fp16", "bf16", "fp32")
+CHOICES: dict[str, tuple[str, ...]] = {
+    "optim.orthogonalize": ORTHOGONALIZE, "optim.coefficients": COEFFICIENTS, "optim.gram_dtype": GRAM_DTYPES,
+}
+_COEFFICIENTS_EXAMPLE = "[[3.4445, -4.775, 2.0315], [3.4445, -4.775, 2.0315]]"
+
+
+def _allowed(key: str, value: Any, where: str) -> ValueError:
+    more = f", or a list of [a, b, c] per iteration, e.g. {_COEFFICIENTS_EXAMPLE}" if key == "optim.coefficients" else ""
+    return ValueError(
+        f"{key} = {value!r} in {where} is not allowed: it must be one of {', '.join(map(repr, CHOICES[key]))}{more}"
+    )
+
+
+def _coerce_coefficients(value: Any, key: str, where: str) -> str | tuple[tuple[float, float, float], ...]:
+    """optim.coefficients: a name of ``COEFFICIENTS``, or 1 to 99 triples of finite numbers (as Muon takes them)."""
+    if isinstance(value, str):
+        if value not in COEFFICIENTS:
+            raise _allowed(key, value, where)
+        return value
+    triples = isinstance(value, list) and 0 < len(value) < 100 and all(
+        isinstance(t, list) and len(t) == 3
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in t)
+        for t in value
+    )
+    if not triples:
+        raise _allowed(key, value, where)
+    return tuple(tuple(float(v) for v in t) for t in value)
+
+
 def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
     section, _, name = key.partition(".")
     sections = _fields(cfg)
@@ -200,7 +251,13 @@ def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
     fields = _fields(sub)
     if not name or name not in fields:
         raise _unknown(key, [f"{section}.{n}" for n in fields], where)
-    setattr(sub, name, _coerce(value, fields[name], key, where))
+    if key == "optim.coefficients":
+        value = _coerce_coefficients(value, key, where)
+    else:
+        value = _coerce(value, fields[name], key, where)
+        if key in CHOICES and value not in CHOICES[key]:
+            raise _allowed(key, value, where)
+    setattr(sub, name, value)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
@@ -274,6 +331,7 @@ RANGES: dict[str, Range] = {
     "data.seq_len": POSITIVE, "data.val_fraction": Range(0, 1, hi_open=True),
     "optim.lr": NON_NEGATIVE, "optim.adamw_lr": NON_NEGATIVE, "optim.betas": Range(0, 1, hi_open=True),
     "optim.eps": NON_NEGATIVE, "optim.weight_decay": NON_NEGATIVE, "optim.momentum": Range(0, 1, hi_open=True),
+    "optim.normuon_beta2": Range(0, 1, hi_open=True), "optim.normuon_eps": NON_NEGATIVE,
     "optim.max_preconditioner_dim": POSITIVE, "optim.precondition_frequency": POSITIVE, "optim.qk_clip_tau": NON_NEGATIVE,
     "train.steps": POSITIVE, "train.batch_size": POSITIVE, "train.grad_accum": POSITIVE,
     "train.warmup_steps": NON_NEGATIVE, "train.min_lr_ratio": UNIT, "train.grad_clip": NON_NEGATIVE,

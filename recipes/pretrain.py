@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import fsdp_optim
 # The recipe's modules sit next to this file and are imported by name (as nanoGPT's train.py imports
 # model.py): Python puts a script's folder first on sys.path (python/torchrun recipes/pretrain.py).
-from _backend import BACKENDS, build_optimizer, pick_backend
+from _backend import BACKENDS, build_optimizer, describe_optimizer, pick_backend
 from _checkpointing import (
     check_resume_config, check_resume_data, check_unfinished, data_identity, finished_run, latest_checkpoint,
     resume_from, save_checkpoint, write_atomic,
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         write_atomic(out / "data.json", json.dumps(data_identity(tokens)))
         print(
             f"[pretrain] {cfg.model.kind} model, {n_params / 1e6:.2f}M params; backend {backend.name}; "
-            f"optimizer {cfg.optim.name}; world {world} on {device.type}, {dtype}; "
+            f"optimizer {describe_optimizer(cfg)}; world {world} on {device.type}, {dtype}; "
             f"{len(tokens) / 1e6:.2f}M tokens ({windows.n_train} train / {windows.n_val} held-out windows); "
             + (f"resumed from {ckpt} at step {step}" if ckpt else "from scratch"),
             flush=True,
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {"records": read_metrics(log.path), "backend": backend.name, "resumed_from": str(ckpt), "finished": True}
     records = read_metrics(log.path) if master else []
     if master and records:
-        plot_loss(records, out / "loss.png", title=f"{cfg.model.kind}, {cfg.optim.name}, W={world}")
+        plot_loss(records, out / "loss.png", title=f"{cfg.model.kind}, {describe_optimizer(cfg)}, W={world}")
         first, final = records[0], records[-1]
         print(f"[pretrain] wrote {log.path}, {out / 'loss.png'}", flush=True)
         print(f"[pretrain] done: {summary(final, final['step'])} (first logged loss {first['loss']:.3f}); "
