@@ -17,7 +17,7 @@ parameter, so the state's global flat form is one entry per row of the parameter
 (``numel / cols`` entries) and this rank's part is the rows of its range ([Note: checkpoint-shaped
 optimizer state]). The row statistic needs only the row, but the norm rescale needs the whole matrix,
 which a ragged plan puts on one rank: the step stays free of collectives. Matrices cut across ranks
-(a plan that records ``ShardInfo.split``: ``PlanConfig(balance="auto")`` cuts matrices where whole ones
+(a plan that records ``LocalShard.split``: ``PlanConfig(balance="auto")`` cuts matrices where whole ones
 cannot balance, at large W) are refused: their rows' ``v`` would live on other ranks than the owner
 that normalizes them; ``PlanConfig(balance="whole")`` never cuts one.
 """

@@ -22,7 +22,7 @@ rank boundary inside that tensor only where it is *both* a block boundary of the
   the head boundaries that are multiples of 128 rows; a matrix the even layout must split is cut
   only on 128-row boundaries.
 
-The optimizer's spec recorded on the parameter (``ShardInfo.spec``) is unchanged (Muon still sees a
+The optimizer's spec recorded on the parameter (``RaggedShard.spec``) is unchanged (Muon still sees a
 matrix); only where ranks may cut is restricted. Tiles at the right and bottom edges may be
 partial (``[300, 200]`` has 3 x 2 tiles of 128x128, the last ones 44 rows / 72 columns).
 

@@ -105,7 +105,7 @@ def _encode(c: _Collected, rank: int) -> dict[str, Any]:
 def _bytes_of(obj: Any) -> int:
     """Bytes of the tensors and byte records in a state dict (its DCP files take more: each item's headers)."""
     if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj  # a FlatShardTensor / DTensor: this rank's piece
+        local = obj.to_local() if hasattr(obj, "to_local") else obj  # a DTensor: this rank's piece
         return local.numel() * local.element_size()
     if isinstance(obj, (bytes, bytearray)):
         return len(obj)
