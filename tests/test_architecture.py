@@ -141,6 +141,10 @@ _PUBLIC = {
         "LocalShard", "local_shard", "local_tensor", "plan_model", "quantize_blockwise", "RaggedDTensor", "RaggedShard",
         "rows", "tensor_cost", "whole",
     ],
+    "fsdp_optim.testing": [
+        "CollectiveCounts", "DistributedTestError", "MeshResult", "ShardedCheckReport", "check_sharded_equals_unsharded",
+        "count_collectives", "emulated_mesh", "make_sharded_param", "run_distributed", "sharded_grad",
+    ],
 }
 
 
