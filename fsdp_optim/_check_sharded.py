@@ -51,7 +51,14 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["CollectiveCounts", "MeshResult", "ShardedCheckReport", "check_sharded_equals_unsharded", "count_collectives"]
+__all__ = [
+    "CollectiveCounts",
+    "MeshResult",
+    "ShardedCheckReport",
+    "check_sharded_equals_unsharded",
+    "count_collectives",
+]
+_WHO = "check_sharded_equals_unsharded"
 
 _TOLERANCES = ("bitwise", "measured")
 _FLOORS = ("perturbed", "float64")
@@ -154,7 +161,9 @@ class ShardedCheckReport:
         out = []
         for r in self.results:
             if self.tolerance == "bitwise" and not r.bitwise:
-                out.append(f"{r.label}: not bitwise equal to unsharded: max |diff| {r.max_abs_diff:.3e} in {r.worst_param}")
+                out.append(
+                    f"{r.label}: not bitwise equal to unsharded: max |diff| {r.max_abs_diff:.3e} in {r.worst_param}"
+                )
             elif self.tolerance != "bitwise" and not r.max_abs_diff <= self.bound:
                 out.append(
                     f"{r.label}: max |diff| {r.max_abs_diff:.3e} in {r.worst_param} exceeds the bound {self.bound:.3e}"
@@ -168,10 +177,12 @@ class ShardedCheckReport:
         return out
 
     def _bound_text(self) -> str:
-        return f"{self.bound / self.floor:g} x the {self.floor_method} noise floor {self.floor:.3e}" if self.floor else (
+        if self.floor:
+            return f"{self.bound / self.floor:g} x the {self.floor_method} noise floor {self.floor:.3e}"
+        return (
             f"the {self.floor_method} noise floor is 0: the optimizer did not move under rounding-sized changes, "
             "so sharded runs must be bitwise"
-        )  # fmt: skip
+        )
 
     def __str__(self) -> str:
         if self.tolerance == "bitwise":
@@ -283,7 +294,8 @@ def check_sharded_equals_unsharded(
 
 
 def _check_arguments(
-    *, make_model, make_optimizer, world_sizes, hsdp, steps, tolerance, floor, floor_multiple, max_collectives, shard, timeout
+    *, make_model, make_optimizer, world_sizes, hsdp, steps, tolerance, floor, floor_multiple, max_collectives, shard,
+    timeout,
 ) -> list[tuple[int, int]]:
     """The (replicate, shard) meshes to run, after checking every argument (``ValueError`` naming it)."""
     for name, fn in (("make_model", make_model), ("make_optimizer", make_optimizer)):
@@ -291,7 +303,10 @@ def _check_arguments(
             raise ValueError(f"check_sharded_equals_unsharded: {name} must be callable, got {type(fn).__name__}")
     if shard is not None and not callable(shard):
         raise ValueError(f"check_sharded_equals_unsharded: shard must be callable(model, mesh) or None, got {shard!r}")
-    if isinstance(world_sizes, int) or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in world_sizes):
+    def is_count(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+    if isinstance(world_sizes, int) or not all(is_count(w) for w in world_sizes):
         raise ValueError(
             f"check_sharded_equals_unsharded: world_sizes must be a sequence of ints >= 1, got {world_sizes!r} "
             "(e.g. world_sizes=(1, 2, 3, 4))"
@@ -318,18 +333,18 @@ def _check_arguments(
                 f"got {tolerance!r}"
             )
     elif isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
-        raise ValueError(f"check_sharded_equals_unsharded: tolerance must be 'bitwise', 'measured' or a number >= 0, got {tolerance!r}")
+        raise ValueError(f"{_WHO}: tolerance must be 'bitwise', 'measured' or a number >= 0, got {tolerance!r}")
     if floor not in _FLOORS:
         raise ValueError(f"check_sharded_equals_unsharded: floor must be one of {_FLOORS}, got {floor!r}")
     if not isinstance(floor_multiple, (int, float)) or not floor_multiple >= 1:
-        raise ValueError(f"check_sharded_equals_unsharded: floor_multiple must be a number >= 1, got {floor_multiple!r}")
+        raise ValueError(f"{_WHO}: floor_multiple must be a number >= 1, got {floor_multiple!r}")
     if max_collectives is not None and (not isinstance(max_collectives, int) or max_collectives < 0):
-        raise ValueError(f"check_sharded_equals_unsharded: max_collectives must be an int >= 0 or None, got {max_collectives!r}")
+        raise ValueError(f"{_WHO}: max_collectives must be an int >= 0 or None, got {max_collectives!r}")
     if not timeout > 0:
         raise ValueError(f"check_sharded_equals_unsharded: timeout must be > 0 seconds, got {timeout!r}")
     meshes = [(1, w) for w in world_sizes] + shapes
     if not meshes:
-        raise ValueError("check_sharded_equals_unsharded: no sharded run asked for (world_sizes and hsdp are both empty)")
+        raise ValueError(f"{_WHO}: no sharded run asked for (world_sizes and hsdp are both empty)")
     return meshes
 
 
@@ -351,9 +366,9 @@ def _build(make_model: Callable[[], Any], seed: int) -> Any:
     torch.manual_seed(seed)
     model = make_model()
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"check_sharded_equals_unsharded: make_model must return an nn.Module, got {type(model).__name__}")
+        raise ValueError(f"{_WHO}: make_model must return an nn.Module, got {type(model).__name__}")
     if not _trainable(model):
-        raise ValueError(f"check_sharded_equals_unsharded: the model ({type(model).__name__}) has no trainable parameter")
+        raise ValueError(f"{_WHO}: the model ({type(model).__name__}) has no trainable parameter")
     return model
 
 

@@ -77,6 +77,7 @@ from pathlib import Path
 
 from torch import nn
 
+import fsdp_optim
 from fsdp_optim.optimizers import AdamW, Muon
 from fsdp_optim.sharding import local_shard, local_tensor, whole
 from fsdp_optim.testing import ShardedCheckReport, check_sharded_equals_unsharded, count_collectives
@@ -169,9 +170,45 @@ def test_check_catches_a_collective_in_step_and_measures_its_rounding():
     with pytest.raises(AssertionError, match=r"W=2: step\(\) issued 6 collective\(s\) in one step \(c10d.allreduce_\)"):
         _check(make_optimizer=make, tolerance="measured")
     report = _check(make_optimizer=make, tolerance="measured", max_collectives=None)
-    assert [r.collectives_per_step for r in report.results] == [0, 6, 6, 6, 6]  # one per tensor (6 tensors) (W=1: no group)
+    assert [r.collectives_per_step for r in report.results] == [0, 6, 6, 6, 6]  # one per tensor (W = 1: no group)
     assert report.floor > 0.0 and all(r.max_abs_diff <= report.bound for r in report.results)
     print(report)
+
+
+def test_check_with_a_float64_floor_and_an_absolute_tolerance():
+    """The other floor: the reference in float64 against float32 (AdamW passes within it, the local norm
+    does not); and a number as the bound (the all-reduced norm passes 1e-6, the local norm fails it)."""
+    report = _check(make_optimizer=lambda m: AdamW(m.parameters(), lr=1e-2), tolerance="measured", floor="float64",
+                    world_sizes=(3,), hsdp=False)  # fmt: skip
+    assert report.floor_method == "float64" and report.floor > 0.0 and report.results[0].max_abs_diff <= report.bound
+    with pytest.raises(AssertionError, match=r"W=3: max \|diff\| .* float64 noise floor"):
+        _check(make_optimizer=lambda m: _NormalizedSGD(m.parameters()), tolerance="measured", floor="float64",
+               world_sizes=(3,), hsdp=False)  # fmt: skip
+    make = lambda m: _NormalizedSGD(m.parameters(), norm="all_reduce")  # noqa: E731
+    report = _check(make_optimizer=make, tolerance=1e-6, max_collectives=None, world_sizes=(4,), hsdp=False)
+    assert report.bound == 1e-6 and report.floor is None
+    with pytest.raises(AssertionError, match=r"W=4: max \|diff\| .* exceeds the bound 1.000e-06"):
+        _check(make_optimizer=lambda m: _NormalizedSGD(m.parameters()), tolerance=1e-6, world_sizes=(4,), hsdp=False)
+
+
+def test_check_shards_the_way_the_user_does():
+    """``shard(model, mesh)``: per-module calls then the root, on the world and on the HSDP mesh; Muon's
+    matrices stay whole and its step bitwise, whatever the buckets. A ``shard`` that renames
+    parameters is refused, naming them."""
+    def shard(model, mesh):
+        assert mesh is None or (tuple(mesh.shape), mesh.mesh_dim_names) == ((2, 2), ("replicate", "shard")), mesh
+        fsdp_optim.fully_shard([model.w1, model.w2], mesh=mesh, blocks=Muon.blocks)
+        fsdp_optim.fully_shard(model, mesh=mesh, blocks=Muon.blocks)
+
+    report = _check(make_optimizer=lambda m: Muon(m.named_parameters(), lr=2e-2), shard=shard, world_sizes=(2, 3))
+    assert all(r.bitwise and r.collectives_per_step == 0 for r in report.results)
+
+    def renaming(model, mesh):
+        model.register_parameter("extra", nn.Parameter(torch.zeros(3)))
+        fsdp_optim.fully_shard(model, mesh=mesh)
+
+    with pytest.raises(DistributedTestError, match=r"trainable parameters \['extra'\] are not the unsharded model's"):
+        _check(make_optimizer=lambda m: AdamW(m.parameters()), shard=renaming, world_sizes=(2,), hsdp=False)
 
 
 def test_check_catches_ranks_that_disagree():
