@@ -262,12 +262,20 @@ def gather_owned_schema(mine: dict[str, dict[str, str]]) -> dict[str, dict[str, 
     return schema
 
 
-def param_groups_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
-    """Hyperparameters of each group, with parameter names instead of the parameters."""
-    return [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-        for g in optimizer.param_groups
-    ]
+def param_groups_by_name(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], *, renames: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Hyperparameters of each group, with parameter names instead of the parameters. ``renames``
+    (``torch_names(model)``): a group's ``param_names`` (torch's named-parameter groups, given
+    ``model.named_parameters()``'s attribute paths) are written as the state-dict keys of those paths
+    ([Note: state-dict names]); other names the user gave stay as they are."""
+    out = []
+    for g in optimizer.param_groups:
+        group = {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        if renames and isinstance(group.get("param_names"), list):
+            group["param_names"] = [renames.get(n, n) if isinstance(n, str) else n for n in group["param_names"]]
+        out.append(group)
+    return out
 
 
 def class_name(obj: Any) -> str:

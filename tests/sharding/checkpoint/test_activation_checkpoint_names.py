@@ -137,6 +137,9 @@ def test_checkpoint_does_not_depend_on_activation_checkpointing(tmp_path, world_
     text = json.dumps(manifest)
     assert WRAPPED not in text  # no entry, no optimizer parameter name carries the wrapper's attribute
     assert "layers.0.attn.wq.weight" in text
+    for f in os.listdir(ck):  # nor any byte written (the param groups' param_names included)
+        with open(os.path.join(ck, f), "rb") as fh:
+            assert WRAPPED.encode() not in fh.read(), f
 
 
 def test_export_hf_and_load_hf_use_the_torch_names(tmp_path):
