@@ -120,7 +120,8 @@ class MeshResult:
     ``max_abs_diff`` the largest element-wise difference from the reference over every parameter,
     reached in ``worst_param``; ``bitwise`` whether every parameter equals the reference exactly;
     ``collectives_per_step`` the most collectives any rank issued in one ``step()``, of the kinds in
-    ``collective_ops``."""
+    ``collective_ops``; ``cut_params`` how many of the ``num_params`` parameters lay in pieces on two or
+    more ranks of the shard group (0: every tensor whole on one rank, as whole-tensor block rules give)."""
 
     mesh: tuple[int, int]
     max_abs_diff: float
@@ -128,6 +129,8 @@ class MeshResult:
     bitwise: bool
     collectives_per_step: int
     collective_ops: tuple[str, ...]
+    cut_params: int = 0
+    num_params: int = 0
 
     @property
     def world_size(self) -> int:
@@ -192,11 +195,14 @@ class ShardedCheckReport:
         else:
             head = f"tolerance: {self.bound:.3e} (absolute)"
         lines = [f"{self.steps} step(s); {head}; collectives per step allowed: {self.max_collectives}"]
-        lines.append(f"  {'run':<12} {'max |diff|':>11}  {'bitwise':<7}  {'coll/step':>9}  worst parameter")
+        lines.append(
+            f"  {'run':<12} {'max |diff|':>11}  {'bitwise':<7}  {'coll/step':>9}  {'cut':>7}  worst parameter"
+        )
         for r in self.results:
+            cut = f"{r.cut_params}/{r.num_params}"
             lines.append(
                 f"  {r.label:<12} {r.max_abs_diff:>11.3e}  {str(r.bitwise):<7}  {r.collectives_per_step:>9}  "
-                f"{r.worst_param}" + (f"  [{', '.join(r.collective_ops)}]" if r.collective_ops else "")
+                f"{cut:>7}  {r.worst_param}" + (f"  [{', '.join(r.collective_ops)}]" if r.collective_ops else "")
             )
         return "\n".join(lines)
 
@@ -419,11 +425,11 @@ def _run_sharded(
     *,
     steps: int,
     seed: int,
-) -> tuple[dict[str, Any], list[dict[str, int]]]:
-    """On each rank: the sharded model's full parameters after ``steps`` steps, and the collectives
-    each step issued."""
+) -> tuple[dict[str, Any], list[dict[str, int]], tuple[int, int]]:
+    """On each rank: the sharded model's full parameters after ``steps`` steps, the collectives each
+    step issued, and how many parameters lay in pieces on several ranks."""
     from ._testing import sharded_grad
-    from .sharding import fully_shard
+    from .sharding import fully_shard, local_shard
 
     model = _build(make_model, seed)
     grads = _gradients(_trainable(model), steps=steps, seed=seed)
@@ -447,7 +453,12 @@ def _run_sharded(
         with count_collectives() as seen:
             opt.step()
         counts.append(dict(seen.by_op))
-    return {n: _full(p) for n, p in model.named_parameters()}, counts
+    cut = 0
+    for _, p in named:
+        info = local_shard(p)
+        bounds = info.layout.bounds if info is not None else (0,)
+        cut += sum(b > a for a, b in zip(bounds, bounds[1:])) > 1
+    return {n: _full(p) for n, p in model.named_parameters()}, counts, (cut, len(named))
 
 
 def _full(p: Any) -> Any:
@@ -479,8 +490,8 @@ def _compare(got: dict[str, Any], want: dict[str, Any]) -> tuple[float, str, boo
 def _mesh_result(mesh_shape: tuple[int, int], outs: list, ref: dict[str, Any]) -> MeshResult:
     import torch
 
-    params0 = outs[0][0]
-    for rank, (params, _) in enumerate(outs[1:], 1):
+    params0 = outs[0][0]  # (each rank: params, collective counts, (cut, num))
+    for rank, (params, *_) in enumerate(outs[1:], 1):
         for k, v in params0.items():
             if not torch.equal(params[k], v):
                 raise AssertionError(
@@ -488,9 +499,10 @@ def _mesh_result(mesh_shape: tuple[int, int], outs: list, ref: dict[str, Any]) -
                     "parameters must agree; replicas that drift apart mean the step depends on the rank)"
                 )
     diff, worst, equal = _compare(params0, ref)
-    per_step = [sum(c.values()) for _, counts in outs for c in counts]
-    ops = sorted({op for _, counts in outs for c in counts for op in c})
+    per_step = [sum(c.values()) for _, counts, _ in outs for c in counts]
+    ops = sorted({op for _, counts, _ in outs for c in counts for op in c})
+    cut, num = outs[0][2]
     return MeshResult(
         mesh=mesh_shape, max_abs_diff=diff, worst_param=worst, bitwise=equal,
-        collectives_per_step=max(per_step, default=0), collective_ops=tuple(ops),
+        collectives_per_step=max(per_step, default=0), collective_ops=tuple(ops), cut_params=cut, num_params=num,
     )  # fmt: skip

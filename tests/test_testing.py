@@ -134,6 +134,9 @@ def test_check_passes_for_adamw_bitwise_on_every_mesh():
     assert isinstance(report, ShardedCheckReport)
     assert [r.mesh for r in report.results] == [(1, 1), (1, 2), (1, 3), (1, 4), (2, 2)]
     assert all(r.bitwise and r.max_abs_diff == 0.0 and r.collectives_per_step == 0 for r in report.results)
+    # element blocks: at W >= 2 the planner cuts tensors across ranks (the check had something to check)
+    assert [r.num_params for r in report.results] == [6] * 5
+    assert report.results[0].cut_params == 0 and all(r.cut_params > 0 for r in report.results[1:])
     print(report)
 
 
@@ -152,7 +155,8 @@ def test_check_catches_a_local_norm_where_the_global_one_is_meant():
     """The planted bug: the norm of this rank's piece. With whole-tensor blocks it is the global norm
     (the check passes, bitwise); on element blocks W >= 2 cuts tensors and the check raises, naming
     the runs, while W = 1 (one piece) is reported equal."""
-    _check(make_optimizer=lambda m: _NormalizedSGD(m.parameters()), blocks=_whole_rule)
+    whole = _check(make_optimizer=lambda m: _NormalizedSGD(m.parameters()), blocks=_whole_rule)
+    assert all(r.cut_params == 0 for r in whole.results)  # every tensor whole on one rank
     with pytest.raises(AssertionError, match=r"W=2: not bitwise equal to unsharded") as info:
         _check(make_optimizer=lambda m: _NormalizedSGD(m.parameters()))
     msg = str(info.value)
