@@ -346,6 +346,14 @@ def _check_arguments(
         raise ValueError(f"{_WHO}: floor_multiple must be a number >= 1, got {floor_multiple!r}")
     if max_collectives is not None and (not isinstance(max_collectives, int) or max_collectives < 0):
         raise ValueError(f"{_WHO}: max_collectives must be an int >= 0 or None, got {max_collectives!r}")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise ValueError(
+            f"{_WHO}: called in a process that is already a rank of a process group (rank {dist.get_rank()} of "
+            f"{dist.get_world_size()}); it starts its own gloo ranks: call it from a plain process (pytest, a "
+            "script run with python), not under torchrun"
+        )
     if not timeout > 0:
         raise ValueError(f"check_sharded_equals_unsharded: timeout must be > 0 seconds, got {timeout!r}")
     meshes = [(1, w) for w in world_sizes] + shapes

@@ -272,6 +272,17 @@ def test_check_refuses_bad_arguments(kw, match):
         _check(**kw)
 
 
+def test_check_refuses_to_run_inside_a_process_group():
+    def fn():
+        try:
+            _check(make_optimizer=lambda m: AdamW(m.parameters()))
+        except ValueError as e:
+            return str(e)
+
+    for msg in run_distributed(fn, world_size=2):
+        assert "already a rank of a process group" in msg and "not under torchrun" in msg
+
+
 def test_example_script_runs_from_outside_the_repository(tmp_path):
     """examples/check_my_optimizer.py as a user runs it: from another directory, the package importable
     (here through PYTHONPATH, as an installed package would be)."""
