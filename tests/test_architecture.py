@@ -170,6 +170,10 @@ _PUBLIC = {
         "PlanStats", "RaggedLayout", "TensorSpec", "block_aligned_splits", "chunk_bounds", "expert_ranges",
         "merge_small_dims", "plan_model", "suggest_mesh", "tensor_cost",
     ],
+    "fsdp_optim.testing": [
+        "CollectiveCounts", "DistributedTestError", "MeshResult", "ShardedCheckReport", "check_sharded_equals_unsharded",
+        "count_collectives", "emulated_mesh", "make_sharded_param", "run_distributed", "sharded_grad",
+    ],
 }
 
 

@@ -16,7 +16,7 @@ from .._dist import agree_on_error, is_distributed, rank_and_world_size
 from .._runtime import _runtimes_under, buckets_of
 from .._dtensor import RaggedDTensor
 from ._serialization import type_name
-from ._state import check_keys, ensure_sharded
+from ._state import check_keys, torch_names
 
 __all__ = ["full_state_dict", "gather_to_group_rank0", "load_full_state_dict", "whole_tensors"]
 
@@ -33,15 +33,16 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload:
     ``get_model_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))``.
     """
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    keys = torch_names(module)  # state_dict()'s keys: [Note: state-dict names] in _state.py
     names: list[tuple[str, torch.Tensor]] = []
     for prefix, m in module.named_modules(remove_duplicate=False):
         pre = f"{prefix}." if prefix else ""
         for name, p in m._parameters.items():
             if p is not None:
-                names.append((pre + name, p))
+                names.append((keys.get(pre + name, pre + name), p))
         for name, b in m._buffers.items():
             if b is not None and name not in m._non_persistent_buffers_set:
-                names.append((pre + name, b))
+                names.append((keys.get(pre + name, pre + name), b))
     wanted = {id(t) for _, t in names}
 
     def out_of(t: torch.Tensor) -> torch.Tensor:
@@ -122,15 +123,27 @@ def load_full_state_dict(
     err = None
     pairs: list[tuple[str, RaggedDTensor | None]] = []
     try:
-        ensure_sharded(model)
-        params = dict(model.named_parameters(remove_duplicate=False))
+        keys = torch_names(model)  # (reshards) params and targets under state_dict()'s keys: [Note: state-dict names]
+        params = {keys[n]: p for n, p in model.named_parameters(remove_duplicate=False)}
+        buffers = {keys[n]: b for n, b in model.named_buffers(remove_duplicate=False)}
         own = model.state_dict()
         if holds_dict:
             what = "load_full_state_dict(strict=True)"
-            check_keys(set(own) - set(full), set(full) - set(own), strict=strict, what=what)
+            try:
+                check_keys(set(own) - set(full), set(full) - set(own), strict=strict, what=what)
+            except ValueError as e:
+                raise ValueError(
+                    f"{e}; a full state dict holds model.state_dict()'s keys (fsdp_optim.full_state_dict(model) "
+                    "gives them); strict=False loads the keys both hold and keeps the model's values of the others"
+                ) from None
         for key in own:
             if holds_dict and key not in full:
                 continue
+            if key not in params and key not in buffers:
+                raise ValueError(
+                    f"load_full_state_dict: model.state_dict() holds {key!r}, which is no parameter or buffer of "
+                    f"{type(model).__name__} (a state-dict hook made it); load it with model.load_state_dict()"
+                )
             p = params.get(key)
             info = p if isinstance(p, RaggedDTensor) else None
             shape = tuple(own[key].shape)
@@ -140,7 +153,7 @@ def load_full_state_dict(
     except Exception as e:  # noqa: BLE001
         err = e
     agree_on_error(err, what="load_full_state_dict")
-    targets = {**dict(model.named_buffers(remove_duplicate=False)), **params}
+    targets = {**buffers, **params}
     if not broadcast_from_rank0 or not is_distributed():
         with torch.no_grad():
             for n, (key, info) in enumerate(pairs):

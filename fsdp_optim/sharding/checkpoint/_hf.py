@@ -33,6 +33,7 @@ from .._dtensor import RaggedDTensor
 from ._entry import every_rank_entered
 from ._files import PublishError, foreign_entries, fsync, normalize, publish
 from ._full_state import load_full_state_dict, whole_tensors
+from ._state import torch_names
 
 __all__ = ["export_hf", "load_hf"]
 
@@ -42,18 +43,19 @@ Convert = Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Persistent state under the model's names, first name only for tied tensors."""
+    """Persistent state under the model's ``state_dict()`` keys, first key only for tied tensors."""
     out, seen = [], set()
+    keys = torch_names(model)  # [Note: state-dict names] in _state.py
     for prefix, m in model.named_modules(remove_duplicate=False):
         pre = f"{prefix}." if prefix else ""
         for name, p in m._parameters.items():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
-                out.append((pre + name, p))
+                out.append((keys.get(pre + name, pre + name), p))
         for name, b in m._buffers.items():
             if b is not None and name not in m._non_persistent_buffers_set and id(b) not in seen:
                 seen.add(id(b))
-                out.append((pre + name, b))
+                out.append((keys.get(pre + name, pre + name), b))
     return out
 
 
@@ -309,14 +311,14 @@ def load_hf(
 
 
 def _state_names(model: nn.Module) -> list[str]:
-    """The names of ``model.state_dict()`` (tied aliases included) without building it: parameters and
-    persistent buffers."""
+    """The keys of ``model.state_dict()`` (tied aliases included): parameters and persistent buffers."""
+    keys = torch_names(model)  # [Note: state-dict names] in _state.py
     out = []
     for prefix, m in model.named_modules(remove_duplicate=False):
         pre = f"{prefix}." if prefix else ""
         out += [pre + n for n, p in m._parameters.items() if p is not None]
         out += [pre + n for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set]
-    return out
+    return [keys.get(n, n) for n in out]
 
 
 class _ConvertError(Exception):
@@ -357,7 +359,9 @@ def _tied_aliases(model: nn.Module) -> dict[str, str]:
     """``{alias: first name}`` for tied parameters (a file may hold either name)."""
     first: dict[int, str] = {}
     out = {}
-    for n, t in model.named_parameters(remove_duplicate=False):
+    keys = torch_names(model)  # [Note: state-dict names] in _state.py
+    for name, t in model.named_parameters(remove_duplicate=False):
+        n = keys[name]
         if id(t) in first:
             out[n] = first[id(t)]
         else:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from .._dtensor import RaggedDTensor
-from ._state import ShardedState, StateKind, ensure_sharded, state_kinds, state_tensor
+from ._state import ShardedState, StateKind, ensure_sharded, state_kinds, state_tensor, torch_names
 
 __all__ = ["register_optimizer_hooks", "register_state_dict_hooks"]
 
@@ -58,10 +58,19 @@ def register_state_dict_hooks(module: nn.Module) -> None:
         ensure_sharded(mod)
         assign = bool(local_metadata.get("assign_to_params_buffers", False))
         inner = _inner_prefixes(mod)
-        for name, p in mod.named_parameters(remove_duplicate=False):
-            key = prefix + name
-            if not isinstance(p, RaggedDTensor) or key not in sd or name.startswith(inner):
+        keys = None
+        # Attribute paths (nn.Module's walk: a wrapper such as checkpoint_wrapper overrides
+        # named_parameters to drop its own component); the key is the path where a renaming hook of a
+        # module at or above this one already ran, else the state-dict key ([Note: state-dict names]).
+        for name, p in nn.Module.named_parameters(mod, remove_duplicate=False):
+            if not isinstance(p, RaggedDTensor) or name.startswith(inner):
                 continue
+            key = prefix + name
+            if key not in sd:
+                keys = torch_names(mod) if keys is None else keys
+                key = prefix + keys.get(name, name)
+                if key not in sd:
+                    continue
             v = sd[key]
             if not torch.is_tensor(v):
                 continue

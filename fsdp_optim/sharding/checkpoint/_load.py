@@ -108,6 +108,30 @@ def _plan_model(model: nn.Module, saved: dict[str, Any], strict: bool, plan: _Lo
 
 
 
+def _group_differences(here: list[list[str]], saved: list[list[str]]) -> str:
+    """Which parameter names differ between the optimizer's groups and the checkpoint's, group by group
+    (names under ``model.state_dict()``'s keys: [Note: state-dict names] in ``_state.py``)."""
+    out = []
+    for i in range(max(len(here), len(saved))):
+        a = here[i] if i < len(here) else []
+        b = saved[i] if i < len(saved) else []
+        only_here, only_saved = set(a) - set(b), set(b) - set(a)
+        if only_here or only_saved:
+            out.append(
+                f"group {i}: "
+                + "; ".join(
+                    ([f"only in the optimizer: {fmt_keys(only_here, 4)}"] if only_here else [])
+                    + ([f"only in the checkpoint: {fmt_keys(only_saved, 4)}"] if only_saved else [])
+                )
+            )
+        elif a != b:
+            at = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+            out.append(f"group {i}: the same names in another order (position {at}: {a[at]} here, {b[at]} saved)")
+    if len(here) != len(saved):
+        out.append(f"{len(here)} group(s) here, {len(saved)} in the checkpoint")
+    return "; ".join(out)
+
+
 def _check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, manifest: dict[str, Any]) -> dict[int, str]:
     """Refuse another optimizer class or other param groups than the checkpoint's; the parameters' names."""
     saved_cls = manifest.get("optimizer")
@@ -124,7 +148,8 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, manifes
         raise ValueError(
             "the optimizer's param groups do not match the checkpoint's: "
             f"{[len(g) for g in groups]} parameters per group here, {[len(g) for g in manifest['optim_groups']]} "
-            "in the checkpoint (or different parameter names); build the optimizer as it was saved"
+            f"in the checkpoint; {_group_differences(groups, manifest['optim_groups'])}; build the optimizer as it "
+            "was saved (the same parameters in the same groups and order)"
         )
     if "inner_optimizer" in manifest and not isinstance(optimizer, OwnedState):
         raise AssertionError("an optimizer class name matched a WholeTensorOptimizer checkpoint")

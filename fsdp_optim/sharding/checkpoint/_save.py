@@ -31,6 +31,7 @@ from ._state import (
     owned_optim_state,
     param_groups_by_name,
     param_names,
+    torch_names,
 )
 
 __all__ = ["save_checkpoint"]
@@ -72,7 +73,7 @@ def _collect(
             manifest["inner_optimizer"] = class_name(optimizer.optim)
         else:
             state, scalars, schema = optim_state(optimizer, names)
-        groups = numbers_from_numpy(param_groups_by_name(optimizer, names))
+        groups = numbers_from_numpy(param_groups_by_name(optimizer, names, renames=torch_names(model)))
         out.optim = {"state": state, "scalars": numbers_from_numpy(scalars), "param_groups": groups}
         manifest["optimizer"] = class_name(optimizer)
         manifest["optim_schema"] = schema

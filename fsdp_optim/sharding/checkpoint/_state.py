@@ -54,6 +54,7 @@ __all__ = [
     "param_names",
     "state_kinds",
     "state_tensor",
+    "torch_names",
 ]
 
 
@@ -102,6 +103,34 @@ def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+# [Note: state-dict names]
+# Every name this package writes or matches (full state dicts, checkpoints' model and optimizer
+# entries, Hugging Face exports and loads) is the key ``model.state_dict()`` writes, never the
+# attribute path ``named_parameters()`` gives. They differ under modules whose state-dict hooks rename
+# keys: torch's activation-checkpoint wrapper (``checkpoint_wrapper``, as torchtitan applies it)
+# holds its layer as ``_checkpoint_wrapped_module`` and drops that component from its keys, as do
+# torch's ``get_model_state_dict`` and DCP; so a checkpoint does not depend on whether activation
+# checkpointing was on. The names are read from torch's own hooks, not from a list of prefixes:
+# ``model.state_dict(keep_vars=True)`` maps each key to the parameter or buffer object itself, and
+# each object's keys pair, in order, with the names ``named_parameters`` / ``named_buffers`` give it
+# (``remove_duplicate=False``; both walk the modules depth-first, so a tied parameter's names and
+# keys come in the same order). A name with no key (a non-persistent buffer, a hook dropping it)
+# keeps its attribute path.
+def torch_names(model: nn.Module) -> dict[str, str]:
+    """``{attribute path: state-dict key}`` for every parameter and buffer of ``model`` (see
+    [Note: state-dict names]); resharded first, as ``model.state_dict()`` is."""
+    ensure_sharded(model)
+    keys: dict[int, list[str]] = {}
+    for key, v in model.state_dict(keep_vars=True).items():
+        keys.setdefault(id(v), []).append(key)
+    out: dict[str, str] = {}
+    for named in (model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        for name, t in named:
+            mine = keys.get(id(t))
+            out[name] = mine.pop(0) if mine else name
+    return out
+
+
 def state_tensor(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...], bounds: tuple[int, ...]) -> torch.Tensor:
     """One sharded optimizer-state tensor as checkpoints and torch's helpers see it: for a sharded
     parameter, a ``RaggedDTensor`` of its global ``shape`` laid out by ``bounds`` on the parameter's
@@ -117,11 +146,13 @@ def state_tensor(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...], b
 
 
 def param_names(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> dict[int, str]:
-    """``id(param) -> name``: the model's first name for each parameter (the sharded parameter's own name without a model)."""
+    """``id(param) -> name``: the model's first state-dict key for each parameter (the sharded parameter's own
+    name without a model)."""
     names: dict[int, str] = {}
     if model is not None:
+        keys = torch_names(model)  # the state-dict key: [Note: state-dict names]
         for name, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), name)
+            names.setdefault(id(p), keys[name])
     for gi, g in enumerate(optimizer.param_groups):
         for pi, p in enumerate(g["params"]):
             if id(p) in names:
@@ -231,12 +262,20 @@ def gather_owned_schema(mine: dict[str, dict[str, str]]) -> dict[str, dict[str, 
     return schema
 
 
-def param_groups_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
-    """Hyperparameters of each group, with parameter names instead of the parameters."""
-    return [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-        for g in optimizer.param_groups
-    ]
+def param_groups_by_name(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], *, renames: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Hyperparameters of each group, with parameter names instead of the parameters. ``renames``
+    (``torch_names(model)``): a group's ``param_names`` (torch's named-parameter groups, given
+    ``model.named_parameters()``'s attribute paths) are written as the state-dict keys of those paths
+    ([Note: state-dict names]); other names the user gave stay as they are."""
+    out = []
+    for g in optimizer.param_groups:
+        group = {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        if renames and isinstance(group.get("param_names"), list):
+            group["param_names"] = [renames.get(n, n) if isinstance(n, str) else n for n in group["param_names"]]
+        out.append(group)
+    return out
 
 
 def class_name(obj: Any) -> str:
