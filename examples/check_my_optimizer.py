@@ -21,7 +21,8 @@ import warnings
 import torch
 from torch import nn
 
-from fsdp_optim.sharding import elements, local_tensor, whole
+from fsdp_optim.sharding import elements, whole
+from fsdp_optim.sharding.contract import local_tensor
 from fsdp_optim.testing import check_sharded_equals_unsharded
 
 

@@ -1,11 +1,12 @@
 """fsdp_optim: FSDP with block-aligned ragged sharding for whole-block optimizers.
 
-The public face: ``fully_shard`` and its settings, checkpoints and state dicts, helpers for user code.
-The optimizers are ``fsdp_optim.optimizers``; layouts, plans and the optimizer contract are
-``fsdp_optim.sharding`` (its ``plan`` package holds the pure layout math).
+The users' face: ``fully_shard`` and its settings, checkpoints and state dicts, helpers for user code.
+The optimizers are ``fsdp_optim.optimizers``; ``fsdp_optim.sharding`` parallelizes a model (its
+``contract`` module is the optimizer authors' face, its ``plan`` package the pure layout math);
+``fsdp_optim.testing`` checks an optimizer sharded against unsharded (docs/testing.md).
 """
 
-from . import _quiet_torchao, sharding  # noqa: F401  (_quiet_torchao: see its docstring)
+from . import _quiet_torchao, sharding, testing  # noqa: F401  (_quiet_torchao: see its docstring)
 from ._param_groups import param_groups
 from .sharding import (
     Float8AllGather,
@@ -43,5 +44,6 @@ __all__ = [
     "sharded_plan",
     "sharding",
     "suggest_mesh",
+    "testing",
 ]
 __version__ = "0.2.0"

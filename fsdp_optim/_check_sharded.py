@@ -437,7 +437,8 @@ def _run_sharded(
     """On each rank: the sharded model's full parameters after ``steps`` steps, the collectives each
     step issued, and how many parameters lay in pieces on several ranks."""
     from ._testing import sharded_grad
-    from .sharding import fully_shard, local_shard
+    from .sharding import fully_shard
+    from .sharding.contract import local_shard
 
     model = _build(make_model, seed)
     grads = _gradients(_trainable(model), steps=steps, seed=seed)

@@ -79,7 +79,8 @@ from torch import nn
 
 import fsdp_optim
 from fsdp_optim.optimizers import AdamW, Muon
-from fsdp_optim.sharding import local_shard, local_tensor, whole
+from fsdp_optim.sharding.contract import local_shard, local_tensor
+from fsdp_optim.sharding import whole
 from fsdp_optim.testing import ShardedCheckReport, check_sharded_equals_unsharded, count_collectives
 
 ROOT = Path(__file__).resolve().parents[1]
