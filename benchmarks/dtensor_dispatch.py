@@ -5,9 +5,10 @@ op of its step through a tensor subclass: FSDP2's through DTensor's sharding pro
 ``RaggedDTensor.__torch_dispatch__`` (``sharding/_dtensor_ops.py``). One launch, W ranks (default 2,
 gloo on CPU), the same model and gradients on both sides, and on each side the same step over plain
 tensors holding the same local pieces (what an optimizer that computes on ``to_local()`` does, as
-fsdp_optim's own optimizers do). The overhead is the DTensor step minus the plain step, per runtime,
-median over the timed steps, max over ranks; for each ``foreach`` setting (True: torch's default on
-CPU for these sizes is the for-loop unless asked; both are measured).
+fsdp_optim's own optimizers do), and fsdp_optim's own ``AdamW`` over our parameters. The overhead is
+the DTensor step minus the plain step, per runtime,
+median over the timed steps (the four parameter sets step in turn, the order rotating every round),
+max over ranks; for both ``foreach`` settings (on CPU torch defaults to the for-loop).
 
 Where ours goes: a ``cProfile`` of one foreach step over our parameters, the functions of
 ``fsdp_optim`` by own time.
@@ -87,17 +88,37 @@ def _plain(params):
     return out
 
 
-def _time(params, foreach, a):
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=foreach)
-    times = []
+def _ragged_copy(model) -> list:
+    """Parameters of the same layout as ``model``'s (its RaggedDTensors' specs) on cloned local pieces, with
+    cloned gradients: a second optimizer steps them without touching ``model``."""
+    from fsdp_optim.sharding import RaggedDTensor
+
+    out = []
+    for p in model.parameters():
+        q = torch.nn.Parameter(RaggedDTensor._from_local_and_spec(p.to_local().detach().clone(), p._spec))
+        q.grad = RaggedDTensor._from_local_and_spec(p.grad.to_local().detach().clone(), p.grad._spec)
+        out.append(q)
+    return out
+
+
+def _time_alternating(param_sets: dict[str, list], foreach: bool, a) -> dict[str, float]:
+    """Median step time of ``torch.optim.AdamW`` over each parameter set, the sets stepping in turn
+    within each round (the order rotating every round), so load and frequency drift hit all alike."""
+    from fsdp_optim.optimizers import AdamW
+
+    opts = {k: (AdamW if k[1] == "fsdp_optim_adamw_s" else torch.optim.AdamW)(ps, lr=1e-3, weight_decay=0.1, foreach=foreach)
+            for k, ps in param_sets.items()}
+    times: dict[str, list[float]] = {k: [] for k in opts}
+    names = list(opts)
     for i in range(a.warmup + a.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.step()
-        t1 = time.perf_counter()
-        if i >= a.warmup:
-            times.append(t1 - t0)
-    return statistics.median(times), opt
+        for k in names[i % len(names):] + names[: i % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            opts[k].step()
+            t1 = time.perf_counter()
+            if i >= a.warmup:
+                times[k].append(t1 - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _run(a):
@@ -109,11 +130,14 @@ def _run(a):
     out = {"params": sum(1 for _ in ours.parameters()),
            "local_numel": {n: sum(p.to_local().numel() for p in m.parameters()) for n, m in (("fsdp_optim", ours), ("fsdp2", peer))}}
     for foreach in (False, True):
-        row = {}
+        sets = {}
         for name, model in (("fsdp_optim", ours), ("fsdp2", peer)):
             params = list(model.parameters())
-            row[name] = {"dtensor_s": _time(params, foreach, a)[0], "plain_s": _time(_plain(params), foreach, a)[0]}
-        out[f"foreach={foreach}"] = row
+            sets[(name, "dtensor_s")], sets[(name, "plain_s")] = params, _plain(params)
+        # fsdp_optim's own AdamW over our parameters (on their local pieces: no dispatch), on a copy
+        sets[("fsdp_optim", "fsdp_optim_adamw_s")] = _ragged_copy(ours)
+        t = _time_alternating(sets, foreach, a)
+        out[f"foreach={foreach}"] = {n: {k: v for (m, k), v in t.items() if m == n} for n in ("fsdp_optim", "fsdp2")}
     prof = cProfile.Profile()
     opt = torch.optim.AdamW(list(ours.parameters()), lr=1e-3, weight_decay=0.1, foreach=True)
     opt.step()
@@ -136,7 +160,7 @@ def main(argv=None) -> None:
     results = run_distributed(lambda: _run(a), world_size=a.world_size, timeout=3600)
     summary = {}
     for key in ("foreach=False", "foreach=True"):
-        summary[key] = {n: {k: max(r[key][n][k] for r in results) for k in ("dtensor_s", "plain_s")}
+        summary[key] = {n: {k: max(r[key][n][k] for r in results) for k in results[0][key][n]}
                         for n in ("fsdp_optim", "fsdp2")}
         for n, s in summary[key].items():
             s["overhead_s"] = s["dtensor_s"] - s["plain_s"]
@@ -151,7 +175,9 @@ def main(argv=None) -> None:
             s = summary[key][n]
             print(f"{key:16s}{n:>12s}{s['dtensor_s'] * 1e3:10.2f}{s['plain_s'] * 1e3:10.2f}"
                   f"{s['overhead_s'] * 1e3:10.2f}{s['ratio_dtensor_over_plain']:9.2f}")
-        print(f"{key:16s} ours / FSDP2 (DTensor steps): {summary[key]['ratio_ours_over_fsdp2']:.3f}")
+        print(f"{key:16s} ours / FSDP2 (DTensor steps): {summary[key]['ratio_ours_over_fsdp2']:.3f}; "
+              f"fsdp_optim.optimizers.AdamW over ours: {summary[key]['fsdp_optim']['fsdp_optim_adamw_s'] * 1e3:.2f} ms, "
+              f"{summary[key]['fsdp_optim']['fsdp_optim_adamw_s'] / summary[key]['fsdp2']['dtensor_s']:.3f}x FSDP2 + torch.optim.AdamW")
     print("local elements per rank: " + "; ".join(f"rank {i}: " + ", ".join(f"{n} {v}" for n, v in r["local_numel"].items())
                                                   for i, r in enumerate(results)))
     prof = results[0]["profile_foreach_step"]

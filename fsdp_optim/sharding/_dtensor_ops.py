@@ -154,8 +154,11 @@ def _local_range(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
 
 
 def _unwrap_all(ops: _Operands, args: Any, kwargs: dict) -> tuple[Any, dict]:
-    args = tuple(_tree(ops, a) for a in args)
-    kwargs = {k: _tree(ops, v) for k, v in kwargs.items()}
+    # (flat arguments first: the common case of a torch.optim step, which pays this per op)
+    args = tuple(ops(a) if isinstance(a, torch.Tensor) else _tree(ops, a) if isinstance(a, (list, tuple)) else a
+                 for a in args)
+    if kwargs:
+        kwargs = {k: _tree(ops, v) for k, v in kwargs.items()}
     return args, kwargs
 
 
