@@ -200,10 +200,6 @@ def _is_attention(m: nn.Module) -> bool:
     return all(hasattr(m, a) for a in ("wq", "wk", "n_heads"))
 
 
-def _global_shape(p: torch.Tensor) -> tuple[int, ...]:
-    return tuple(p.shape)  # (a sharded parameter is a DTensor of the global shape)
-
-
 def _layer(name: str, m: nn.Module) -> _Layer:
     what = f"qk_clip_: attention module {name or type(m).__name__!r}"
     if not _is_attention(m):
@@ -217,7 +213,7 @@ def _layer(name: str, m: nn.Module) -> _Layer:
         raise ValueError(f"{what}: wq and wk are one module (a fused QKV projection); split it into wq and wk")
     for proj, mod in (("wq", wq_mod), ("wk", wk_mod)):
         w = getattr(mod, "weight", None)
-        if not isinstance(w, torch.Tensor) or len(_global_shape(w)) != 2:
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
             raise ValueError(f"{what}: {proj} must be a linear layer with a 2-D weight, got {type(mod).__name__}")
         if getattr(mod, "bias", None) is not None:
             raise ValueError(
@@ -232,7 +228,7 @@ def _layer(name: str, m: nn.Module) -> _Layer:
     n_heads = m.n_heads
     n_kv = getattr(m, "n_kv_heads", None) or n_heads
     wq, wk = wq_mod.weight, wk_mod.weight
-    (q_rows, q_cols), (k_rows, k_cols) = _global_shape(wq), _global_shape(wk)
+    (q_rows, q_cols), (k_rows, k_cols) = wq.shape, wk.shape  # (DTensors: the global shapes)
     hd = getattr(m, "head_dim", None) or (q_rows // n_heads if isinstance(n_heads, int) and n_heads > 0 else 0)
     ok_ints = all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (n_heads, n_kv, hd))
     if not ok_ints or n_heads % n_kv or q_rows != n_heads * hd or k_rows != n_kv * hd:
