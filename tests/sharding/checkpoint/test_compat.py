@@ -1,17 +1,21 @@
 """Checkpoints written before sharded parameters became DTensors still load.
 
-``tests/data/checkpoint_63d901b`` was written by fsdp_optim at main 63d901b (flat 1-D parameters
-with a ShardInfo attribute; ``make.py`` beside it, run in a checkout of that commit, made it): a
-TinyTransformer trained 3 steps with Muon at W = 2, saved with ``save_checkpoint``, and the full
-parameters at the save and after one more step (``expected.pt``). Loaded here at W = 2 and 3, the
-parameters equal the saved ones bitwise, and the next step at W = 2 equals the old code's next step
-bitwise (the optimizer state loaded too; at W = 3 the gradients' reduction order differs: within
-the tolerance of the training-parity tests)."""
+The old checkpoint is written at test time by the old code itself: ``git archive`` of main 63d901b
+(fsdp_optim 0.1: flat 1-D parameters with a ShardInfo attribute) from this clone's history, then
+``write_0_1_checkpoint.py`` run in it: a TinyTransformer trained 3 steps with Muon at W = 2, saved with
+``save_checkpoint``, and the full parameters at the save and after one more step. Loaded here at W = 2
+and 3, the parameters equal the saved ones bitwise, and the next step at W = 2 equals the old code's
+next step bitwise (the optimizer state loaded too; at W = 3 the gradients' reduction order differs:
+within the tolerance of the training-parity tests). A clone without that commit (a shallow one) skips,
+saying so."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,15 +27,36 @@ from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import Muon
 from tests._models import TinyConfig, TinyTransformer, make_batch
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "data", "checkpoint_63d901b")
+OLD = "63d901b08aff60c642e5232a820584b49a738953"  # main before the DTensor parameters (fsdp_optim 0.1)
+ROOT = Path(__file__).resolve().parents[3]
 CFG = TinyConfig(vocab_size=61, dim=24, num_heads=2, num_layers=2, mlp_dim=40)
 
 
+@pytest.fixture(scope="module")
+def old_checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint and its expected figures, written by the code of ``OLD`` (checked out from git)."""
+    git = shutil.which("git")
+    if git is None or subprocess.run([git, "-C", str(ROOT), "cat-file", "-e", f"{OLD}^{{commit}}"],
+                                     capture_output=True).returncode:  # fmt: skip
+        pytest.skip(f"commit {OLD[:7]} is not in this clone's history (a shallow clone?): no 0.1 code to write "
+                    "the old checkpoint with; `git fetch --unshallow` to run this test")
+    src, out = tmp_path_factory.mktemp("fsdp_optim_0_1"), tmp_path_factory.mktemp("checkpoint_0_1")
+    archive = subprocess.run([git, "-C", str(ROOT), "archive", OLD, "fsdp_optim", "tests/__init__.py", "tests/_models.py"],
+                             capture_output=True, check=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    script = Path(__file__).with_name("write_0_1_checkpoint.py")
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    run = subprocess.run([sys.executable, str(script), str(out)], cwd=src, env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, f"the 0.1 code failed to write its checkpoint:\n{run.stdout}\n{run.stderr}"
+    return out
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_checkpoint_written_by_main_63d901b_loads_and_continues(tmp_path, world_size):
+def test_a_checkpoint_written_by_main_63d901b_loads_and_continues(tmp_path, world_size, old_checkpoint):
     ck = str(tmp_path / "checkpoint")
-    shutil.copytree(os.path.join(DATA, "checkpoint"), ck)
-    expected = torch.load(os.path.join(DATA, "expected.pt"), weights_only=True)
+    shutil.copytree(old_checkpoint / "checkpoint", ck)
+    expected = torch.load(old_checkpoint / "expected.pt", weights_only=True)
 
     def fn():
         torch.manual_seed(1)  # other initial values: everything must come from the checkpoint
