@@ -64,7 +64,7 @@ import enum
 import weakref
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -112,6 +112,8 @@ class BucketEntry(Protocol):
     dtype: torch.dtype
     requires_grad: bool
     full: torch.Tensor | None
+    tp: Any
+    """A tensor-parallel parameter's ``TensorParallel`` (``None`` otherwise)."""
 
 
 class BucketState(enum.Enum):
@@ -236,13 +238,13 @@ class _Bucket:
         for i, (e, pl, view) in enumerate(zip(entries, self.plan.placements, self.buffer.local_views())):
             spec = config.param_spec(pl, self.buffer.dtype)
             if isinstance(e.param, RaggedDTensor):
-                sp = ShardedParam.adopted(fqn=e.fqn, owners=e.owners, index=i, param=e.param)
+                sp = ShardedParam.adopted(fqn=e.fqn, owners=e.owners, index=i, param=e.param, tp=e.tp)
                 self._to_adopt.append((sp, view, spec))
             else:
                 a, b = pl.shard.range(self.rank)
                 sp = ShardedParam.shard(
                     fqn=e.fqn, owners=e.owners, index=i, param=e.param, full=e.full, view=view, spec=spec,
-                    start=a, end=b, requires_grad=e.requires_grad,
+                    start=a, end=b, requires_grad=e.requires_grad, tp=e.tp,
                 )  # fmt: skip
             e.full = None
             e.param = sp.sharded  # drop the original (full) tensor: it is not kept alive by the runtime
@@ -482,7 +484,7 @@ class _Bucket:
                 continue
             self._arrived[i] = True
             dst.append(self.flat_views[i])
-            src.append(g)
+            src.append(self.params[i].local_grad(g))
             up.grad = None
         with torch.no_grad(), record_function(f"fsdp_optim::copy_in({self._range_name})"):
             if dst:
@@ -557,6 +559,7 @@ class _Bucket:
             if g is not None:
                 self._arrived[i] = True
                 up.grad = None
+                g = self.params[i].local_grad(g)
                 if not g.is_contiguous():  # read per owner through a flat view: one copy, not one per owner
                     g = g.contiguous()
             grads.append(g)

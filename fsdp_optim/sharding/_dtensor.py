@@ -38,6 +38,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ._dtensor_ops import dispatch
 from ._placement import RaggedShard, ragged_dim
+from ._tensor_parallel import has_tp, tp_local_shape, tp_offsets, tp_slice
 from .plan import RaggedLayout, flat_range_boxes
 
 __all__ = ["RaggedDTensor", "coordinate", "distribute_ragged", "is_ragged", "ragged_spec"]
@@ -49,7 +50,8 @@ def ragged_spec(
     mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int], dtype: torch.dtype
 ) -> DTensorSpec:
     """The ``DTensorSpec`` of a RaggedDTensor: checked (one ``RaggedShard`` whose layout has the
-    tensor's shape and one range per coordinate; the other dims ``Replicate()``)."""
+    tensor's shape, or its TP-local shape, and one range per coordinate; the other dims
+    ``Replicate()`` or a tensor-parallel ``Shard(d)``, [Note: FSDP x TP])."""
     placements = tuple(placements)
     shape = tuple(int(s) for s in shape)
     if len(placements) != mesh.ndim:
@@ -58,14 +60,16 @@ def ragged_spec(
     if dim is None:
         raise ValueError(f"RaggedDTensor: placements {placements} hold no RaggedShard")
     for i, p in enumerate(placements):
-        if i != dim and not isinstance(p, Replicate):
+        if i != dim and not (type(p) is Replicate or (type(p) is Shard and 0 <= p.dim < len(shape))):
             raise ValueError(
                 f"RaggedDTensor: mesh dim {i} has placement {p}; the dims other than the RaggedShard one must be "
-                "Replicate() (HSDP replicas)"
+                "Replicate() (HSDP replicas) or Shard(d) (tensor parallel, [Note: FSDP x TP])"
             )
     rs = placements[dim]
-    if rs.shape != shape:
-        raise ValueError(f"RaggedDTensor: RaggedShard layout shape {rs.shape} is not the tensor's shape {shape}")
+    local_shape = tp_local_shape(shape, placements, tuple(mesh.shape))
+    if rs.shape != local_shape:
+        what = "the tensor's shape" if local_shape == shape else "its shape after the tensor-parallel Shard placements"
+        raise ValueError(f"RaggedDTensor: RaggedShard layout shape {rs.shape} is not {what} {local_shape}")
     if rs.num_shards != mesh.size(dim):
         raise ValueError(
             f"RaggedDTensor: RaggedShard has {rs.num_shards} ranges but mesh dim {dim} has {mesh.size(dim)} ranks"
@@ -156,6 +160,19 @@ class RaggedDTensor(DTensor):
         return self.ragged.range(self.shard_rank)
 
     @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape the ragged layout covers: the global shape, or under tensor parallelism the TP-local
+        shape ([Note: FSDP x TP])."""
+        return self.ragged.shape
+
+    def _tp_local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's TP-local part of a global-shape tensor (itself without tensor parallelism)."""
+        spec = self._spec
+        if not has_tp(spec.placements):
+            return full
+        return tp_slice(full, spec.placements, tuple(spec.mesh.shape), spec.mesh.get_coordinate())
+
+    @property
     def data(self) -> RaggedDTensor:  # type: ignore[override]
         """A detached alias (the same local piece), as ``Tensor.data``."""
         return RaggedDTensor(self._local_tensor.detach(), self._spec, requires_grad=False)
@@ -190,7 +207,7 @@ class RaggedDTensor(DTensor):
                     f"{tuple(self.shape)} (a plain tensor is taken as the whole tensor: each rank keeps its range)"
                 )
             a, b = self.local_range
-            local = value.detach().reshape(-1)[a:b]
+            local = self._tp_local(value.detach()).reshape(-1)[a:b]
         with torch.no_grad():
             self._local_tensor.copy_(local.reshape(self._local_tensor.shape))
 
@@ -244,6 +261,11 @@ class RaggedDTensor(DTensor):
             full = x.full_tensor()
             return DTensor.from_local(full, mesh, placements, run_check=False, shape=self.shape, stride=self.stride())
         target = placements[dim] if len(placements) == mesh.ndim else None
+        if has_tp(self._spec.placements):
+            raise NotImplementedError(
+                f"RaggedDTensor.redistribute from {self._spec.placements} to {placements}: under tensor parallelism only "
+                "Replicate() on every mesh dim is supported (full_tensor()); to_local() is this rank's flat piece"
+            )
         if others_same and isinstance(target, Shard) and target.dim in (0, -self.ndim):
             rows = RaggedLayout.even_rows(tuple(self.shape), x.ragged.num_shards)
             local = _exchange(x, rows).view(rows.local_shape(self.shard_rank))
@@ -286,7 +308,12 @@ class RaggedDTensor(DTensor):
     # ---- DCP: the N-D boxes this rank's flat range is made of --------------------------------
     def _boxes(self):
         a, b = self.local_range
-        return flat_range_boxes(tuple(self.shape), a, b)
+        boxes = flat_range_boxes(self.local_shape, a, b)
+        spec = self._spec
+        if not has_tp(spec.placements):
+            return boxes
+        off = tp_offsets(tuple(self.shape), spec.placements, tuple(spec.mesh.shape), spec.mesh.get_coordinate())
+        return [b._replace(offsets=tuple(o + d for o, d in zip(b.offsets, off))) for b in boxes]
 
     def __create_write_items__(self, fqn: str, object: Any):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -358,7 +385,7 @@ class _ToLocal(torch.autograd.Function):
 class _FullTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: RaggedDTensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.spec, ctx.range = x._spec, x.local_range
+        ctx.spec, ctx.range, ctx.x = x._spec, x.local_range, x.detach()
         return _gather(x)
 
     @staticmethod
@@ -366,7 +393,7 @@ class _FullTensor(torch.autograd.Function):
         from ._dtensor_ops import spec_with_dtype
 
         a, b = ctx.range
-        local = grad.reshape(-1)[a:b].clone()
+        local = ctx.x._tp_local(grad).reshape(-1)[a:b].clone()
         return RaggedDTensor(local, spec_with_dtype(ctx.spec, grad.dtype), requires_grad=False)
 
 
@@ -389,8 +416,19 @@ def _gather(x: RaggedDTensor) -> torch.Tensor:
     rs, dim = x.ragged, x.ragged_dim
     local = x._local_tensor.reshape(-1)
     w = rs.num_shards
+    if has_tp(x._spec.placements):  # the TP-local tensor, then torch's gather over the TP dims
+        spec = x._spec
+        tp_local = _gather_ragged(x, local, rs, dim, w).view(x.local_shape)
+        placements = [Replicate() if i == dim else p for i, p in enumerate(spec.placements)]
+        return DTensor.from_local(
+            tp_local, spec.mesh, placements, run_check=False, shape=x.shape, stride=x.stride()
+        ).full_tensor()
+    return _gather_ragged(x, local, rs, dim, w).view(x.shape)
+
+
+def _gather_ragged(x: RaggedDTensor, local: torch.Tensor, rs: RaggedShard, dim: int, w: int) -> torch.Tensor:
     if w == 1:
-        return local.clone().view(x.shape)
+        return local.clone()
     group, order = _coordinate_order(x._spec.mesh, dim)
     sizes = [rs.range(c)[1] - rs.range(c)[0] for c in range(w)]
     width = max(sizes)
@@ -401,7 +439,7 @@ def _gather(x: RaggedDTensor) -> torch.Tensor:
         _all_gather_single(out, send, group=group)
     by_group_rank = out.view(w, width)
     pieces = [by_group_rank[c if order is None else order[c], : sizes[c]] for c in range(w)]
-    return torch.cat(pieces).view(x.shape) if pieces else local.new_empty(x.shape)
+    return torch.cat(pieces) if pieces else local.new_empty(math.prod(x.local_shape))
 
 
 def _exchange(x: RaggedDTensor, dst: RaggedLayout) -> torch.Tensor:

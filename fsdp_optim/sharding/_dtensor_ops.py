@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ._tensor_parallel import has_tp, tp_slice
 from ._placement import RaggedShard, ragged_dim
 
 __all__ = ["dispatch", "spec_with_dtype", "unsupported"]
@@ -150,6 +151,8 @@ def _local_range(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     dim = ragged_dim(spec.placements)
     coord = spec.mesh.get_coordinate()
     a, b = spec.placements[dim].range(coord[dim])
+    if has_tp(spec.placements):
+        full = tp_slice(full, spec.placements, tuple(spec.mesh.shape), coord)
     return full.reshape(-1)[a:b]
 
 
@@ -271,7 +274,7 @@ def _listwise(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
 
 # ---- reductions --------------------------------------------------------------------------------
 def _partial_spec(spec: DTensorSpec, reduce_op: str, dtype: torch.dtype, shape: tuple[int, ...] = ()) -> DTensorSpec:
-    placements = tuple(Partial(reduce_op) if isinstance(p, RaggedShard) else p for p in spec.placements)
+    placements = tuple(Partial(reduce_op) if isinstance(p, (RaggedShard, Shard)) else p for p in spec.placements)
     stride = tuple(int(s) for s in torch.empty(shape, device="meta").stride())
     return DTensorSpec(spec.mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
 
@@ -329,7 +332,7 @@ def _as_flat_shard(x: Any, cls: type) -> DTensor:
     torch's own DTensor norm computes the local norm and marks it with its norm ``Partial``."""
     spec = x._spec
     local = x._local_tensor
-    placements = [Shard(0) if isinstance(p, RaggedShard) else p for p in spec.placements]
+    placements = [Shard(0) if isinstance(p, (RaggedShard, Shard)) else p for p in spec.placements]
     return DTensor.from_local(local.reshape(-1), spec.mesh, placements, run_check=False, shape=torch.Size((x.numel(),)), stride=(1,))
 
 
@@ -385,10 +388,10 @@ def _all_any(cls: type, func: Any, args: tuple, kwargs: dict, op: str) -> DTenso
         raise unsupported(func, "a reduction over some dims only")
     local = x._local_tensor
     val = (local.all() if op == "all" else local.any()).to(torch.int32)
-    dim = ragged_dim(x._spec.placements)
-    group = x._spec.mesh.get_group(dim)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(val, op=dist.ReduceOp.MIN if op == "all" else dist.ReduceOp.MAX, group=group)
+    for dim in _sharded_dims(x._spec):
+        group = x._spec.mesh.get_group(dim)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(val, op=dist.ReduceOp.MIN if op == "all" else dist.ReduceOp.MAX, group=group)
     spec = x._spec
     placements = tuple(Replicate() for _ in spec.placements)
     return _stock(val.bool(), DTensorSpec(spec.mesh, placements, tensor_meta=TensorMeta(torch.Size(()), (), torch.bool)))
@@ -397,8 +400,9 @@ def _all_any(cls: type, func: Any, args: tuple, kwargs: dict, op: str) -> DTenso
 def _agree(x: Any, local: bool) -> bool:
     """``local`` for every rank of ``x``'s ragged mesh dimension (one all-reduce)."""
     val = torch.tensor(int(local), dtype=torch.int32, device=x._local_tensor.device)
-    dim = ragged_dim(x._spec.placements)
-    if x._spec.placements[dim].num_shards > 1:
+    for dim in _sharded_dims(x._spec):
+        if x._spec.mesh.size(dim) == 1:
+            continue
         try:
             group = x._spec.mesh.get_group(dim)
         except RuntimeError as e:  # a mesh without process groups (fsdp_optim._testing.emulated_mesh)
@@ -407,6 +411,11 @@ def _agree(x: Any, local: bool) -> bool:
             ) from None
         dist.all_reduce(val, op=dist.ReduceOp.MIN, group=group)
     return bool(val.item())
+
+
+def _sharded_dims(spec: DTensorSpec) -> list[int]:
+    """The mesh dims whose ranks hold different parts (the ragged one, tensor-parallel ``Shard`` ones)."""
+    return [i for i, p in enumerate(spec.placements) if isinstance(p, (RaggedShard, Shard))]
 
 
 def _equal(cls: type, func: Any, args: tuple, kwargs: dict) -> bool:

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ._dtensor import RaggedDTensor
 from ._replaced import mark_replaced, rename_replaced
+from ._tensor_parallel import TensorParallel
 
 __all__ = ["ShardedParam"]
 
@@ -39,10 +41,14 @@ class ShardedParam:
     """While gathered: the global-shape view of the gathered buffer the modules compute with."""
     expected_ptr: int = field(default=0)
     """Where the local piece starts in memory (a moved piece is copied back: ``rebind``)."""
+    tp: TensorParallel | None = None
+    """A tensor-parallel parameter's TP mesh and placement ([Note: FSDP x TP]): the bucket holds its
+    TP-local tensor, and the unsharded parameter is a torch ``DTensor`` on the TP mesh."""
 
     @classmethod
     def shard(cls, *, fqn: str, owners, index: int, param: torch.Tensor, full: torch.Tensor | None,
-              view: torch.Tensor, spec: DTensorSpec, start: int, end: int, requires_grad: bool) -> ShardedParam:  # fmt: skip
+              view: torch.Tensor, spec: DTensorSpec, start: int, end: int, requires_grad: bool,
+              tp: TensorParallel | None = None) -> ShardedParam:  # fmt: skip
         """A new sharded parameter viewing ``view`` (this rank's ``[start, end)`` of ``full``, copied
         in when given); the original ``param`` is marked replaced."""
         if full is not None:
@@ -52,13 +58,13 @@ class ShardedParam:
         sp._local_tensor = view  # (Parameter() took a detached alias: keep the segment view itself)
         sp._fqn = fqn
         mark_replaced(param, fqn, replacement=sp)
-        return cls(fqn=fqn, owners=owners, index=index, sharded=sp, expected_ptr=view.data_ptr())
+        return cls(fqn=fqn, owners=owners, index=index, sharded=sp, expected_ptr=view.data_ptr(), tp=tp)
 
     @classmethod
-    def adopted(cls, *, fqn: str, owners, index: int, param: RaggedDTensor) -> ShardedParam:
+    def adopted(cls, *, fqn: str, owners, index: int, param: RaggedDTensor, tp: TensorParallel | None = None) -> ShardedParam:
         """An earlier root's sharded parameter, kept as the same object: ``adopt`` re-lays it out once its
         piece moved into this bucket."""
-        return cls(fqn=fqn, owners=owners, index=index, sharded=param, expected_ptr=param._local_tensor.data_ptr())
+        return cls(fqn=fqn, owners=owners, index=index, sharded=param, expected_ptr=param._local_tensor.data_ptr(), tp=tp)
 
     # ---- which one the modules show ---------------------------------------------------------------
     def to_sharded(self) -> None:
@@ -73,8 +79,24 @@ class ShardedParam:
 
     def init_unsharded(self, view: torch.Tensor) -> None:
         """The unsharded parameter: a view of the gathered buffer (made once; the buffer's storage is
-        freed and re-allocated in place, so the view stays valid)."""
+        freed and re-allocated in place, so the view stays valid). Tensor parallel: torch's ``DTensor`` of
+        the TP mesh and placement over that view, as ``parallelize_module`` made it."""
+        if self.tp is not None:
+            tp = self.tp
+            stride = torch.empty(tp.global_shape, device="meta").stride()
+            view = DTensor.from_local(view, tp.mesh, [tp.placement], run_check=False, shape=tp.global_shape, stride=stride)
         self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
+
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The unsharded gradient as the bucket reduces it: a tensor of the gathered view's shape. A TP
+        gradient is a ``DTensor``; one in another placement than the parameter's (``Partial`` for a
+        ``Replicate()`` weight under sequence parallelism) is first redistributed to it over TP, as FSDP2
+        does."""
+        if self.tp is None or not isinstance(grad, DTensor):
+            return grad
+        if tuple(grad.placements) != (self.tp.placement,):
+            grad = grad.redistribute(grad.device_mesh, [self.tp.placement])
+        return grad.to_local()
 
     # ---- where its piece lives --------------------------------------------------------------------
     def adopt(self, view: torch.Tensor, spec: DTensorSpec) -> None:

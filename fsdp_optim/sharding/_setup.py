@@ -28,6 +28,7 @@ at the next use).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -41,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 from ._bucket import BucketConfig, _Bucket
 from ._context import CommContext, Streams
@@ -51,6 +52,7 @@ from ._mixed_precision import MixedPrecisionPolicy
 from ._runtime import _STATE, _ModuleState, _Runtime
 from ._dtensor import RaggedDTensor, ragged_spec
 from ._placement import RaggedShard
+from ._tensor_parallel import TensorParallel, join_meshes, tensor_parallel_of
 from ._replaced import replacement_of, was_replaced
 from .plan import BlockSpec, Plan, PlanConfig, RaggedLayout, TensorSpec, config_for_rules, default_rule, plan_model
 
@@ -172,6 +174,7 @@ class _Entry:
     spec: BlockSpec | None = None
     align_rows: int | None = None  # FP8 all-gather: rank boundaries on multiples of the tile height
     full: torch.Tensor | None = None  # the values to shard (None: uninitialized, e.g. meta)
+    tp: TensorParallel | None = None  # a tensor-parallel parameter ([Note: FSDP x TP])
 
 
 def _discover(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry]]:
@@ -251,8 +254,18 @@ def _discover(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry]]:
     return states, entries
 
 
+def _tp_of_sharded(states: list[_ModuleState]) -> dict[int, TensorParallel]:
+    """The TP layouts of parameters earlier roots under this call sharded (their owners keep them)."""
+    return {
+        id(sp.sharded): sp.tp
+        for st in states if st.runtime is not None and st.runtime.root_state is st
+        for b in st.runtime.buckets for sp in b.params if sp.tp is not None
+    }  # fmt: skip
+
+
 def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Entry]) -> None:
     """Every user error, before any collective (raised on every rank after ``_agree``)."""
+    tps = _tp_of_sharded(states)
     for st in states:
         if st is root:
             continue
@@ -294,13 +307,18 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
                 "the same experts (expert_parallel_groups(...).replicas), then on the enclosing modules"
             )
         if isinstance(p, RaggedDTensor):  # sharded by an inner call: planned again here
-            e.shape, e.requires_grad = tuple(p.shape), p.requires_grad
+            e.tp = tps.get(id(p))
+            e.shape, e.requires_grad = p.local_shape, p.requires_grad
             e.dtype = p.dtype
             probe = torch.empty(e.shape, dtype=p.dtype, device="meta")
             probe = nn.Parameter(probe, requires_grad=p.requires_grad)
         else:
+            e.tp = tensor_parallel_of(p, e.fqn)  # a DTensor of parallelize_module: its TP-local tensor is planned
             e.shape, e.requires_grad, e.dtype = tuple(p.shape), p.requires_grad, p.dtype
             probe = p
+            if e.tp is not None:
+                e.shape = e.tp.local_shape
+                probe = nn.Parameter(torch.empty(e.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
         if not e.dtype.is_floating_point:
             raise ValueError(
                 f"fully_shard: parameter {e.fqn} has dtype {e.dtype}; only floating-point parameters can be "
@@ -323,6 +341,20 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
         e.spec = spec
         fp8 = e.state.fp8_all_gather or root.fp8_all_gather
         e.align_rows = fp8.tile_shape[0] if fp8 is not None and fp8.eligible(e.shape) else None
+    meshes = {id(e.tp.mesh): e for e in entries if e.tp is not None}
+    if len(meshes) > 1:
+        a, b = list(meshes.values())[:2]
+        raise ValueError(
+            f"fully_shard: {a.fqn} and {b.fqn} are tensor-parallel over different meshes ({a.tp.mesh} and "
+            f"{b.tp.mesh}); parallelize the model over one TP mesh (mesh['tp'])"
+        )
+    if meshes and root.separate_root:
+        e = next(iter(meshes.values()))
+        raise ValueError(
+            f"fully_shard: {e.fqn} is tensor-parallel inside an expert_parallel experts module; expert parallelism "
+            "with tensor-parallel experts is not supported (docs/tensor-parallel.md): keep the experts out of the TP "
+            "plan"
+        )
     by_bucket: dict[int, list[_Entry]] = {}
     for e in entries:
         by_bucket.setdefault(id(e.state), []).append(e)
@@ -484,16 +516,71 @@ def _plan_under(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry], l
         mine = _expert_layout_of(root, entries, plan) if root.separate_root else None
     except Exception as e:  # noqa: BLE001 - agreed on below, re-raised on every rank
         err = e
-    every = _agree(err, root, fingerprint, mine)
-    root.param_spec = _expert_param_spec(root, every) if root.separate_root else _param_spec(root)
+    tp_mesh = _tp_mesh_under(root)
+    if tp_mesh is None:
+        every = _agree(err, root, fingerprint, mine)
+        root.param_spec = _expert_param_spec(root, every) if root.separate_root else _param_spec(root)
+        return states, entries, bucket_states, plan
+    try:
+        _agree(err, root, fingerprint, mine)
+    except Exception as e:  # noqa: BLE001 - the TP ranks learn it next
+        err = e
+    else:
+        err = None
+    joined = _agree_tp(err, root, tp_mesh, fingerprint)
+    root.param_spec = _param_spec(root, tps={e.fqn: e.tp for e in entries if e.tp is not None}, joined=joined)
     return states, entries, bucket_states, plan
+
+
+def _tp_mesh_under(root: _ModuleState) -> DeviceMesh | None:
+    """The TP mesh of the tensor-parallel parameters under ``root`` (read without raising, so every rank
+    of a TP group knows it joins the TP agreement even when its own validation failed)."""
+    states_tp = None
+    for m in root.modules:
+        for p in m.parameters():
+            if isinstance(p, RaggedDTensor):
+                if states_tp is None:
+                    states_tp = {}
+                    for sub in m.modules():
+                        st = getattr(sub, _STATE, None)
+                        if st is not None and st.runtime is not None:
+                            states_tp.update(_tp_of_sharded([st.runtime.root_state]))
+                tp = states_tp.get(id(p))
+                if tp is not None:
+                    return tp.mesh
+            elif isinstance(p, DTensor) and p.device_mesh.ndim == 1:
+                return p.device_mesh
+    return None
+
+
+def _agree_tp(err: BaseException | None, root: _ModuleState, tp_mesh: DeviceMesh, fingerprint: Any) -> DeviceMesh:
+    """Agree over the TP group: an error anywhere raises on every TP rank, every TP rank must have
+    planned the same layout ([Note: FSDP x TP]), and each rank's data-parallel mesh gives the grid of
+    the joined (dp..., tp) mesh."""
+    group = tp_mesh.get_group(0)
+    payload = (fingerprint, root.device_mesh.mesh.tolist())
+    every = agree_on_error(err, group=group, what="fully_shard (tensor parallel)", payload=payload)
+    prints = [fp for fp, _ in every]
+    bad = [t for t, fp in enumerate(prints) if fp != fingerprint]
+    if bad:
+        raise ValueError(
+            f"fully_shard: TP ranks {bad} of {len(prints)} planned another layout than TP rank "
+            f"{tp_mesh.get_local_rank()} ({_differences(fingerprint, prints[bad[0]])}); every TP rank must build the "
+            "same model with the same TP plan and fully_shard arguments (TP-local shapes must be equal)"
+        )
+    return join_meshes(root.device_mesh, tp_mesh, [grid for _, grid in every])
 
 
 def _plan_config(root: _ModuleState, states: list[_ModuleState]) -> PlanConfig:
     """The root's ``PlanConfig`` for the block rules in use (``config_for_rules``: balance by split
     matrices only where the optimizer takes them)."""
     rules = {id(r): r for r in [st.blocks or root.blocks or default_rule for st in states]}
-    return config_for_rules(root.plan_config or PlanConfig(), rules.values())
+    config = config_for_rules(root.plan_config or PlanConfig(), rules.values())
+    if config.balance == "auto" and _tp_mesh_under(root) is not None:
+        # Tensor parallel: matrices stay whole on one data-parallel rank, so an optimizer assembling a
+        # TP-sharded matrix does so inside one TP group only ([Note: FSDP x TP]).
+        config = dataclasses.replace(config, balance="whole")
+    return config
 
 
 def _build_buckets(
@@ -514,6 +601,8 @@ def _build_buckets(
     unmoved = {id(b): len(b.sharded) for rt in old for b in rt.buckets}
     for e in entries:
         e.full = None if id(e.param) in sources else e.param
+        if e.full is not None and e.tp is not None:
+            e.full = e.full.to_local()  # (a TP DTensor: its TP-local tensor is what the bucket holds)
         if e.full is not None and e.full.device.type == "meta":
             e.full = None
 
@@ -591,15 +680,20 @@ def _reshard_after_forward(st: _ModuleState, root: _ModuleState) -> bool:
     return st is not root or st.separate_root
 
 
-def _param_spec(root: _ModuleState):
+def _param_spec(root: _ModuleState, *, tps: dict[str, TensorParallel] | None = None, joined: DeviceMesh | None = None):
     """A planned tensor's ``DTensorSpec`` on the root's mesh: ``RaggedShard`` on the shard dimension,
-    ``Replicate()`` on the replicas'."""
+    ``Replicate()`` on the replicas'. Tensor parallel (``tps``: by name): on the ``joined`` (dp..., tp)
+    mesh, the TP placement last, of the global shape ([Note: FSDP x TP])."""
     mesh, dim = root.device_mesh, root.shard_dim
+    tps = tps or {}
 
     def spec(pl, dtype: torch.dtype):
         placements = [Replicate()] * mesh.ndim
         placements[dim] = RaggedShard(pl.shard, pl.spec, split=pl.split)
-        return ragged_spec(mesh, placements, pl.shape, dtype)
+        tp = tps.get(pl.name)
+        if tp is None:
+            return ragged_spec(mesh, placements, pl.shape, dtype)
+        return ragged_spec(joined, [*placements, tp.placement], tp.global_shape, dtype)
 
     return spec
 

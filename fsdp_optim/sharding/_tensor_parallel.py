@@ -1,0 +1,171 @@
+"""Tensor-parallel parameters under ``fully_shard``: what a TP DTensor brings, and the (dp, tp) mesh.
+
+[Note: FSDP x TP]
+``parallelize_module(model, mesh["tp"], plan)`` leaves each parallelized parameter a torch
+``DTensor`` on the 1-D TP mesh (``Shard(0)`` for ``ColwiseParallel``'s weight, ``Shard(1)`` for
+``RowwiseParallel``'s, ``Replicate()`` for ``SequenceParallel``'s norms); its local tensor is this
+TP rank's slice. ``fully_shard(block, mesh=mesh["dp"])`` then shards that *TP-local tensor* over the
+data-parallel ranks exactly as it shards a plain parameter: the planner sees the TP-local shapes,
+the buffers hold TP-local pieces, all-gathers and reduce-scatters stay on the data-parallel group.
+Every TP rank plans identical TP-local shapes (a TP dim must divide evenly: checked, with the
+parameter named), so the plan, and hence the data-parallel owner of every block, is the same on
+every TP rank (agreed at setup over the TP group: a mismatch raises everywhere). So the TP shards of
+one matrix sit on the same data-parallel coordinate of every TP rank: an optimizer that needs the
+whole matrix (Muon) assembles it inside one TP group, never across data-parallel ranks.
+
+What torch sees:
+- the sharded parameter: a ``RaggedDTensor`` of the *global* shape on the (dp, tp) mesh (HSDP x TP:
+  (replicate, shard, tp)) with placements ``(RaggedShard(layout of the TP-local shape), Shard(d))``
+  (or ``Replicate()`` on tp). The order is the TP shard first, then the ragged range of it (what
+  FSDP2 writes as ``_StridedShard`` for ``Shard(0)`` on both): this rank's local piece is the flat
+  range ``[bounds[r], bounds[r + 1])`` of the row-major flattened TP-local tensor. Reductions are
+  ``Partial`` on every dim that shards (ragged and ``Shard``), ``full_tensor()`` gathers both, DCP
+  writes N-D boxes offset by the TP slice;
+- while gathered, the modules hold the unsharded parameter as torch's ``DTensor`` on the TP mesh
+  with the original placement (a view of the gathered buffer), so the TP plan's forward runs
+  unchanged; its gradient (a ``Partial`` one, for a ``Replicate()`` weight under sequence
+  parallelism, is first reduced over TP as FSDP2 does) is copied into the reduction buffer as a
+  TP-local tensor.
+The mesh is built from the two groups (``DeviceMesh.from_group``): the grid is learned from the
+TP group (each TP rank's data-parallel ranks), which also checks the two meshes tile one grid.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["TensorParallel", "tensor_parallel_of", "tp_local_shape", "tp_offsets", "tp_slice", "join_meshes"]
+
+
+class TensorParallel(NamedTuple):
+    """What a TP ``DTensor`` parameter brings to ``fully_shard``: its TP mesh and placement."""
+
+    mesh: DeviceMesh
+    """The 1-D TP mesh."""
+    placement: Placement
+    """``Shard(d)`` (d >= 0) or ``Replicate()``."""
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+
+    @property
+    def dim(self) -> int | None:
+        """The tensor dim TP shards, or ``None`` (replicated over TP)."""
+        return self.placement.dim if isinstance(self.placement, Shard) else None
+
+
+def _where(fqn: str, p: DTensor) -> str:
+    return f"parameter {fqn} (shape {tuple(p.shape)}, placements {tuple(p.placements)}, mesh {p.device_mesh})"
+
+
+def tensor_parallel_of(p: torch.Tensor, fqn: str) -> TensorParallel | None:
+    """``p``'s TP layout if it is a torch ``DTensor`` (``parallelize_module``'s), else ``None``.
+    Raises naming the parameter, its shape and mesh for layouts ``fully_shard`` does not take."""
+    if not isinstance(p, DTensor):
+        return None
+    mesh = p.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard: {_where(fqn, p)} lives on a {mesh.ndim}-D mesh; tensor-parallel parameters must be on the "
+            "1-D TP mesh (parallelize_module(model, mesh['tp'], plan)), and fully_shard takes the data-parallel mesh "
+            "(mesh['dp'], or mesh['dp_replicate', 'dp_shard'] for HSDP)"
+        )
+    (pl,) = p.placements
+    if type(pl) is Shard:
+        d = pl.dim % p.ndim
+        n = mesh.size()
+        if p.shape[d] % n:
+            raise ValueError(
+                f"fully_shard: {_where(fqn, p)}: dim {d} (size {p.shape[d]}) does not divide by the TP size {n}; every "
+                "TP rank must hold the same TP-local shape (so every TP rank plans the same layout). Choose a TP size "
+                "that divides it (heads and hidden sizes by tp), or leave this module out of the TP plan"
+            )
+        local = list(p.shape)
+        local[d] //= n
+        return TensorParallel(mesh, Shard(d), tuple(p.shape), tuple(local))
+    if type(pl) is Replicate:
+        return TensorParallel(mesh, Replicate(), tuple(p.shape), tuple(p.shape))
+    raise ValueError(
+        f"fully_shard: {_where(fqn, p)}: placement {pl} is not taken; a tensor-parallel parameter must be Shard(d) "
+        "or Replicate() on the TP mesh (torch's ColwiseParallel / RowwiseParallel / SequenceParallel give these)"
+    )
+
+
+# ---- index arithmetic (pure) ----------------------------------------------------------------------
+def tp_local_shape(shape: tuple[int, ...], placements, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape after the ``Shard`` placements (even division, checked by ``tensor_parallel_of``)."""
+    out = list(shape)
+    for pl, n in zip(placements, mesh_shape):
+        if type(pl) is Shard:
+            out[pl.dim] //= n
+    return tuple(out)
+
+
+def tp_offsets(shape: tuple[int, ...], placements, mesh_shape: tuple[int, ...], coord) -> tuple[int, ...]:
+    """Where this rank's TP-local tensor starts in the global tensor, per dim."""
+    off = [0] * len(shape)
+    local = tp_local_shape(shape, placements, mesh_shape)
+    for pl, c in zip(placements, coord):
+        if type(pl) is Shard:
+            off[pl.dim] += c * local[pl.dim]
+    return tuple(off)
+
+
+def tp_slice(full: torch.Tensor, placements, mesh_shape: tuple[int, ...], coord) -> torch.Tensor:
+    """This rank's TP-local part of the global tensor ``full`` (a view)."""
+    local = tp_local_shape(tuple(full.shape), placements, mesh_shape)
+    off = tp_offsets(tuple(full.shape), placements, mesh_shape, coord)
+    out = full
+    for d, (o, n) in enumerate(zip(off, local)):
+        if n != full.shape[d]:
+            out = out.narrow(d, o, n)
+    return out
+
+
+def has_tp(placements) -> bool:
+    return any(type(p) is Shard for p in placements)
+
+
+# ---- the (dp, tp) mesh ----------------------------------------------------------------------------
+def join_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, dp_grids: list[list]) -> DeviceMesh:
+    """The mesh ``dp_mesh``'s dims + the TP dim. ``dp_grids[t]``: the data-parallel mesh (its rank
+    tensor, as a list) of TP rank ``t`` of this rank's TP group, learned over that group. Raises if
+    the two meshes do not tile one grid (TP rank ``t`` of every data-parallel coordinate's TP group
+    must be the ``t``-th entry there)."""
+    grid = torch.stack([torch.tensor(g) for g in dp_grids], dim=-1)  # [..dp dims.., tp]
+    tp_ranks = tp_mesh.mesh.tolist()
+    dp_ranks = dp_mesh.mesh
+    coord = dp_mesh.get_coordinate()
+    mine = grid[tuple(coord)].tolist()
+    if mine != tp_ranks or not torch.equal(grid[..., tp_mesh.get_local_rank()], dp_ranks):
+        raise ValueError(
+            f"fully_shard: the data-parallel mesh {dp_mesh} and the TP mesh {tp_mesh} of the parameters do not tile "
+            f"one grid (this rank's TP group is {tp_ranks}, but the TP ranks' data-parallel meshes give {mine}); build "
+            "both from one mesh: mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), then "
+            "parallelize_module(model, mesh['tp'], plan) and fully_shard(block, mesh=mesh['dp'])"
+        )
+    names = tuple(dp_mesh.mesh_dim_names or (f"dp{i}" for i in range(dp_mesh.ndim)))
+    tp_name = (tp_mesh.mesh_dim_names or ("tp",))[0]
+    if tp_name in names:
+        tp_name = "tp"
+    groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)] + [tp_mesh.get_group(0)]
+    return DeviceMesh.from_group(groups, dp_mesh.device_type, mesh=grid, mesh_dim_names=(*names, tp_name))
+
+
+def numel(shape) -> int:
+    return math.prod(shape)
+
+
+def dp_grid(dp_mesh: DeviceMesh) -> list:
+    """``dp_mesh``'s rank tensor as nested lists (what each TP rank sends at setup)."""
+    return dp_mesh.mesh.tolist()
+
+
+def tp_group(tp: TensorParallel) -> dist.ProcessGroup:
+    return tp.mesh.get_group(0)
