@@ -9,7 +9,10 @@ LayerShardedMuon, and FSDP2 + torch.optim.Muon on DTensor parameters. The model 
 
 Default configurations: the measured size, W = 4, on the recipes' ``tiny`` (dp 2 x tp 2; its 6 heads and
 2 KV heads do not split over 4) and Llama 3.2 1B dims (``recipes/configs/llama3-1b.toml``, dp 2 x tp 2 and
-1 x 4), and Llama 3.1 405B (``tests/data/model_shapes.json``) at W = 16384 = dp 2048 x tp 8.
+1 x 4), and Llama 3.1 405B (``tests/data/model_shapes.json``) at W = 16384 = dp 2048 x tp 8, and at W = 1024 =
+dp 128 x tp 8 beside it (each TP group then holds ~7 matrices instead of <= 3: where NS redundancy costs time).
+tp = 16 is not modelled by default: Llama 3.1 405B's 8 KV heads do not split over 16 TP ranks (and a
+16-rank TP group leaves the 8-GPU node).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import _comm_tp as tp  # noqa: E402
 import comm_model as cm  # noqa: E402
 from _out import out_dir  # noqa: E402
 
-DEFAULT_CONFIGS = ("tiny:2x2", "llama3-1b:2x2", "llama3-1b:1x4", "llama3.1-405b:2048x8")
+DEFAULT_CONFIGS = ("tiny:2x2", "llama3-1b:2x2", "llama3-1b:1x4", "llama3.1-405b:2048x8", "llama3.1-405b:128x8")
 
 
 def parse_config(text: str) -> tuple[str, int, int]:
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = [tp.model_tp(name, dp, t, inter=inter, links=links) for name, dp, t in args.configs]
     data = {"command": " ".join(["python benchmarks/comm_model_tp.py", *(sys.argv[1:] if argv is None else argv)]),
-            "assumptions": asdict(inter), "tp_links": asdict(links), "seconds": time.perf_counter() - t0,
+            "assumptions": {k: asdict(inter)[k] for k in ("bandwidth_gbps", "alpha_us", "latency")}, "tp_links": asdict(links), "seconds": time.perf_counter() - t0,
             "python": platform.python_version(), "rows": rows}  # fmt: skip
     md = to_markdown(data)
     if args.no_write:
