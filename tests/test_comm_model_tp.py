@@ -51,6 +51,10 @@ def test_bytes_ours_vs_duplicated(rows):
         # T ranks all-gathering (T-1)/T of it: ratio 2/T (equal at T = 2)
         assert o["total_bytes_all_ranks"] / dup["total_bytes_all_ranks"] == pytest.approx(2 / t)
         assert o["total_bytes_all_ranks"] == pytest.approx(2 * (t - 1) / t * r["matrix_bytes"])
+        # LayerShardedMuon over dp x tp: (D-1)/D of each matrix crosses dp, (T-1)/T crosses TP, out and back
+        d = r["dp"]
+        ls = r["schemes"]["megatron_layer_sharded"]["total_bytes_all_ranks"]
+        assert ls == pytest.approx(2 * ((d - 1) / d + (t - 1) / t) * r["matrix_bytes"])
     small = rows[("llama3-1b", 1, 4)]["schemes"]
     assert small["ours"]["bytes"] < small["megatron_duplicated"]["bytes"]
     assert small["ours"]["seconds"] < small["megatron_duplicated"]["seconds"]
