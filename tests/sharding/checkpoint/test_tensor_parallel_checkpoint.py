@@ -177,3 +177,35 @@ def test_per_block_state_loads_at_the_same_tp_size_and_is_refused_at_another(tmp
     with pytest.raises(Exception) as e:
         run_distributed(lambda: _adamw8bit(path, 4, 1, False), world_size=4)
     assert "loads only at the same TP size" in str(e.value)
+
+
+def test_export_hf_of_a_tp_model_writes_the_unsharded_tensors_and_load_hf_reads_them_back(tmp_path):
+    import os
+
+    from safetensors import safe_open
+
+    class _Config:  # export_hf needs only save_pretrained of a config
+        def save_pretrained(self, path):
+            with open(os.path.join(path, "config.json"), "w") as f:
+                f.write("{}")
+
+    def fn():
+        mesh, model, opt = _build(2, 2)
+        _step(model, opt, mesh, 0)
+        fsdp_optim.export_hf(model, tmp_path / "hf", config=_Config())
+        _, other, _ = _build(1, 4)  # another layout reads it back
+        fsdp_optim.load_hf(other, tmp_path / "hf")
+        want = {n: p.full_tensor() for n, p in model.named_parameters()}
+        got = {n: p.full_tensor() for n, p in other.named_parameters()}
+        return want, all(torch.equal(got[k], v) for k, v in want.items())
+
+    want, same = run_distributed(fn, world_size=4)[0]
+    assert same
+    files = {}
+    for f in os.listdir(tmp_path / "hf"):
+        if f.endswith(".safetensors"):
+            with safe_open(str(tmp_path / "hf" / f), "pt") as h:
+                files.update({k: h.get_tensor(k) for k in h.keys()})
+    assert files.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(files[k], v), k
