@@ -18,7 +18,9 @@ API, and no op can fall through to torch's propagation. The placement itself ref
 propagation queries, so a stock DTensor that somehow holds it fails loudly too.
 
 Conventions: the local tensor is 1-D (this rank's flat range); mesh dimensions other than the
-ragged one are ``Replicate()``; coordinates along the ragged dimension are ``bounds`` indices.
+ragged one are ``Replicate()`` (HSDP replicas) or a tensor-parallel ``Shard(d)``, which applies first:
+the layout then covers the TP-local tensor ([Note: FSDP x TP]); coordinates along the ragged
+dimension are ``bounds`` indices.
 Collectives over the ragged dimension use its process group in coordinate order (a mesh whose
 coordinate order is not its group's rank order is mapped, see ``_coordinate_order``).
 """

@@ -5,7 +5,8 @@
 dimension holds the flat elements ``[bounds[r], bounds[r + 1])`` of the row-major flattened
 tensor, ``bounds = layout.bounds`` (a ``plan.RaggedLayout``: contiguous, in coordinate order,
 covering the tensor once, possibly empty, possibly uneven). The other mesh dimensions of a
-``RaggedDTensor`` are ``Replicate()`` (HSDP's replicas). Its ``to_local()`` is that flat range as a
+``RaggedDTensor`` are ``Replicate()`` (HSDP's replicas) or a tensor-parallel ``Shard(d)``, in which
+case "the tensor" is the TP-local one ([Note: FSDP x TP]). Its ``to_local()`` is that flat range as a
 1-D tensor (for a parameter, a view of its bucket's segment). ``spec`` is the block structure the
 planner kept whole (``whole()`` matrices for Muon, ``rows(k)`` strips for Shampoo, ``elements(g)``
 quantization blocks...): no rank boundary cuts one of its blocks, except where ``split`` records

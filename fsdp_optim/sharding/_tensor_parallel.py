@@ -36,14 +36,13 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from .plan import BlockSpec
 
-__all__ = ["TensorParallel", "tp_cuts_blocks", "tensor_parallel_of", "tp_local_shape", "tp_offsets", "tp_slice", "join_meshes"]
+__all__ = ["TensorParallel", "has_tp", "join_meshes", "tensor_parallel_of", "tp_cuts_blocks", "tp_local_shape", "tp_offsets", "tp_slice"]
 
 
 class TensorParallel(NamedTuple):
@@ -173,10 +172,9 @@ def join_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, dp_grids: list[list]) 
     must be the ``t``-th entry there)."""
     grid = torch.stack([torch.tensor(g) for g in dp_grids], dim=-1)  # [..dp dims.., tp]
     tp_ranks = tp_mesh.mesh.tolist()
-    dp_ranks = dp_mesh.mesh
     coord = dp_mesh.get_coordinate()
     mine = grid[tuple(coord)].tolist()
-    if mine != tp_ranks or not torch.equal(grid[..., tp_mesh.get_local_rank()], dp_ranks):
+    if mine != tp_ranks:
         raise ValueError(
             f"fully_shard: the data-parallel mesh {dp_mesh} and the TP mesh {tp_mesh} of the parameters do not tile "
             f"one grid (this rank's TP group is {tp_ranks}, but the TP ranks' data-parallel meshes give {mine}); build "
@@ -189,16 +187,3 @@ def join_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, dp_grids: list[list]) 
         tp_name = "tp"
     groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)] + [tp_mesh.get_group(0)]
     return DeviceMesh.from_group(groups, dp_mesh.device_type, mesh=grid, mesh_dim_names=(*names, tp_name))
-
-
-def numel(shape) -> int:
-    return math.prod(shape)
-
-
-def dp_grid(dp_mesh: DeviceMesh) -> list:
-    """``dp_mesh``'s rank tensor as nested lists (what each TP rank sends at setup)."""
-    return dp_mesh.mesh.tolist()
-
-
-def tp_group(tp: TensorParallel) -> dist.ProcessGroup:
-    return tp.mesh.get_group(0)

@@ -143,6 +143,10 @@ def test_torchtitan_idiom_adamw_equals_one_process(shape):
     _assert_close_after_adamw(got, want)
     for a, b in zip(losses, want_losses):
         assert a == pytest.approx(b, rel=1e-5)
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
+    print(f"{shape}: AdamW {STEPS} steps vs one process: max |param diff| {worst:.3g} (bound {LR / 10}), "
+          f"loss rel diff {loss_rel:.3g} (bound 1e-5)")
     names = (("dp",) if len(shape) == 2 else ("dp_replicate", "dp_shard")) + ("tp",)
     dp_places = ("RaggedShard",) if len(shape) == 2 else ("Replicate", "RaggedShard")
     assert placements["layers.0.attention.wq.weight"] == ("RaggedDTensor", (*dp_places, "Shard"), names)
