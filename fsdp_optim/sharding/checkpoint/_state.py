@@ -35,6 +35,7 @@ from torch import nn
 
 from .._dtensor import RaggedDTensor, ragged_spec
 from .._placement import RaggedShard
+from .._tensor_parallel import tp_local_shape
 from .._runtime import reshard_all
 from ..plan import RaggedLayout
 
@@ -140,7 +141,9 @@ def state_tensor(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...], b
     if not isinstance(p, RaggedDTensor):
         return local.reshape(shape)
     placements = list(p.placements)
-    placements[p.ragged_dim] = RaggedShard(RaggedLayout(tuple(shape), tuple(bounds)))
+    # (tensor parallel: ``bounds`` cut the TP-local tensor, what the parameter's RaggedShard lays out)
+    local_shape = tp_local_shape(tuple(shape), placements, tuple(p.device_mesh.shape))
+    placements[p.ragged_dim] = RaggedShard(RaggedLayout(local_shape, tuple(bounds)))
     spec = ragged_spec(p.device_mesh, placements, shape, local.dtype)
     return RaggedDTensor._from_local_and_spec(local.reshape(-1), spec)
 
