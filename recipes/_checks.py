@@ -5,6 +5,7 @@ them all without torchrun (``--check W``, ``scripts/pretrain.sh``)."""
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 import tempfile
@@ -231,9 +232,9 @@ def check_tensor_parallel(cfg: Config, backend: Backend, world: int | None = Non
              ("data.seq_len", cfg.data.seq_len, "positions of the sequence-parallel norms")]
     for key, value, what in sizes:
         if value and value % tp:  # (vocab_size 0: the tokenizer's, checked once load_data has set it)
-            fits = [d for d in range(1, tp + 1) if value % d == 0 and d > 1]
+            fit = math.gcd(value, tp)  # the largest tp below that divides both
             raise ValueError(f"parallel.tp = {tp} must divide {key} = {value} ({what}, split over the TP ranks); "
-                             f"set parallel.tp to a divisor of it{f' ({fits[-1]})' if fits else ''}, or {key} to a "
+                             f"set parallel.tp to a divisor of it{f' ({fit})' if fit > 1 else ''}, or {key} to a "
                              f"multiple of {tp}")
     if m.tie_embeddings:
         raise ValueError(f"parallel.tp = {tp} with model.tie_embeddings = true is not supported (the embedding and the "
