@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SwiGLUExperts", "TinyConfig", "TinyTransformer", "full", "make_batch"]
+__all__ = ["SwiGLUExperts", "TPConfig", "TPTransformer", "TinyConfig", "TinyTransformer", "full", "make_batch", "tp_plan"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,3 +140,110 @@ class SwiGLUExperts(nn.Module):
             out.append((F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)) @ self.w2[e].T)
             start += n
         return torch.cat(out)
+
+
+# ---- a model for tensor parallelism (torchtitan's Llama layout, dims that divide by 1, 2 and 4) -----
+@dataclass(frozen=True, kw_only=True)
+class TPConfig:
+    vocab_size: int = 128
+    dim: int = 32
+    num_heads: int = 4
+    num_layers: int = 2
+    ffn_dim: int = 64
+
+
+class TPAttention(nn.Module):
+    """Heads from the tensors' shapes (``view(..., -1, head_dim)``): TP-local heads under ``ColwiseParallel``."""
+
+    def __init__(self, cfg: TPConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.num_heads
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class TPFeedForward(nn.Module):
+    def __init__(self, cfg: TPConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TPBlock(nn.Module):
+    def __init__(self, cfg: TPConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim)
+        self.attention = TPAttention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim)
+        self.feed_forward = TPFeedForward(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TPTransformer(nn.Module):
+    """Untied embeddings and head (as torchtitan's Llama), so each can take its own TP placement."""
+
+    def __init__(self, cfg: TPConfig | None = None) -> None:
+        super().__init__()
+        cfg = cfg or TPConfig()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TPBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.dim)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def tp_plan(model: TPTransformer, tp_mesh, *, loss_parallel: bool = True, sequence_parallel: bool = True) -> None:
+    """torchtitan's Llama TP plan (``parallelize_module``): attention / feed-forward inputs colwise, outputs
+    rowwise, norms sequence-parallel, embeddings rowwise, the head colwise (loss parallel: vocab-sharded
+    logits)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+    )  # fmt: skip
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(
+            input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
+        ),
+    }
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, top)
+    for block in model.layers:
+        plan = {
+            "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if sequence_parallel:
+            plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+        parallelize_module(block, tp_mesh, plan)

@@ -144,11 +144,14 @@ def param_info(p: torch.Tensor, rule: BlockRule, *, name: str = "") -> LocalShar
 
 
 def checked_param_info(
-    p: torch.Tensor, rule: BlockRule, *, optimizer: str, blocks: str, name: str = "", whole_blocks: bool = False
+    p: torch.Tensor, rule: BlockRule, *, optimizer: str, blocks: str, name: str = "", whole_blocks: bool = False,
+    tp_assembles: Callable[[LocalShard], bool] | None = None,
 ) -> LocalShard:
     """``param_info`` plus the checks every optimizer makes: the local piece has the size its layout
     gives this rank; with ``whole_blocks`` (optimizers that view blocks as matrices) also no DTensor of
-    torch's placements and no non-contiguous plain parameter."""
+    torch's placements and no non-contiguous plain parameter. A tensor-parallel parameter whose TP cut
+    splits the optimizer's blocks (``LocalShard.tp``) is refused unless ``tp_assembles(info)`` says the
+    optimizer assembles such blocks over TP exactly."""
     if whole_blocks and isinstance(p, DTensor) and not isinstance(p, RaggedDTensor):
         raise ValueError(
             f"{optimizer}: parameter {name or '<unnamed>'} is a DTensor with placements {p.placements} (PyTorch "
@@ -160,9 +163,25 @@ def checked_param_info(
             f"{optimizer}: parameter {info.fqn or '<unnamed>'} holds {local_tensor(p).numel()} elements but its layout "
             f"gives rank {info.rank} {info.local_numel} (shape {info.shape}, world size {info.world_size})"
         )
+    if info.tp is not None and not (tp_assembles is not None and tp_assembles(info)):
+        raise tp_cut_error(info, optimizer=optimizer)
     if whole_blocks and not isinstance(p, RaggedDTensor) and not p.is_contiguous():
         raise ValueError(f"{optimizer}: plain parameter {name or '<unnamed>'} (shape {info.shape}) must be contiguous")
     return info
+
+
+def tp_cut_error(info: LocalShard, *, optimizer: str, supported: str = "") -> ValueError:
+    """The refusal of a tensor-parallel parameter whose TP cut splits blocks ``optimizer`` needs whole."""
+    tp = info.tp
+    return ValueError(
+        f"{optimizer}: parameter {info.fqn or '<unnamed>'} (global shape {tp.global_shape}) is tensor-parallel, "
+        f"split along dim {tp.dim} over {tp.size} TP ranks (TP-local shape {info.shape}, mesh {tp.mesh}), which "
+        f"cuts the {tp.blocks} blocks {optimizer} needs whole, and {optimizer} has no exact way to assemble them"
+        + (f" ({supported})" if supported else "")
+        + ". Leave this module out of the TP plan (or use a plan whose cut keeps the blocks whole, e.g. per-head "
+        "blocks with ColwiseParallel), use Muon for 2-D matrices (it assembles each TP-sharded matrix inside its TP "
+        "group), or an element-wise optimizer (AdamW) for this parameter"
+    )
 
 
 def require_spec(info: LocalShard, ok: bool, *, optimizer: str, need: str, blocks: str) -> None:

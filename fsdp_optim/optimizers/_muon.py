@@ -81,6 +81,8 @@ from torch import Tensor
 from ..sharding.contract import BlockRule, LocalShard, RaggedDTensor, expert, whole
 from ._adamw import adamw_update
 from ._base import range_pieces, StateShard, checked_param_info, local_tensor, make_dcp_ready, per_element, require_spec, profiled_step
+from ._homes import assign_owners, ns_cost
+from ._muon_tp import TPHomed, plan_tp_exchange, tp_assembles, tp_exchange_out, tp_receive_back, tp_write_back
 from ._orthogonalize import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS, GRAM_DTYPE
 from ._orthogonalize import gram_newton_schulz, newton_schulz, resolve
 from ._rules import ambiguous_name_guess, muon_rule
@@ -153,30 +155,6 @@ def _low_precision(dtype: torch.dtype) -> bool:
     """Whether ``add_``'s rounding on ``dtype`` depends on the tensors' extent and strides (every dtype
     but fp32 / fp64; see [Note: Muon on shards]): such matrices are added whole, as torch.optim.Muon adds them."""
     return dtype not in (torch.float32, torch.float64)
-
-
-def _ns_cost(rows: int, cols: int) -> int:
-    """Newton–Schulz flops per iteration of one matrix (``4 m^2 n + 2 m^3``, ``m <= n``)."""
-    m, n = min(rows, cols), max(rows, cols)
-    return 2 * m * m * (2 * n + m)
-
-
-def assign_owners(
-    costs: Sequence[int], piece_sizes: Sequence[Sequence[int]], initial_loads: Sequence[int]
-) -> list[int]:
-    """Owner rank per split matrix: longest-first onto the least-loaded rank.
-
-    ``costs[j]``: matrix j's Newton–Schulz cost; ``piece_sizes[j][r]``: elements of it rank r
-    holds; ``initial_loads[r]``: the cost of the matrices rank r owns whole. Ties go to the rank
-    holding more of the matrix (less traffic), then to the lower rank. Deterministic (pure).
-    """
-    loads = list(initial_loads)
-    owners = [0] * len(costs)
-    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        best = min(range(len(loads)), key=lambda r: (loads[r], -piece_sizes[j][r], r))
-        owners[j] = best
-        loads[best] += costs[j]
-    return owners
 
 
 # ---- plan of one parameter / one exchange -------------------------------------------------
@@ -295,8 +273,8 @@ def _cut(m: tuple[int, int, int], bounds: Sequence[int]) -> bool:
 
 
 def _plan_param(info: LocalShard, *, use_muon: bool) -> _ParamPlan:
-    if not use_muon:
-        return _ParamPlan(info, False, (), ())
+    if not use_muon or info.tp is not None:  # (TP-sharded: assembled over TP, [Note: Muon under tensor parallelism])
+        return _ParamPlan(info, use_muon, (), ())
     local, split = [], []
     for m in info.spec.matrices(info.shape):
         if _cut(m, info.layout.bounds):
@@ -441,6 +419,7 @@ class Muon(torch.optim.Optimizer):
         self._rule: BlockRule = blocks if blocks is not None else Muon.blocks
         self._plans: dict[Tensor, _ParamPlan] = {}
         self._exchanges: tuple[_Exchange, ...] | None = None
+        self._tp_exchanges: tuple | None = None
         self.batched = bool(batched)
         self.nonfinite = nonfinite
         self.num_skipped_steps = 0
@@ -453,7 +432,7 @@ class Muon(torch.optim.Optimizer):
             coefficients=coefficients if isinstance(coefficients, str) else tuple(map(tuple, coefficients)),
         )  # fmt: skip
         super().__init__(params, defaults)
-        self._exchanges = self._plan_exchanges()
+        self._exchanges, self._tp_exchanges = self._plan_exchanges(), self._plan_tp_exchanges()
         make_dcp_ready(self)
 
     # ---- groups and state ---------------------------------------------------------------
@@ -574,7 +553,7 @@ class Muon(torch.optim.Optimizer):
                 self._check_layout(info)
             self._plans[p] = _plan_param(info, use_muon=group["use_muon"])
             self._init_state(p, group["use_muon"])
-        self._exchanges = None
+        self._exchanges = self._tp_exchanges = None
 
     def _as_matrix(self, info: LocalShard, *, plain: bool) -> LocalShard:
         """A parameter put in a ``use_muon=True`` group whose spec is not a matrix block."""
@@ -593,7 +572,8 @@ class Muon(torch.optim.Optimizer):
 
     def _info(self, p: Tensor, name: str | None) -> LocalShard:
         return checked_param_info(
-            p, self._rule, optimizer="Muon", blocks="Muon.blocks", name=name or "", whole_blocks=True
+            p, self._rule, optimizer="Muon", blocks="Muon.blocks", name=name or "", whole_blocks=True,
+            tp_assembles=tp_assembles,
         )
 
     @staticmethod
@@ -629,7 +609,7 @@ class Muon(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._exchanges = None
+        self._exchanges = self._tp_exchanges = None
 
     # ---- split-matrix exchange plan -------------------------------------------------------
     def _plan_exchanges(self) -> tuple[_Exchange, ...]:
@@ -641,6 +621,23 @@ class Muon(torch.optim.Optimizer):
             if info.world_size > 1:
                 by_group.setdefault((info.mesh, info.mesh_dim), []).append(p)
         return tuple(ex for ps in by_group.values() if (ex := self._plan_exchange(ps)) is not None)
+
+    def _plan_tp_exchanges(self) -> tuple:
+        """One exchange per TP group holding TP-sharded matrices here; homes balanced over its TP ranks
+        ([Note: Muon under tensor parallelism])."""
+        by_group: dict[Any, list] = {}
+        for g in self.param_groups:
+            for p in g["params"] if g["use_muon"] else ():
+                info = self._plans[p].info
+                if info.tp is not None and info.local_numel:
+                    by_group.setdefault(id(info.tp.group), []).append((p, info))
+        out = []
+        for items in by_group.values():
+            costs = [ns_cost(*info.tp.global_shape) for _, info in items]
+            size = items[0][1].tp.size
+            homes = assign_owners(costs, [[1] * size] * len(items), [0] * size)
+            out.append(plan_tp_exchange(items, homes, _low_precision))
+        return tuple(out)
 
     def _plan_exchange(self, params: list[Tensor]) -> _Exchange | None:
         splits = [(p, m) for p in params for m in self._plans[p].split]
@@ -658,7 +655,7 @@ class Muon(torch.optim.Optimizer):
                 )
             for m in info.spec.matrices(info.shape):
                 if not _cut(m, info.layout.bounds):
-                    loads[bisect.bisect_right(info.layout.bounds, m[0]) - 1] += _ns_cost(m[1], m[2])
+                    loads[bisect.bisect_right(info.layout.bounds, m[0]) - 1] += ns_cost(m[1], m[2])
         for p, _ in splits:
             if _low_precision(p.dtype) and p.element_size() != 2:
                 raise ValueError(
@@ -668,7 +665,7 @@ class Muon(torch.optim.Optimizer):
         pieces = []  # per split matrix: [(rank, a, b)]
         for p, (off, r, c) in splits:
             pieces.append(range_pieces(self._plans[p].info.layout.bounds, off, r * c))
-        costs = [_ns_cost(m[1], m[2]) for _, m in splits]
+        costs = [ns_cost(m[1], m[2]) for _, m in splits]
         sizes = []
         for pc in pieces:
             row = [0] * w
@@ -717,12 +714,15 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._exchanges is None or any(p.dtype != d for ex in self._exchanges for p, d in ex.dtypes):
+        if self._exchanges is None or self._tp_exchanges is None or any(
+            p.dtype != d for ex in (*self._exchanges, *self._tp_exchanges) for p, d in ex.dtypes
+        ):
             self._exchanges = self._plan_exchanges()  # the same split parameters on every rank: all re-plan
+            self._tp_exchanges = self._plan_tp_exchanges()
         if self.nonfinite != "ignore" and self._skip_for_nonfinite():
             return loss
         updates = self._momentum_updates()  # (and the AdamW groups' steps)
-        if not updates and not self._exchanges:
+        if not updates and not self._exchanges and not self._tp_exchanges:
             return loss
         # as torch.optim.Muon: param *= 1 - lr * wd, then param -= adjusted lr * NS(update); weight decay
         # first (Newton-Schulz reads the updates, not the parameters), so each stack's result is added
@@ -735,14 +735,22 @@ class Muon(torch.optim.Optimizer):
         jobs = self._local_jobs(updates, group_of)
         for ex in self._exchanges:
             self._exchange_out(ex, updates, group_of, jobs)
+        for h, full, param in (x for ex in self._tp_exchanges for x in tp_exchange_out(ex, updates)):
+            g = group_of[h.param]
+            jobs.append(_Job((h.rows, h.cols, *_ns_key(g)), g, 1, h.rows, h.cols, None, 0, full, None, h, param))
+        tp_backs = [torch.empty(sum(ex.back_send_sizes), dtype=torch.bfloat16, device=ex.device) for ex in self._tp_exchanges]
         # owned results (or new values), in the receive order
         backs = [torch.empty(sum(ex.back_send_sizes), dtype=torch.bfloat16, device=ex.device) for ex in self._exchanges]
         back_of = {id(om): back for ex, back in zip(self._exchanges, backs) for om in ex.owned}
+        back_of.update((id(h), back) for ex, back in zip(self._tp_exchanges, tp_backs) for h in ex.homed)
         for done in self._orthogonalize(jobs):
             adds: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
             for i, res in done:
                 job = jobs[i]
                 alpha = -adjust_lr(job.group["lr"], job.group["adjust_lr_fn"], job.rows, job.cols)
+                if isinstance(job.owned, TPHomed):  # a TP-sharded matrix: its slices go back to their TP ranks
+                    tp_write_back(job.owned, res, job.param, alpha, back_of[id(job.owned)])
+                    continue
                 if job.owned is not None:  # an owned split matrix: its pieces go back to their ranks
                     if job.param is None:  # fp32 / fp64: the result, each rank adds its piece
                         flat = res.reshape(-1)
@@ -763,6 +771,8 @@ class Muon(torch.optim.Optimizer):
                 torch._foreach_add_(dst, src, alpha=alpha)
         for ex, back in zip(self._exchanges, backs):
             self._receive_back(ex, back, updates, group_of)
+        for ex, back in zip(self._tp_exchanges, tp_backs):
+            tp_receive_back(ex, back, updates, lambda s: -adjust_lr(group_of[s.param]["lr"], group_of[s.param]["adjust_lr_fn"], s.rows, s.cols))
         return loss
 
     def _momentum_updates(self) -> dict[Tensor, _Update]:
@@ -914,11 +924,13 @@ class Muon(torch.optim.Optimizer):
             flags[idx] = (~torch.isfinite(torch.stack(norms))).int()
         rank = dist.get_rank() if dist.is_initialized() else 0
         flags *= rank + 1  # after MAX: the highest rank that saw it
-        groups: list[Any] = []
+        groups: list[Any] = []  # every mesh dim: the shard group, and TP ranks must skip alike too
         for p in params:
-            info = self._plans[p].info
-            if isinstance(p, RaggedDTensor) and info.world_size > 1 and not any(info.group is g for g in groups):
-                groups.append(info.group)
+            if isinstance(p, RaggedDTensor):
+                mesh = p.device_mesh
+                for d in range(mesh.ndim):
+                    if mesh.size(d) > 1 and not any(mesh.get_group(d) is g for g in groups):
+                        groups.append(mesh.get_group(d))
         for g in groups:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=g)
         bad = [(params[i], r - 1) for i, r in enumerate(flags.tolist()) if r]

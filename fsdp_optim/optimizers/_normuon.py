@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import StateShard, state_range
+from ._base import StateShard, state_range, tp_cut_error
 from ._muon import Muon
 
 __all__ = ["NorMuon", "normalize_rows"]
@@ -93,6 +93,9 @@ class NorMuon(Muon):
             return
         plan = self._plans[p]
         info = plan.info
+        if info.tp is not None:
+            raise tp_cut_error(info, optimizer="NorMuon", supported="its row statistics would live on other TP ranks than "
+                               "the matrix's Newton-Schulz home")  # fmt: skip
         if plan.split:
             raise ValueError(
                 f"NorMuon: parameter {info.fqn or '<unnamed>'} (shape {info.shape}, world size {info.world_size}) "

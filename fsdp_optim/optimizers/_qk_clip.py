@@ -43,7 +43,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..sharding.contract import local_shard, local_tensor
+from torch.distributed.tensor import Shard
+
+from ..sharding.contract import RaggedDTensor, local_shard, local_tensor
 
 __all__ = [
     "ClipStats",
@@ -266,12 +268,34 @@ def _layers(modules_or_model: nn.Module | Iterable[nn.Module]) -> list[_Layer]:
     return [_layer(f"[{i}]", m) for i, m in enumerate(mods)]
 
 
+def _tp_rows(p: torch.Tensor, what: str) -> tuple[int, int]:
+    """``(first global row, rows)`` of this rank's tensor-parallel part of ``p`` (all rows without TP):
+    ``ColwiseParallel`` splits ``wq`` / ``wk`` by rows, so each TP rank holds whole heads."""
+    if not isinstance(p, RaggedDTensor):
+        return 0, p.shape[0]
+    for d, q in enumerate(p.placements):
+        if isinstance(q, Shard):
+            if q.dim != 0:
+                raise ValueError(
+                    f"qk_clip_: {what} is tensor-parallel along dim {q.dim} (placements {p.placements}); QK-clip scales "
+                    "heads' rows, so wq / wk must be split by rows (ColwiseParallel) or not at all"
+                )
+            n = p.shape[0] // p.device_mesh.size(d)
+            return p.device_mesh.get_coordinate()[d] * n, n
+    return 0, p.shape[0]
+
+
 def _scale_rows_(p: torch.Tensor, row0: int, nrows: int, factor: float) -> None:
     """``W[row0 : row0 + nrows] *= factor`` on the global weight, applied to the piece this rank holds."""
     info = local_shard(p)
     if info is None:
         p.data[row0 : row0 + nrows].mul_(factor)
         return
+    first, rows = _tp_rows(p, "a weight")  # (the rows of this TP rank's part; all without TP)
+    row0, end = max(row0 - first, 0), min(row0 + nrows - first, rows)
+    if end <= row0:
+        return
+    nrows = end - row0
     cols = info.shape[1]
     lo, hi = max(row0 * cols, info.start), min((row0 + nrows) * cols, info.end)
     if lo < hi:
@@ -322,12 +346,21 @@ def qk_clip_(
     parts = []
     for L in layers:
         rec = recorded_max_logits(L.module)
-        if rec is not None and rec.numel() != L.n_heads:
+        # Under tensor parallelism each TP rank records its own heads (ColwiseParallel wq): they go to
+        # their global positions, the others stay -inf, and the MAX over the world fills in every head.
+        first, rows = _tp_rows(L.wq, f"{L.name!r}.wq")
+        _tp_rows(L.wk, f"{L.name!r}.wk")
+        local = rows // L.head_dim
+        if rec is not None and rec.numel() != local:
             raise ValueError(
-                f"qk_clip_: attention module {L.name!r} recorded {rec.numel()} heads but has n_heads={L.n_heads}; "
-                "record the logits of all its query heads ([batch, n_heads, q_len, k_len])"
+                f"qk_clip_: attention module {L.name!r} recorded {rec.numel()} heads but has n_heads={L.n_heads}"
+                + (f" ({local} on this tensor-parallel rank)" if local != L.n_heads else "")
+                + "; record the logits of all its query heads ([batch, n_heads, q_len, k_len])"
             )
-        parts.append(torch.full((L.n_heads,), float("-inf"), device=device) if rec is None else rec.to(device))
+        part = torch.full((L.n_heads,), float("-inf"), device=device)
+        if rec is not None:
+            part[first // L.head_dim : first // L.head_dim + local] = rec.to(device)
+        parts.append(part)
     maxima = torch.cat(parts)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)

@@ -56,7 +56,7 @@ from ..sharding.contract import (
     local_tensor,
     whole,
 )
-from ._base import profiled_step, record_layouts
+from ._base import profiled_step, record_layouts, tp_cut_error
 
 __all__ = ["WholeTensorOptimizer", "whole_tensor_rule"]
 
@@ -125,6 +125,8 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
             self._views[p] = p  # a plain parameter: every rank holds (and steps) it
             return p
         info = local_shard(p)
+        if info.tp is not None:  # (every rank, holding a piece or not)
+            raise tp_cut_error(info, optimizer="WholeTensorOptimizer")
         if info.local_numel == 0 and info.numel > 0:
             return None
         _check_whole(p, info)

@@ -16,11 +16,37 @@ import torch
 import torch.distributed as dist
 
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from ._dtensor import RaggedDTensor, coordinate
 from .plan import BlockRule, BlockSpec, RaggedLayout
 
-__all__ = ["LocalShard", "local_shard", "local_tensor"]
+__all__ = ["LocalShard", "TensorParallelCut", "local_shard", "local_tensor"]
+
+
+class TensorParallelCut(NamedTuple):
+    """A TP-local tensor whose optimizer blocks span TP ranks ([Note: FSDP x TP] in _tensor_parallel.py):
+    it is shard ``rank`` of ``size`` along tensor ``dim`` of a ``global_shape`` tensor whose blocks are
+    ``blocks``; the TP ranks are mesh dim ``mesh_dim`` of the tensor's mesh."""
+
+    mesh: DeviceMesh
+    mesh_dim: int
+    dim: int
+    size: int
+    rank: int
+    global_shape: tuple[int, ...]
+    blocks: BlockSpec
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group(self.mesh_dim)
+
+    def group_ranks(self) -> tuple[int, ...]:
+        """Each TP coordinate's rank in ``group`` (buffers of a collective go in group-rank order)."""
+        coord = self.mesh.get_coordinate()
+        ranks = self.mesh.mesh[tuple(slice(None) if i == self.mesh_dim else c for i, c in enumerate(coord))].tolist()
+        group_ranks = dist.get_process_group_ranks(self.group)
+        return tuple(group_ranks.index(r) for r in ranks)
 
 
 class LocalShard(NamedTuple):
@@ -30,7 +56,7 @@ class LocalShard(NamedTuple):
     fqn: str
     """The parameter's name from its root (``""`` where unknown: a plain tensor, a gradient, state)."""
     shape: tuple[int, ...]
-    """The global shape."""
+    """The shape the layout covers: the global shape (the TP-local one under tensor parallelism)."""
     spec: BlockSpec
     layout: RaggedLayout
     """Every rank's flat ``[start, end)`` (``layout.bounds``) over the shard group."""
@@ -40,6 +66,10 @@ class LocalShard(NamedTuple):
     mesh_dim: int = 0
     split: bool = False
     """The planner cut matrix blocks of this tensor on rows (see ``Placement.split``)."""
+    tp: TensorParallelCut | None = None
+    """Under tensor parallelism, where the TP cut splits the optimizer's blocks of the global tensor
+    (``None``: no TP, or a TP cut that keeps every block whole: the TP-local tensor is then a tensor of
+    its own for the optimizer). ``shape``, ``spec`` and ``layout`` are the TP-local tensor's."""
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -109,13 +139,23 @@ def local_shard(p: torch.Tensor, rule: BlockRule | None = None, *, name: str = "
         dim = p.ragged_dim
         mesh = p.device_mesh
         return LocalShard(
-            fqn=getattr(p, "_fqn", "") or name, shape=tuple(p.shape), spec=rs.spec, layout=rs.layout,
-            rank=coordinate(mesh, dim), mesh=mesh, mesh_dim=dim, split=rs.split,
+            fqn=getattr(p, "_fqn", "") or name, shape=rs.shape, spec=rs.spec, layout=rs.layout,
+            rank=coordinate(mesh, dim), mesh=mesh, mesh_dim=dim, split=rs.split, tp=_tp_cut(p, rs),
         )  # fmt: skip
     if rule is None:
         return None
     spec = rule(name, p, None)
     return LocalShard.whole(tuple(p.shape), spec, fqn=name)
+
+
+def _tp_cut(p: RaggedDTensor, rs) -> TensorParallelCut | None:
+    if rs.tp_blocks is None:
+        return None
+    mesh = p.device_mesh
+    (mesh_dim, pl), = [(i, q) for i, q in enumerate(p.placements) if type(q) is Shard]
+    return TensorParallelCut(
+        mesh, mesh_dim, pl.dim, mesh.size(mesh_dim), coordinate(mesh, mesh_dim), tuple(p.shape), rs.tp_blocks
+    )
 
 
 def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -50,15 +50,23 @@ class RaggedShard(Placement):
         layout: the tensor's shape and its ``world_size + 1`` rank bounds (``plan.RaggedLayout``).
         spec: the blocks no rank boundary cuts (default ``elements(1)``: any element boundary).
         split: the planner cut matrix blocks of this tensor on rows (Muon / Shampoo exchange them).
+        tp_blocks: under tensor parallelism, the optimizer's blocks of the *global* tensor when the TP
+            cut splits them (``layout`` and ``spec`` are the TP-local tensor's; an optimizer that needs
+            those blocks whole assembles them over TP or refuses); ``None``: no TP cut splits a block
+            ([Note: FSDP x TP]).
     """
 
-    def __init__(self, layout: RaggedLayout, spec: BlockSpec | None = None, *, split: bool = False) -> None:
+    def __init__(
+        self, layout: RaggedLayout, spec: BlockSpec | None = None, *, split: bool = False,
+        tp_blocks: BlockSpec | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         if not isinstance(layout, RaggedLayout):
             raise TypeError(f"RaggedShard takes a RaggedLayout, got {type(layout).__name__}")
         self.layout = layout
         self.spec = spec if spec is not None else elements(1)
         self.split = bool(split)
+        self.tp_blocks = tp_blocks
 
     # ---- what the layout says ----------------------------------------------------------------
     @property
@@ -88,16 +96,18 @@ class RaggedShard(Placement):
             and self.layout == other.layout
             and self.spec == other.spec
             and self.split == other.split
+            and self.tp_blocks == other.tp_blocks
         )
 
     def __hash__(self) -> int:
-        return hash(("RaggedShard", self.layout, self.spec, self.split))
+        return hash(("RaggedShard", self.layout, self.spec, self.split, self.tp_blocks))
 
     def __repr__(self) -> str:
         b = self.layout.bounds
         bounds = list(b) if len(b) <= 9 else f"[{b[0]}, {b[1]}, ..., {b[-2]}, {b[-1]}] ({len(b) - 1} ranks)"
         split = ", split" if self.split else ""
-        return f"RaggedShard(shape={self.layout.shape}, bounds={bounds}, spec={self.spec}{split})"
+        tp = f", tp_blocks={self.tp_blocks}" if self.tp_blocks is not None else ""
+        return f"RaggedShard(shape={self.layout.shape}, bounds={bounds}, spec={self.spec}{split}{tp})"
 
     __str__ = __repr__
 
@@ -105,7 +115,9 @@ class RaggedShard(Placement):
         return repr(self), {}
 
     def __reduce__(self):
-        return (_rebuild_ragged_shard, (self.layout.shape, tuple(self.layout.bounds), self.spec, self.split))
+        return (
+            _rebuild_ragged_shard, (self.layout.shape, tuple(self.layout.bounds), self.spec, self.split, self.tp_blocks)
+        )
 
     # The queries torch's propagation asks: refused (see [Note: RaggedShard placement]).
     def is_shard(self, dim: int | None = None) -> bool:
@@ -118,8 +130,10 @@ class RaggedShard(Placement):
         raise _stock_dtensor_error("is_partial")
 
 
-def _rebuild_ragged_shard(shape: tuple[int, ...], bounds: tuple[int, ...], spec: BlockSpec, split: bool) -> RaggedShard:
-    return RaggedShard(RaggedLayout(shape, bounds), spec, split=split)
+def _rebuild_ragged_shard(
+    shape: tuple[int, ...], bounds: tuple[int, ...], spec: BlockSpec, split: bool, tp_blocks: BlockSpec | None = None
+) -> RaggedShard:
+    return RaggedShard(RaggedLayout(shape, bounds), spec, split=split, tp_blocks=tp_blocks)
 
 
 def ragged_dim(placements) -> int | None:

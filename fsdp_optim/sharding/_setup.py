@@ -52,7 +52,7 @@ from ._mixed_precision import MixedPrecisionPolicy
 from ._runtime import _STATE, _ModuleState, _Runtime
 from ._dtensor import RaggedDTensor, ragged_spec
 from ._placement import RaggedShard
-from ._tensor_parallel import TensorParallel, join_meshes, tensor_parallel_of
+from ._tensor_parallel import TensorParallel, join_meshes, tensor_parallel_of, tp_cuts_blocks
 from ._replaced import replacement_of, was_replaced
 from .plan import BlockSpec, Plan, PlanConfig, RaggedLayout, TensorSpec, config_for_rules, default_rule, plan_model
 
@@ -175,6 +175,7 @@ class _Entry:
     align_rows: int | None = None  # FP8 all-gather: rank boundaries on multiples of the tile height
     full: torch.Tensor | None = None  # the values to shard (None: uninitialized, e.g. meta)
     tp: TensorParallel | None = None  # a tensor-parallel parameter ([Note: FSDP x TP])
+    tp_blocks: BlockSpec | None = None  # its global blocks, where the TP cut splits them
 
 
 def _discover(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry]]:
@@ -252,6 +253,20 @@ def _discover(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry]]:
                 owners.append((m, name))
         entries.append(_Entry(fqn=rs[0][2], param=p, owners=owners, state=common[-1]))
     return states, entries
+
+
+def _tp_blocks(e: _Entry, rule: Any, root: _ModuleState) -> BlockSpec | None:
+    """The block rule's spec of a TP parameter's global tensor if the TP cut splits its blocks
+    (``RaggedShard.tp_blocks``), else ``None``."""
+    tp = e.tp
+    probe = nn.Parameter(torch.empty(tp.global_shape, dtype=e.dtype, device="meta"), requires_grad=e.requires_grad)
+    spec = rule(e.fqn, probe, e.owners[0][0])
+    try:
+        spec.check(tp.global_shape, e.fqn)
+    except ValueError as err:
+        raise ValueError(f"fully_shard: {err} (global shape of a tensor-parallel parameter); fix the block rule") from None
+    cut = tp_cuts_blocks(spec, tp.global_shape, e.spec, tp.local_shape, tp.dim, tp.mesh.size(), fqn=e.fqn)
+    return spec if cut else None
 
 
 def _tp_of_sharded(states: list[_ModuleState]) -> dict[int, TensorParallel]:
@@ -339,6 +354,8 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
                 f"fully_shard: {err} (world size {root.world_size}); fix the block rule for this parameter"
             ) from None
         e.spec = spec
+        if e.tp is not None and e.tp.dim is not None:
+            e.tp_blocks = _tp_blocks(e, rule, root)
         fp8 = e.state.fp8_all_gather or root.fp8_all_gather
         e.align_rows = fp8.tile_shape[0] if fp8 is not None and fp8.eligible(e.shape) else None
     meshes = {id(e.tp.mesh): e for e in entries if e.tp is not None}
@@ -528,7 +545,7 @@ def _plan_under(root: _ModuleState) -> tuple[list[_ModuleState], list[_Entry], l
     else:
         err = None
     joined = _agree_tp(err, root, tp_mesh, fingerprint)
-    root.param_spec = _param_spec(root, tps={e.fqn: e.tp for e in entries if e.tp is not None}, joined=joined)
+    root.param_spec = _param_spec(root, tps={e.fqn: (e.tp, e.tp_blocks) for e in entries if e.tp is not None}, joined=joined)
     return states, entries, bucket_states, plan
 
 
@@ -680,7 +697,7 @@ def _reshard_after_forward(st: _ModuleState, root: _ModuleState) -> bool:
     return st is not root or st.separate_root
 
 
-def _param_spec(root: _ModuleState, *, tps: dict[str, TensorParallel] | None = None, joined: DeviceMesh | None = None):
+def _param_spec(root: _ModuleState, *, tps: dict[str, tuple] | None = None, joined: DeviceMesh | None = None):
     """A planned tensor's ``DTensorSpec`` on the root's mesh: ``RaggedShard`` on the shard dimension,
     ``Replicate()`` on the replicas'. Tensor parallel (``tps``: by name): on the ``joined`` (dp..., tp)
     mesh, the TP placement last, of the global shape ([Note: FSDP x TP])."""
@@ -689,8 +706,8 @@ def _param_spec(root: _ModuleState, *, tps: dict[str, TensorParallel] | None = N
 
     def spec(pl, dtype: torch.dtype):
         placements = [Replicate()] * mesh.ndim
-        placements[dim] = RaggedShard(pl.shard, pl.spec, split=pl.split)
-        tp = tps.get(pl.name)
+        tp, tp_blocks = tps.get(pl.name, (None, None))
+        placements[dim] = RaggedShard(pl.shard, pl.spec, split=pl.split, tp_blocks=tp_blocks)
         if tp is None:
             return ragged_spec(mesh, placements, pl.shape, dtype)
         return ragged_spec(joined, [*placements, tp.placement], tp.global_shape, dtype)

@@ -41,7 +41,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["TensorParallel", "tensor_parallel_of", "tp_local_shape", "tp_offsets", "tp_slice", "join_meshes"]
+from .plan import BlockSpec
+
+__all__ = ["TensorParallel", "tp_cuts_blocks", "tensor_parallel_of", "tp_local_shape", "tp_offsets", "tp_slice", "join_meshes"]
 
 
 class TensorParallel(NamedTuple):
@@ -126,6 +128,37 @@ def tp_slice(full: torch.Tensor, placements, mesh_shape: tuple[int, ...], coord)
         if n != full.shape[d]:
             out = out.narrow(d, o, n)
     return out
+
+
+def tp_cuts_blocks(
+    global_spec: BlockSpec, global_shape: tuple[int, ...], local_spec: BlockSpec, local_shape: tuple[int, ...],
+    dim: int, size: int, *, fqn: str = "",
+) -> bool:
+    """Whether the TP cut (``size`` shards along tensor ``dim``) splits one of the optimizer's blocks of
+    the global tensor (``global_spec``). Element blocks never count: element-wise state, and
+    quantization blocks formed on the TP-local tensor (as torchao on a TP shard). A cut on a dim > 0
+    splits every row-spanning block; a cut on dim 0 at flat ``t * local_numel`` splits a block unless
+    each cut falls on a block boundary, and then the TP-local spec must give the same blocks as the
+    global one there (else the block rule disagrees with itself: raised)."""
+    from .plan import BlockKind
+
+    if size == 1 or global_spec.kind is BlockKind.ELEMENTS:
+        return False
+    if dim != 0:
+        return True
+    n = math.prod(local_shape)
+    if not all(global_spec.is_boundary(global_shape, t * n) for t in range(1, size)):
+        return True
+    local_starts = set(local_spec.block_starts(local_shape)) if n else {0}
+    global_in_first = {s for s in global_spec.block_starts(global_shape) if s <= n}
+    if local_starts != global_in_first:
+        raise ValueError(
+            f"fully_shard: the block rule gives the tensor-parallel parameter {fqn} {global_spec} blocks at its "
+            f"global shape {global_shape} but {local_spec} at its TP-local shape {local_shape}, which are not the "
+            "same blocks; a rule must derive blocks the TP cut keeps whole from what it is given (e.g. "
+            "Muon.rule(head_dims=...) per head)"
+        )
+    return False
 
 
 def has_tp(placements) -> bool:

@@ -2,7 +2,8 @@
 
 An optimizer over ``fully_shard``'s parameters reads each parameter's layout from the parameter
 (``local_shard(p)`` -> ``LocalShard``: global shape, block spec, every rank's bounds, this rank's
-coordinate, the shard group), computes on ``local_tensor(p)`` / ``p.to_local()`` (no DTensor dispatch
+coordinate, the shard group; under tensor parallelism the TP-local tensor's, and ``LocalShard.tp``
+where the TP cut splits the optimizer's blocks), computes on ``local_tensor(p)`` / ``p.to_local()`` (no DTensor dispatch
 inside a step), declares the blocks it needs whole as a ``BlockRule`` (the planner keeps them on one
 rank), and makes its state checkpoint-shaped through the ``ShardedState`` / ``OwnedState`` protocols.
 ``materialize_all`` / ``check_not_replaced`` / ``register_optimizer_hooks`` are the three calls the
@@ -14,7 +15,7 @@ Users who parallelize a model import ``fsdp_optim.sharding``; planning tools imp
 """
 
 from ._dtensor import RaggedDTensor, is_ragged
-from ._local_shard import LocalShard, local_shard, local_tensor
+from ._local_shard import LocalShard, TensorParallelCut, local_shard, local_tensor
 from ._replaced import check_not_replaced
 from ._runtime import materialize_all
 from .checkpoint import OwnedState, ShardedState, register_optimizer_hooks
@@ -28,6 +29,7 @@ __all__ = [
     "OwnedState",
     "RaggedDTensor",
     "ShardedState",
+    "TensorParallelCut",
     "check_not_replaced",
     "elements",
     "expert",

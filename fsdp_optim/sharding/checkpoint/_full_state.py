@@ -71,7 +71,7 @@ def whole_tensors(b: _Bucket, *, rank0_only: bool) -> list[torch.Tensor] | None:
     """The bucket's tensors, whole, in placement order: one gather in its shard group (to the group's
     rank 0 only with ``rank0_only``: ``None`` on the other ranks); an expert-parallel bucket's tensors
     each gathered whole over their mesh (every rank of the world holds a piece; on every rank)."""
-    if b.is_expert:
+    if b.is_expert or any(sp.tp is not None for sp in b.params):  # (tensor parallel: gathered over TP too)
         b.settle()
         return [sp.full_tensor() for sp in b.sharded]
     flat = gather_to_group_rank0(b) if rank0_only else b.gather_full()
@@ -167,7 +167,7 @@ def load_full_state_dict(
                     ) from e
                 if info is not None:
                     a, e = info.local_range
-                    dst._local_tensor.copy_(src.detach().reshape(-1)[a:e])
+                    dst._local_tensor.copy_(info._tp_local(src.detach()).reshape(-1)[a:e])
                 else:
                     dst.copy_(src)
         return
@@ -286,14 +286,15 @@ def _broadcast_full_state(
         names = [next((k for k in key_of_param.get(id(sp), []) if k in present), None) for sp in b.sharded]
         if not any(names):
             return
-        if b.is_expert:
-            for sp, name in zip(b.sharded, names):  # expert parallel: each whole [E, ...] tensor in turn
+        if b.is_expert or any(q.tp is not None for q in b.params):
+            # expert or tensor parallel: each whole tensor in turn (each rank keeps its part of it)
+            for sp, name in zip(b.sharded, names):
                 if name is not None:
                     whole = torch.zeros(sp.shape, dtype=b.buffer.dtype, device=b.buffer.device)
                     rank0_fills([(whole, name)])
                     dist.broadcast(whole, src=0)
                     a, e = sp.local_range
-                    sp._local_tensor.copy_(whole.reshape(-1)[a:e])
+                    sp._local_tensor.copy_(sp._tp_local(whole).reshape(-1)[a:e])
                     done.update(key_of_param[id(sp)])
                     loaded.append(name)
             return

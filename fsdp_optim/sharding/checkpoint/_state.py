@@ -32,10 +32,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from .._dtensor import RaggedDTensor, ragged_spec
 from .._placement import RaggedShard
-from .._tensor_parallel import tp_local_shape
 from .._runtime import reshard_all
 from ..plan import RaggedLayout
 
@@ -141,11 +141,23 @@ def state_tensor(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...], b
     if not isinstance(p, RaggedDTensor):
         return local.reshape(shape)
     placements = list(p.placements)
-    # (tensor parallel: ``bounds`` cut the TP-local tensor, what the parameter's RaggedShard lays out)
-    local_shape = tp_local_shape(tuple(shape), placements, tuple(p.device_mesh.shape))
-    placements[p.ragged_dim] = RaggedShard(RaggedLayout(local_shape, tuple(bounds)))
+    if tuple(shape) == tuple(p.shape):
+        layout_shape = p.ragged.shape  # (TP-local under tensor parallelism, [Note: FSDP x TP])
+    else:  # a per-block vector: TP-sharded as the concatenation of the TP ranks' vectors
+        placements = [Shard(0) if isinstance(q, Shard) else q for q in placements]
+        layout_shape = (shape[0] // _tp_shards(p),)
+    placements[p.ragged_dim] = RaggedShard(RaggedLayout(tuple(layout_shape), tuple(bounds)))
     spec = ragged_spec(p.device_mesh, placements, shape, local.dtype)
     return RaggedDTensor._from_local_and_spec(local.reshape(-1), spec)
+
+
+def _tp_shards(p: RaggedDTensor) -> int:
+    """How many TP ranks split ``p`` (1 without tensor parallelism)."""
+    n = 1
+    for d, q in enumerate(p.placements):
+        if isinstance(q, Shard):
+            n *= p.device_mesh.size(d)
+    return n
 
 
 def param_names(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> dict[int, str]:
@@ -193,7 +205,11 @@ def state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) ->
                     "shard rank's start"
                 )
             param_shape = tuple(p.shape)
-            shape = param_shape if ss.global_numel == math.prod(param_shape) else (ss.global_numel,)
+            local_shape = p.ragged.shape if ragged else param_shape  # (TP-local under tensor parallelism)
+            if ss.global_numel == math.prod(local_shape):
+                shape = param_shape  # per-element state: the parameter's shape and placements
+            else:  # per-block state: one vector (under TP the TP ranks' vectors one after the other)
+                shape = (ss.global_numel * (_tp_shards(p) if ragged else 1),)
             out[key] = (StateKind.SHARDED, (shape, tuple(bounds)))
         elif shards is None and isinstance(v, RaggedDTensor):  # a torch optimizer's state: made from the parameter
             out[key] = (StateKind.SHARDED, (tuple(v.shape), tuple(v.ragged.bounds)))

@@ -1,0 +1,141 @@
+"""Checkpoints across tensor-parallel layouts ([Note: FSDP x TP]).
+
+Saved at (dp 2, tp 2) after two steps (Muon on the hidden matrices, its AdamW on the rest), loaded at
+(dp 4, tp 1), (dp 1, tp 2) and (dp 2, tp 1): the loaded parameters and optimizer state equal the saved
+ones bitwise, and the next step is the uninterrupted run's (the global batch is the same at every
+layout; gradients are reduced in another order, and Muon's Newton–Schulz runs in bf16, which turns
+last-bit differences into bf16 roundings: bound 0.02 = lr on any parameter after the step, measured in
+the test's output). With ``fsdp_optim.save_checkpoint`` and with torch's own ``dcp.save(get_state_dict)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp_optim
+from fsdp_optim._testing import run_distributed
+from fsdp_optim.optimizers import Muon
+from tests._models import TPConfig, TPTransformer, make_batch, tp_plan
+
+GLOBAL_BATCH, LR = 4, 0.02
+
+
+def _build(dp: int, tp: int):
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = TPTransformer()
+    if tp > 1:
+        tp_plan(model, mesh["tp"], loss_parallel=False, sequence_parallel=False)
+    rule = Muon.rule(embedding_and_head=["tok_embeddings", "output"])
+    for block in model.layers:
+        fsdp_optim.fully_shard(block, mesh=mesh["dp"], blocks=rule)
+    fsdp_optim.fully_shard(model, mesh=mesh["dp"], blocks=rule)
+    opt = Muon(model.parameters(), lr=LR, adamw_lr=LR)
+    return mesh, model, opt
+
+
+def _step(model, opt, mesh, step: int) -> None:
+    dp = mesh.size(0)
+    r = mesh.get_coordinate()[0]
+    n = GLOBAL_BATCH // dp
+    tok, tgt = make_batch(batch_size=GLOBAL_BATCH, seq_len=8, vocab_size=TPConfig().vocab_size, seed=step)
+    F.cross_entropy(model(tok[r * n : (r + 1) * n]).flatten(0, 1), tgt[r * n : (r + 1) * n].flatten()).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _full(model, opt) -> dict[str, torch.Tensor]:
+    out = {f"param:{n}": p.full_tensor() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        buf = opt.state[p].get("momentum_buffer")
+        if buf is None:
+            buf = opt.state[p]["exp_avg"]
+        # the state as checkpoints see it: a RaggedDTensor of the parameter's shape and placements
+        from fsdp_optim.sharding.checkpoint._state import state_tensor
+
+        out[f"state:{n}"] = state_tensor(p, buf, tuple(p.shape), tuple(p.ragged.bounds)).full_tensor()
+    return out
+
+
+def _save(path: str, how: str):
+    mesh, model, opt = _build(2, 2)
+    for s in range(2):
+        _step(model, opt, mesh, s)
+    if how == "fsdp_optim":
+        fsdp_optim.save_checkpoint(path, model=model, optimizer=opt)
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    saved = _full(model, opt)
+    _step(model, opt, mesh, 2)
+    return saved, {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def _load(path: str, how: str, dp: int, tp: int):
+    mesh, model, opt = _build(dp, tp)
+    if how == "fsdp_optim":
+        fsdp_optim.load_checkpoint(path, model=model, optimizer=opt)
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    loaded = _full(model, opt)
+    _step(model, opt, mesh, 2)
+    return loaded, {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("how", ["fsdp_optim", "torch_dcp"])
+def test_saved_at_dp2_tp2_loads_at_other_layouts_and_continues(tmp_path, how):
+    path = str(tmp_path / "ckpt")
+    saved, uninterrupted = run_distributed(lambda: _save(path, how), world_size=4)[0]
+    for dp, tp in [(4, 1), (1, 2), (2, 1)]:
+        loaded, after = run_distributed(lambda: _load(path, how, dp, tp), world_size=dp * tp)[0]
+        assert loaded.keys() == saved.keys()
+        for k, v in saved.items():
+            assert torch.equal(loaded[k], v), (dp, tp, k)
+        worst = max((after[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted)
+        print(f"{how}: saved at (dp 2, tp 2), loaded at (dp {dp}, tp {tp}): next step max |diff| = {worst:.3g}")
+        assert worst <= LR, (dp, tp, worst)
+
+
+def _full_dicts():
+    mesh, model, opt = _build(2, 2)
+    _step(model, opt, mesh, 0)
+    full = fsdp_optim.full_state_dict(model)
+    torch.manual_seed(0)
+    return {k: v.clone() for k, v in full.items()}, {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_full_state_dict_of_a_tp_model_holds_the_unsharded_tensors():
+    for full, params in run_distributed(_full_dicts, world_size=4):
+        assert set(full) == set(params)
+        for k, v in params.items():
+            assert full[k].shape == v.shape and torch.equal(full[k], v), k
+
+
+def _round_trip_full(full):
+    mesh, model, opt = _build(2, 2)
+    fsdp_optim.load_full_state_dict(model, full)
+    got = {n: p.full_tensor() for n, p in model.named_parameters()}
+    fsdp_optim.load_full_state_dict(model, full if dist.get_rank() == 0 else None, broadcast_from_rank0=True)
+    got2 = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return got, got2
+
+
+def test_load_full_state_dict_into_a_tp_model():
+    torch.manual_seed(1)
+    full = {k: torch.randn_like(v) for k, v in TPTransformer().state_dict().items()}
+    for got, got2 in run_distributed(lambda: _round_trip_full(full), world_size=4):
+        for k, v in full.items():
+            assert torch.equal(got[k], v) and torch.equal(got2[k], v), k
