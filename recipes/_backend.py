@@ -89,9 +89,10 @@ class FsdpOptimBackend(Backend):
     name = "fsdp_optim"
     optimizers = tuple(OPTIMIZERS)
     fp8_all_gather = expert_parallel = qk_clip = hf_io = True
-    # Our other optimizers do not take TP parameters yet (their state's checkpoint layout, or their
-    # whole-matrix / whole-tensor blocks, assume one rank's tensor is the parameter's).
-    tensor_parallel = ("adamw",)
+    # Shampoo, SOAP, NorMuon and torch.<Name> (whole blocks or whole tensors on one rank) refuse parameters
+    # a TP cut splits; Muon assembles each TP-sharded matrix inside its TP group (fsdp_optim's [Note: Muon
+    # under tensor parallelism]).
+    tensor_parallel = ("adamw", "muon", "adamw8bit", "adamw4bit")
     orthogonalize = ("newton_schulz", "gram_newton_schulz")
     coefficients = ("torch", "polar_express", "list")
 
@@ -175,8 +176,6 @@ class FsdpOptimBackend(Backend):
     def max_logit(self, model, layers, tau):
         from fsdp_optim.optimizers import qk_clip_
 
-        if tensor_parallel_mesh(model) is not None:  # each rank recorded its own heads: measure only
-            return measured_max_logit(layers)  # (tau > 0 with parallel.tp > 1 is refused by _checks)
         return qk_clip_(model, tau=tau if tau > 0 else math.inf).max_logit
 
     def save(self, path, model, optimizer, scheduler, extra):
@@ -270,11 +269,6 @@ def _apply_tp(model: torch.nn.Module, tp: int):
     apply_tensor_parallel(model, mesh["tp"], loss_parallel=True)
     model.tp_mesh = mesh["tp"]
     return mesh["dp"]
-
-
-def tensor_parallel_mesh(model: torch.nn.Module):
-    """The TP mesh ``_apply_tp`` put on ``model`` (None without tensor parallelism)."""
-    return getattr(model, "tp_mesh", None)
 
 
 def measured_max_logit(layers: list[torch.nn.Module]) -> float:

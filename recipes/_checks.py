@@ -213,7 +213,7 @@ def check_tensor_parallel(cfg: Config, backend: Backend, world: int | None = Non
                          f"not {m.kind!r}; set parallel.tp=1")
     if cfg.optim.name not in backend.tensor_parallel:
         raise ValueError(f"parallel.tp = {tp} with optim.name = {cfg.optim.name!r} is not supported: the "
-                         f"{backend.name} backend runs tensor parallelism with {' and '.join(backend.tensor_parallel)} "
+                         f"{backend.name} backend runs tensor parallelism with {', '.join(backend.tensor_parallel)} "
                          f"only; set optim.name={backend.tensor_parallel[0]} (--optimizer "
                          f"{backend.tensor_parallel[0]}) or parallel.tp=1")
     if m.meta_init:
@@ -239,10 +239,6 @@ def check_tensor_parallel(cfg: Config, backend: Backend, world: int | None = Non
     if m.tie_embeddings:
         raise ValueError(f"parallel.tp = {tp} with model.tie_embeddings = true is not supported (the embedding and the "
                          "output head are split differently, so the tie would break); set model.tie_embeddings=false "
-                         "or parallel.tp=1")
-    if cfg.optim.qk_clip_tau > 0:
-        raise ValueError(f"optim.qk_clip_tau = {cfg.optim.qk_clip_tau:g} with parallel.tp = {tp} is not supported "
-                         "(each rank sees its own heads only; max_attn_logit is still logged); set optim.qk_clip_tau=0 "
                          "or parallel.tp=1")
 
 
