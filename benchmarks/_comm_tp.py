@@ -7,7 +7,7 @@ norms go to AdamW, element-wise, no optimizer communication in any scheme) on a 
 wq/wk/wv/w1/w3 ``Shard(0)`` (ColwiseParallel), wo/w2 ``Shard(1)`` (RowwiseParallel). Every figure is per
 rank and the busiest rank's; ``S`` is a full matrix's bytes at ``exchange_bytes`` (bf16 by default, for
 every scheme alike). Newton-Schulz (NS) FLOPs per iteration of an [m, n] matrix: ``2 a^2 (2 b + a)``,
-``a = min(m, n)``, ``b = max(m, n)`` (``fsdp_optim.optimizers._muon._ns_cost``; torch.optim.Muon's
+``a = min(m, n)``, ``b = max(m, n)`` (``fsdp_optim.optimizers._homes.ns_cost``; torch.optim.Muon's
 iteration), times ``ns_steps`` (5). "Single" = one process's torch.optim.Muon step on the whole model.
 
 Schemes:
@@ -17,9 +17,8 @@ Schemes:
     one dp coordinate, the same on every TP rank. Per TP group, its matrices' NS homes are dealt
     longest-first (by NS FLOPs) to the least-loaded TP rank; one ``all_to_all_single`` over the TP group
     sends every slice to its home, NS runs once per matrix, a second returns the result slices: 2
-    collectives per step, no data-parallel optimizer traffic, FLOPs 1.0x single. The dp placement is
-    the planner's as it stands; the TP exchange is the design of issue #35 (``Muon`` in
-    fsdp_optim/optimizers/_muon.py has no TP path at this commit): a model of the design, not of code.
+    collectives per step, no data-parallel optimizer traffic, FLOPs 1.0x single: what ``Muon`` runs
+    ([Note: Muon under tensor parallelism]; measured at W = 4 by ``bench_tp_muon.py``).
 ``megatron_duplicated``: Megatron-LM ``TensorParallelMuon(mode="duplicated")``
     (megatron/core/optimizer/emerging_optimizers.py: ``newton_schulz_tp`` per parameter) under
     ``LayerWiseDistributedOptimizer`` (layer_wise_optimizer.py: whole parameters dealt to dp ranks
@@ -125,7 +124,7 @@ def load_model(name: str) -> Model:
 
 
 def ns_flops(rows: int, cols: int, steps: int = 5) -> int:
-    """torch.optim.Muon's Newton-Schulz FLOPs on one [rows, cols] matrix (``_muon._ns_cost`` x steps)."""
+    """torch.optim.Muon's Newton-Schulz FLOPs on one [rows, cols] matrix (``_homes.ns_cost`` x steps)."""
     a, b = min(rows, cols), max(rows, cols)
     return steps * 2 * a * a * (2 * b + a)
 

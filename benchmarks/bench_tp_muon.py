@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,23 +38,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _out import out_dir  # noqa: E402
 
 
-class _Comm(TorchDispatchMode):
-    """Every ``c10d`` / functional-collective op (DTensor's): count and the bytes of its input tensors
-    (what this rank sends)."""
+class _Comm(CommDebugMode):
+    """torch's ``CommDebugMode`` (it sees DTensor's collectives too), plus the bytes of each
+    collective's input tensors (what this rank sends)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[str, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional") and not func.__name__.startswith(("wait", "barrier", "monitored")):
+        name = getattr(func, "__name__", str(func))
+        if getattr(func, "namespace", "") in ("c10d", "_c10d_functional", "c10d_functional") and not name.startswith(
+            ("wait", "barrier", "monitored")
+        ):
             nbytes = 0
             for a in (*args, *(kwargs or {}).values()):
                 for t in a if isinstance(a, (list, tuple)) else (a,):
-                    if isinstance(t, torch.Tensor):
+                    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
                         nbytes += t.numel() * t.element_size()
-            self.ops.append((func.__name__, nbytes))
-        return func(*args, **(kwargs or {}))
+            self.ops.append((name, nbytes))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def _config(args):
@@ -75,6 +79,8 @@ def _measure(opt, steps: int, make_grads) -> dict:
             with mode, fc:
                 opt.step()
             comm, flops = mode.ops, fc.get_total_flops()
+            if len(comm) != mode.get_total_counts():  # (a collective seen without its tensors: count it anyway)
+                comm = comm + [("other", 0)] * (mode.get_total_counts() - len(comm))
         else:
             t0 = time.perf_counter()
             opt.step()

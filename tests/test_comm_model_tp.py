@@ -16,7 +16,7 @@ if str(BENCH) not in sys.path:
 
 import _comm_tp as tp  # noqa: E402
 import comm_model_tp as cli  # noqa: E402
-from fsdp_optim.optimizers._muon import _ns_cost  # noqa: E402
+from fsdp_optim.optimizers._homes import ns_cost  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_shapes_and_flops():
     big = tp.load_model("llama3.1-405b")
     assert (big.hidden, big.layers, big.heads, big.kv_heads, big.vocab) == (16384, 126, 128, 8, 128256)
     assert dict((s, shape) for s, shape, _ in big.matrices)["w1"] == (53248, 16384)
-    assert tp.ns_flops(53248, 16384) == 5 * _ns_cost(53248, 16384)
+    assert tp.ns_flops(53248, 16384) == 5 * ns_cost(53248, 16384)
     with pytest.raises(ValueError, match="KV heads"):
         tp.model_tp("tiny", 1, 4)  # 2 KV heads do not split over 4
 

@@ -134,7 +134,7 @@ from ._preconditioner import (
     update_grafting_,
 )
 from ._rules import shampoo_rule
-from ._strips import BlockGeometry, shampoo_blocks
+from ._strips import BlockGeometry, shampoo_blocks, tp_keeps_blocks
 
 __all__ = ["Shampoo", "Grafting", "shampoo_blocks", "matrix_inverse_root"]
 
@@ -525,7 +525,7 @@ class Shampoo(BlockPreconditioner):
         for name, p in zip(names, group["params"]):
             info = checked_param_info(
                 p, self._rule or shampoo_rule(k), optimizer="Shampoo", name=name or "", whole_blocks=True,
-                blocks=f"Shampoo.rule(max_preconditioner_dim={k})",
+                blocks=f"Shampoo.rule(max_preconditioner_dim={k})", tp_assembles=lambda i: tp_keeps_blocks(i, k),
             )  # fmt: skip
             geom = shampoo_blocks(info.shape, k, info.spec)
             if info.split:  # the plan recorded split strips: cut on rows of the merged view only

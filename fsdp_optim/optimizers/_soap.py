@@ -68,6 +68,7 @@ import torch
 from torch import Tensor, nn
 
 from ..sharding.contract import BlockRule, BlockSpec, LocalShard, elements, whole
+from ._strips import tp_keeps_blocks
 from ._base import StateShard, apply_update, checked_param_info, local_tensor, per_element, require_spec, state_range
 from ._linalg import aligned, batched_ok, bmm, eigh, qr_q
 from ._preconditioner import BlockPreconditioner, factor_ema_, outer, outer_batched, square_view
@@ -238,7 +239,7 @@ class SOAP(BlockPreconditioner):
         names = group.get("param_names", [None] * len(group["params"]))
         for name, p in zip(names, group["params"]):
             info = checked_param_info(p, soap_rule(k), optimizer="SOAP", name=name or "", whole_blocks=True,
-                                      blocks=blocks)  # fmt: skip
+                                      blocks=blocks, tp_assembles=lambda i: k is not None and tp_keeps_blocks(i, k))  # fmt: skip
             label = name or info.fqn or f"<param of shape {tuple(info.shape)}>"
             if k is None:
                 ok = all(b in (0, info.numel) for b in info.layout.bounds)

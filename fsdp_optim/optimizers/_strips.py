@@ -8,11 +8,11 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..sharding.contract import BlockKind, BlockSpec, merge_small_dims
 
-__all__ = ["BlockGeometry", "shampoo_blocks"]
+__all__ = ["BlockGeometry", "shampoo_blocks", "tp_keeps_blocks"]
 
 
 class BlockGeometry(NamedTuple):
@@ -112,3 +112,17 @@ def shampoo_blocks(shape: tuple[int, ...], k: int, spec: BlockSpec | None = None
     if spec is not None and spec.kind is BlockKind.EXPERT and len(shape) == 3:
         return BlockGeometry(shape[0], merge_small_dims(shape[1:], k), k)
     return BlockGeometry(1, merge_small_dims(shape, k), k)
+
+
+def tp_keeps_blocks(info: Any, k: int) -> bool:
+    """A 2-D parameter whose TP cut splits its ``rows(k)`` strips along dim 1 still keeps every ``[k, k]``
+    preconditioner block whole when the TP-local width is a multiple of ``k`` (and neither shape is
+    merged): each TP rank's strips hold exactly the global blocks of its columns, so Shampoo (and SOAP's
+    block mode) on the TP-local tensor is the same on the global one ([Note: FSDP x TP])."""
+    tp = info.tp
+    if len(tp.global_shape) != 2 or tp.dim != 1:
+        return False
+    merged = shampoo_blocks(tp.global_shape, k, tp.blocks).dims, shampoo_blocks(info.shape, k, info.spec).dims
+    if merged != (tuple(tp.global_shape), tuple(info.shape)):
+        return False
+    return info.shape[1] % k == 0

@@ -248,6 +248,13 @@ def _check_module(experts: nn.Module, ep_size: int) -> int:
     if isinstance(experts, ExpertParallelModule):
         raise ValueError(f"{type(experts).__name__} is already expert parallel; call expert_parallel once")
     sharded = [name for name, p in experts.named_parameters() if isinstance(p, DTensor)]  # (fully_shard's, or any)
+    tp = [name for name, p in experts.named_parameters() if isinstance(p, DTensor) and not hasattr(p, "ragged")]
+    if tp:
+        raise ValueError(
+            f"expert_parallel: the parameters of {type(experts).__name__} ({', '.join(tp)}) are tensor-parallel "
+            "DTensors (parallelize_module); expert parallelism with tensor-parallel experts (EP x TP) is not supported "
+            "(docs/tensor-parallel.md): leave the experts module out of the TP plan"
+        )
     if sharded:
         raise ValueError(
             f"expert_parallel: the parameters of {type(experts).__name__} ({', '.join(sharded)}) are already "

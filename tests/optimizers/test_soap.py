@@ -555,3 +555,49 @@ def test_save_checkpoint_at_2_load_at_3_restores_every_state_vector(tmp_path):
     assert a.keys() == b.keys() and any(k[1] == "Q" and v.numel() for k, v in a.items())
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def _soap_tp(dp: int, tp: int):
+    import copy as _copy
+
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp_optim
+    from fsdp_optim.optimizers import SOAP
+    from tests._models import TPConfig, TPTransformer, make_batch, tp_plan
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    ref = TPTransformer()
+    model = _copy.deepcopy(ref)
+    tp_plan(model, mesh["tp"], loss_parallel=False, sequence_parallel=False)
+    rule = SOAP.rule(block_size=8)
+    for block in model.layers:
+        fsdp_optim.fully_shard(block, mesh=mesh["dp"], blocks=rule)
+    fsdp_optim.fully_shard(model, mesh=mesh["dp"], blocks=rule)
+    opt = SOAP(model.parameters(), lr=3e-3, block_size=8, precondition_frequency=1)
+    ropt = SOAP(ref.parameters(), lr=3e-3, block_size=8, precondition_frequency=1)
+    r = mesh.get_coordinate()[0]
+    for step in range(3):
+        tok, tgt = make_batch(batch_size=2 * dp, seq_len=8, vocab_size=TPConfig().vocab_size, seed=step)
+        F.cross_entropy(model(tok[2 * r : 2 * r + 2]).flatten(0, 1), tgt[2 * r : 2 * r + 2].flatten()).backward()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            b.grad = a.grad.full_tensor().clone()
+        opt.step()
+        opt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    cut = [n for n, p in model.named_parameters() if p.ragged.tp_blocks is not None]
+    return {n: (a.full_tensor() - b).abs().max().item() for (n, a), b in zip(model.named_parameters(), ref.parameters())}, cut
+
+
+def test_tp_cuts_that_keep_every_block_whole_equal_unsharded_soap():
+    """SOAP's block mode (Shampoo's [k, k] blocks) under torchtitan's TP plan with k = 8: every cut
+    (rows under ColwiseParallel, columns under RowwiseParallel) falls between blocks: equal to SOAP
+    unsharded fed the same gradients."""
+    from fsdp_optim._testing import run_distributed
+
+    for diffs, cut in run_distributed(lambda: _soap_tp(2, 2), world_size=4):
+        assert any("wo" in n for n in cut), cut
+        assert max(diffs.values()) == 0.0, diffs

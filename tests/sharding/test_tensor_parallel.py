@@ -189,11 +189,12 @@ def _torch_tools():
     torch.manual_seed(0)
     model = _parallel(TPTransformer(), mesh)
     _step(model, None, 0, mesh)
+    ours = fsdp_optim.clip_grad_norm_(model.parameters(), max_norm=float("inf")).item()  # (measures only)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
     norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     full = sd.get_model_state_dict(model, options=sd.StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return norm.item(), grads, {k: v for k, v in full.items()}
+    return norm.item(), grads, {k: v for k, v in full.items()}, ours
 
 
 def test_torch_clip_grad_norm_and_get_model_state_dict_see_the_global_tensors():
@@ -205,8 +206,8 @@ def test_torch_clip_grad_norm_and_get_model_state_dict_see_the_global_tensors():
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5).item()
     out = run_distributed(_torch_tools, world_size=4)
     assert all(not o[2] for o in out[1:])  # full_state_dict + cpu_offload: rank 0 holds the dict (as FSDP2)
-    for norm, grads, full in out[:1]:
-        assert norm == pytest.approx(want, rel=1e-5)
+    for norm, grads, full, ours in out[:1]:
+        assert norm == pytest.approx(want, rel=1e-5) and ours == pytest.approx(want, rel=1e-5)
         for n, p in ref.named_parameters():
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7)
         assert full.keys() == sd0.keys()
@@ -306,3 +307,41 @@ def test_optimizers_that_need_blocks_tp_cuts_refuse_naming_the_parameter(name):
         run_distributed(lambda: _optimizer_refuses(name), world_size=2)
     msg = str(e.value)
     assert "is tensor-parallel, split along dim" in msg and "TP-local shape" in msg
+
+
+def _ep_x_tp():
+    from torch.distributed.tensor import distribute_tensor
+
+    from fsdp_optim.sharding import expert_parallel
+    from tests._models import SwiGLUExperts
+
+    mesh = _mesh((1, 2))
+    experts = SwiGLUExperts(num_experts=4, dim=8, hidden=16)
+    for name, p in list(experts.named_parameters()):
+        setattr(experts, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh["tp"], [Shard(1)])))
+    expert_parallel(experts)
+
+
+def test_expert_parallel_with_tensor_parallel_experts_is_refused():
+    with pytest.raises(Exception) as e:
+        run_distributed(_ep_x_tp, world_size=2)
+    assert "EP x TP) is not supported" in str(e.value)
+
+
+def _refusing(name: str):
+    from fsdp_optim.optimizers import Muon, NorMuon, WholeTensorOptimizer
+
+    mesh = _mesh((1, 2))
+    blocks = WholeTensorOptimizer.blocks if name == "whole" else Muon.rule(embedding_and_head=["tok_embeddings", "output"])
+    model = _parallel(TPTransformer(), mesh, blocks=blocks)
+    if name == "whole":
+        WholeTensorOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+    else:
+        NorMuon(model.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("name", ["whole", "normuon"])
+def test_whole_tensor_optimizer_and_normuon_refuse_tp_cut_parameters(name):
+    with pytest.raises(Exception) as e:
+        run_distributed(lambda: _refusing(name), world_size=2)
+    assert "is tensor-parallel, split along dim" in str(e.value)

@@ -85,8 +85,15 @@ def _check_tensor(key: str, md: Any, obj: Any, *, exact_dtype: bool) -> None:
             f"checkpoint entry {key} is a tensor of shape {tuple(md.size)}, but the target is {type(obj).__name__}"
         )
     if tuple(md.size) != tuple(obj.size()):
+        tp = [n for n, size in (("checkpoint", md.size), ("target", obj.size())) if key.startswith("optim.") and len(size) == 2]
         raise ValueError(
             f"shape mismatch for {key}: the checkpoint has {tuple(md.size)}, the target {tuple(obj.size())}"
+            + (
+                f"; the {' and the '.join(tp)}'s is per-block optimizer state of a tensor-parallel parameter, one row "
+                "per TP rank, which loads only at the same TP size ([Note: per-block state under TP]): load at the "
+                "TP size it was saved with, or start this optimizer's state afresh (load the model alone)"
+                if tp else ""
+            )
         )
     if exact_dtype and md.properties.dtype != obj.dtype:
         raise ValueError(f"dtype mismatch for {key}: the checkpoint has {md.properties.dtype}, the target {obj.dtype}")

@@ -143,14 +143,24 @@ def state_tensor(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...], b
     placements = list(p.placements)
     if tuple(shape) == tuple(p.shape):
         layout_shape = p.ragged.shape  # (TP-local under tensor parallelism, [Note: FSDP x TP])
-    else:  # a per-block vector: TP-sharded as the concatenation of the TP ranks' vectors
+    elif len(shape) == 2 and _tp_shards(p) > 1:  # per-block state of a TP parameter: this TP rank's row
         placements = [Shard(0) if isinstance(q, Shard) else q for q in placements]
-        layout_shape = (shape[0] // _tp_shards(p),)
+        layout_shape = (1, shape[1])
+    else:
+        layout_shape = tuple(shape)
     placements[p.ragged_dim] = RaggedShard(RaggedLayout(tuple(layout_shape), tuple(bounds)))
     spec = ragged_spec(p.device_mesh, placements, shape, local.dtype)
     return RaggedDTensor._from_local_and_spec(local.reshape(-1), spec)
 
 
+# [Note: per-block state under TP]
+# Per-element optimizer state of a tensor-parallel parameter is checkpointed with the parameter's
+# global shape and placements, so it loads at any (dp, tp) layout, as the parameter does. Per-block
+# state (8-bit scales, Shampoo factors) describes blocks of each TP rank's TP-local tensor, which
+# another TP size forms differently (a RowwiseParallel shard's quantization blocks are pieces of
+# columns): it is saved as a ``[tp, n]`` tensor, row t for TP rank t (``Shard(0)`` on the TP dim), so
+# a load at another TP size finds another shape and DCP refuses it instead of attaching scales to the
+# wrong blocks; any data-parallel layout at the same TP size loads.
 def _tp_shards(p: RaggedDTensor) -> int:
     """How many TP ranks split ``p`` (1 without tensor parallelism)."""
     n = 1
@@ -208,8 +218,11 @@ def state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) ->
             local_shape = p.ragged.shape if ragged else param_shape  # (TP-local under tensor parallelism)
             if ss.global_numel == math.prod(local_shape):
                 shape = param_shape  # per-element state: the parameter's shape and placements
-            else:  # per-block state: one vector (under TP the TP ranks' vectors one after the other)
-                shape = (ss.global_numel * (_tp_shards(p) if ragged else 1),)
+            elif ragged and _tp_shards(p) > 1:
+                # per-block state of a TP parameter: one row per TP rank, [Note: per-block state under TP]
+                shape = (_tp_shards(p), ss.global_numel)
+            else:  # per-block state: one vector
+                shape = (ss.global_numel,)
             out[key] = (StateKind.SHARDED, (shape, tuple(bounds)))
         elif shards is None and isinstance(v, RaggedDTensor):  # a torch optimizer's state: made from the parameter
             out[key] = (StateKind.SHARDED, (tuple(v.shape), tuple(v.ragged.bounds)))

@@ -139,3 +139,73 @@ def test_load_full_state_dict_into_a_tp_model():
     for got, got2 in run_distributed(lambda: _round_trip_full(full), world_size=4):
         for k, v in full.items():
             assert torch.equal(got[k], v) and torch.equal(got2[k], v), k
+
+
+def _adamw8bit(path: str, dp: int, tp: int, save: bool):
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from fsdp_optim.optimizers import AdamW8bit
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256, bias=False), nn.Tanh(), nn.Linear(256, 128, bias=False))
+    if tp > 1:
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fsdp_optim.fully_shard(model, mesh=mesh["dp"], blocks=AdamW8bit.blocks)
+    opt = AdamW8bit(model.parameters(), lr=1e-2, compile=False)
+    if save:
+        model(torch.randn(4, 128, generator=torch.Generator().manual_seed(0))).square().sum().backward()
+        opt.step()
+        fsdp_optim.save_checkpoint(path, model=model, optimizer=opt)
+    else:
+        fsdp_optim.load_checkpoint(path, model=model, optimizer=opt)
+    state = opt.state_dict()["state"]
+    return {k: {n: v.full_tensor() for n, v in s.items() if hasattr(v, "full_tensor")} for k, s in state.items()}
+
+
+def test_per_block_state_loads_at_the_same_tp_size_and_is_refused_at_another(tmp_path):
+    """[Note: per-block state under TP]: 8-bit scales of TP-local blocks load at (dp 1, tp 2) from
+    (dp 2, tp 2) bitwise; at (dp 4, tp 1) the load raises instead of attaching them to other blocks."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(lambda: _adamw8bit(path, 2, 2, True), world_size=4)[0]
+    loaded = run_distributed(lambda: _adamw8bit(path, 1, 2, False), world_size=2)[0]
+    assert saved.keys() == loaded.keys()
+    for k in saved:
+        for n, v in saved[k].items():
+            assert torch.equal(loaded[k][n], v), (k, n)
+    with pytest.raises(Exception) as e:
+        run_distributed(lambda: _adamw8bit(path, 4, 1, False), world_size=4)
+    assert "loads only at the same TP size" in str(e.value)
+
+
+def test_export_hf_of_a_tp_model_writes_the_unsharded_tensors_and_load_hf_reads_them_back(tmp_path):
+    import os
+
+    from safetensors import safe_open
+
+    class _Config:  # export_hf needs only save_pretrained of a config
+        def save_pretrained(self, path):
+            with open(os.path.join(path, "config.json"), "w") as f:
+                f.write("{}")
+
+    def fn():
+        mesh, model, opt = _build(2, 2)
+        _step(model, opt, mesh, 0)
+        fsdp_optim.export_hf(model, tmp_path / "hf", config=_Config())
+        _, other, _ = _build(1, 4)  # another layout reads it back
+        fsdp_optim.load_hf(other, tmp_path / "hf")
+        want = {n: p.full_tensor() for n, p in model.named_parameters()}
+        got = {n: p.full_tensor() for n, p in other.named_parameters()}
+        return want, all(torch.equal(got[k], v) for k, v in want.items())
+
+    want, same = run_distributed(fn, world_size=4)[0]
+    assert same
+    files = {}
+    for f in os.listdir(tmp_path / "hf"):
+        if f.endswith(".safetensors"):
+            with safe_open(str(tmp_path / "hf" / f), "pt") as h:
+                files.update({k: h.get_tensor(k) for k in h.keys()})
+    assert files.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(files[k], v), k
