@@ -11,8 +11,8 @@ data-parallel ranks (fsdp_optim's [Note: FSDP x TP]):
   of ``attention`` and ``feed_forward`` all-gathered back to the whole sequence
   (``PrepareModuleInput``). The residual stream between them stays sequence-sharded;
 - the token embedding row-wise (vocabulary rows split, the output reduce-scattered along the
-  sequence), the final norm sequence-parallel, the output head column-wise (vocabulary columns
-  split) with its logits ``Shard(-1)`` for loss parallelism (``loss_parallel``: the cross-entropy
+  sequence), the final norm sequence-parallel, the output head column-wise (the vocabulary split:
+  rows of its weight, columns of the logits) with its logits ``Shard(-1)`` for loss parallelism (``loss_parallel``: the cross-entropy
   over vocabulary-sharded logits, no all-gather of the full ``[batch, seq, vocab]``), or
   ``Replicate()`` where the loss needs whole logits.
 
