@@ -27,6 +27,17 @@ lives in the inner optimizer (lazily, as torch's optimizers create it); ``self.s
 for owned parameters after each step. ``state_dict()`` / ``load_state_dict()`` are the inner
 optimizer's per rank (same world size and plan).
 
+[Note: whole-tensor optimizer under TP]
+A tensor that tensor parallelism splits (``LocalShard.tp``: a TP-local piece of a ``whole()`` block)
+is stepped at one *home* TP rank (round-robin over the TP ranks in parameter order, the same on
+every TP rank since the plan is): each step one ``all_to_all_single`` over the TP group sends every
+rank's slice of the values and of the gradient to the home, which concatenates them along the TP
+dim into a global-shape copy and steps it with ``optimizer_class`` as the unsharded optimizer would;
+a second sends each rank its slice of the new values. The state of such a tensor lives on its home
+only (it is the owner: checkpoints save it whole there, [Note: whole-tensor checkpoints]). The
+copy's values are re-read every step, so anything that changed the parameter since (a load, a clip)
+is seen. A TP-local tensor that is itself cut across data-parallel ranks is refused.
+
 [Note: whole-tensor checkpoints]
 ``save_checkpoint`` / ``load_checkpoint`` reshard this optimizer across world sizes and plans.
 Every state tensor of a parameter is saved whole by the rank that owns the parameter, under
@@ -45,6 +56,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..sharding.contract import (
@@ -90,6 +102,8 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
             )
         self.optimizer_class = optimizer_class
         self._views: dict[Tensor, Tensor] = {}  # owned sharded parameter -> its global-shape view
+        self._tp: dict[Tensor, tuple[LocalShard, int]] = {}  # TP-split parameter -> (layout, home TP coordinate)
+        self._tp_count = 0
         groups = list(params)
         if not groups:
             raise ValueError("WholeTensorOptimizer: optimizer got an empty parameter list")
@@ -125,14 +139,80 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
             self._views[p] = p  # a plain parameter: every rank holds (and steps) it
             return p
         info = local_shard(p)
-        if info.tp is not None:  # (every rank, holding a piece or not)
-            raise tp_cut_error(info, optimizer="WholeTensorOptimizer")
+        if info.tp is not None:
+            return self._tp_view(p, info)
         if info.local_numel == 0 and info.numel > 0:
             return None
         _check_whole(p, info)
         view = nn.Parameter(local_tensor(p).detach().view(info.shape), requires_grad=p.requires_grad)
         self._views[p] = view
         return view
+
+    def _tp_view(self, p: Tensor, info: LocalShard) -> Tensor | None:
+        """A tensor TP splits ([Note: whole-tensor optimizer under TP]): its home TP rank steps a
+        global-shape copy assembled each step; the other TP ranks own nothing of it."""
+        if p in self._tp:
+            return self._views.get(p)
+        if info.local_numel == 0 and info.numel > 0:
+            return None  # held by another data-parallel coordinate (its TP group steps it)
+        if info.local_numel != info.numel:
+            raise tp_cut_error(info, optimizer="WholeTensorOptimizer", supported="its TP-local tensor is itself cut "
+                               "across data-parallel ranks")  # fmt: skip
+        home = self._tp_count % info.tp.size  # round-robin over the TP ranks, in parameter order (the same everywhere)
+        self._tp_count += 1
+        self._tp[p] = (info, home)
+        if home != info.tp.rank:
+            return None
+        view = nn.Parameter(torch.empty(info.tp.global_shape, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
+        self._views[p] = view
+        return view
+
+    def _tp_exchange(self, *, out: bool) -> None:
+        """``out``: every TP rank sends its slice of each TP-split tensor (values, then gradient) to the
+        tensor's home, which assembles them into its copy; else the home sends each rank its slice of the
+        stepped copy. One ``all_to_all_single`` per TP group and dtype each way."""
+        by_group: dict[tuple, list] = {}
+        for p, (info, home) in self._tp.items():
+            by_group.setdefault((id(info.tp.group), p.dtype), []).append((p, info, home))
+        for items in by_group.values():
+            tp = items[0][1].tp
+            g, size, me = tp.group_ranks(), tp.size, tp.rank
+            k = 2 if out else 1
+            dtype = items[0][0].dtype
+            send_sizes, recv_sizes, send, recv_at = [0] * size, [0] * size, [], []
+            for t in sorted(range(size), key=lambda t: g[t]):  # buffers in group-rank order
+                for p, info, home in items:
+                    n = info.local_numel
+                    if out and home == t:
+                        grad = p.grad
+                        send += [local_tensor(p).reshape(-1), torch.zeros(n, dtype=dtype, device=p.device) if grad is None
+                                 else local_tensor(grad).reshape(-1).to(dtype)]  # fmt: skip
+                        send_sizes[g[t]] += k * n
+                    if not out and home == me:
+                        chunk = self._views[p].detach().chunk(size, dim=info.tp.dim)[t]
+                        send.append(chunk.reshape(-1))
+                        send_sizes[g[t]] += n
+                    if (out and home == me) or (not out and home == t):
+                        recv_at.append((t, p, info, home))
+                        recv_sizes[g[t]] += k * n
+            device = items[0][0].device
+            buf = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+            payload = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
+            dist.all_to_all_single(buf, payload, recv_sizes, send_sizes, group=tp.group)
+            pos, parts = 0, {}
+            for t, p, info, home in recv_at:
+                n = info.local_numel
+                parts.setdefault(p, {})[t] = buf[pos : pos + k * n]
+                pos += k * n
+            for p, info, home in items:
+                if out and home == me:
+                    n, shape, dim = info.local_numel, tuple(info.shape), info.tp.dim
+                    view = self._views[p]
+                    pieces = [parts[p][t] for t in range(size)]
+                    view.data.copy_(torch.cat([x[:n].view(shape) for x in pieces], dim=dim))
+                    view.grad = None if p.grad is None else torch.cat([x[n:].view(shape) for x in pieces], dim=dim)
+                elif not out:
+                    local_tensor(p).reshape(-1).copy_(parts[p][home])
 
     def owns(self, p: Tensor) -> bool:
         """Whether this rank steps ``p`` (holds it whole)."""
@@ -153,10 +233,12 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._push_hyperparameters()
+        if self._tp:
+            self._tp_exchange(out=True)
         for g in self.param_groups:
             for p in g["params"]:
                 view = self._view(p)
-                if view is None or view is p:
+                if view is None or view is p or p in self._tp:
                     continue
                 local = local_tensor(p)
                 if view.data_ptr() != local.data_ptr() or view.device != local.device or view.dtype != local.dtype:
@@ -168,6 +250,8 @@ class WholeTensorOptimizer(torch.optim.Optimizer):
             for p, view in self._views.items():
                 if view is not p:
                     view.grad = None  # no extra reference to the gradient segment
+        if self._tp:
+            self._tp_exchange(out=False)
         self._pull_hyperparameters()  # group-level state the inner step advanced (see the Note)
         self._mirror_state()
         return loss

@@ -328,20 +328,15 @@ def test_expert_parallel_with_tensor_parallel_experts_is_refused():
     assert "EP x TP) is not supported" in str(e.value)
 
 
-def _refusing(name: str):
-    from fsdp_optim.optimizers import Muon, NorMuon, WholeTensorOptimizer
+def _refusing():
+    from fsdp_optim.optimizers import Muon, NorMuon
 
     mesh = _mesh((1, 2))
-    blocks = WholeTensorOptimizer.blocks if name == "whole" else Muon.rule(embedding_and_head=["tok_embeddings", "output"])
-    model = _parallel(TPTransformer(), mesh, blocks=blocks)
-    if name == "whole":
-        WholeTensorOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
-    else:
-        NorMuon(model.parameters(), lr=1e-3)
+    model = _parallel(TPTransformer(), mesh, blocks=Muon.rule(embedding_and_head=["tok_embeddings", "output"]))
+    NorMuon(model.parameters(), lr=1e-3)
 
 
-@pytest.mark.parametrize("name", ["whole", "normuon"])
-def test_whole_tensor_optimizer_and_normuon_refuse_tp_cut_parameters(name):
+def test_normuon_refuses_tp_cut_parameters():
     with pytest.raises(Exception) as e:
-        run_distributed(lambda: _refusing(name), world_size=2)
+        run_distributed(_refusing, world_size=2)
     assert "is tensor-parallel, split along dim" in str(e.value)
