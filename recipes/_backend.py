@@ -89,10 +89,11 @@ class FsdpOptimBackend(Backend):
     name = "fsdp_optim"
     optimizers = tuple(OPTIMIZERS)
     fp8_all_gather = expert_parallel = qk_clip = hf_io = True
-    # Shampoo, SOAP, NorMuon and torch.<Name> (whole blocks or whole tensors on one rank) refuse parameters
-    # a TP cut splits; Muon assembles each TP-sharded matrix inside its TP group (fsdp_optim's [Note: Muon
-    # under tensor parallelism]).
-    tensor_parallel = ("adamw", "muon", "adamw8bit", "adamw4bit")
+    # Shampoo, SOAP and NorMuon (blocks or whole matrices on one rank) refuse parameters a TP cut splits
+    # their blocks of; Muon assembles each TP-sharded matrix inside its TP group (fsdp_optim's [Note: Muon
+    # under tensor parallelism]), WholeTensorOptimizer (torch.<Name>) steps a TP-split tensor whole at a
+    # home TP rank ([Note: whole-tensor optimizer under TP]).
+    tensor_parallel = ("adamw", "muon", "adamw8bit", "adamw4bit", *(f"torch.{n}" for n in TORCH_PER_TENSOR))
     orthogonalize = ("newton_schulz", "gram_newton_schulz")
     coefficients = ("torch", "polar_express", "list")
 

@@ -212,8 +212,10 @@ def check_tensor_parallel(cfg: Config, backend: Backend, world: int | None = Non
         raise ValueError(f"parallel.tp = {tp} needs model.kind = 'llama' (the TP plan is the recipe's dense Llama's), "
                          f"not {m.kind!r}; set parallel.tp=1")
     if cfg.optim.name not in backend.tensor_parallel:
+        names = [n for n in backend.tensor_parallel if not n.startswith("torch.")]
+        names += ["torch.<Name>"] if len(names) < len(backend.tensor_parallel) else []
         raise ValueError(f"parallel.tp = {tp} with optim.name = {cfg.optim.name!r} is not supported: the "
-                         f"{backend.name} backend runs tensor parallelism with {', '.join(backend.tensor_parallel)} "
+                         f"{backend.name} backend runs tensor parallelism with {', '.join(names)} "
                          f"only; set optim.name={backend.tensor_parallel[0]} (--optimizer "
                          f"{backend.tensor_parallel[0]}) or parallel.tp=1")
     if m.meta_init:

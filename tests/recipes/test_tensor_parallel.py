@@ -98,6 +98,10 @@ def test_tp2_trains_the_same_model_as_dp4(tmp_path):
     same_losses(muon_tp2, muon_dp4, rtol=1e-3, keys=("grad_norm",))
     same_losses(muon_tp2, muon_dp4, rtol=1e-2, keys=("max_attn_logit",))
     assert muon_tp2[1]["max_attn_logit"] < muon_tp2[0]["max_attn_logit"]  # clipped to tau = 0.05 after step 1
+    # torch.optim.NAdam through WholeTensorOptimizer: each TP-split tensor stepped whole at a home TP rank.
+    nadam = ["--optimizer", "torch.NAdam"]
+    same_losses(tp_train(tmp_path / "nadam_tp2", *TP2, *nadam)["records"],
+                tp_train(tmp_path / "nadam_dp4", *DP4, *nadam)["records"])
     # PyTorch FSDP2 + the same TP plan (the side-by-side peer) trains the same model too.
     torch_tp2 = tp_train(tmp_path / "torch", *TP2, "--set", "train.backend=torch")
     assert torch_tp2["backend"] == "torch"
@@ -146,7 +150,8 @@ def test_preflight_refuses_bad_tp(tmp_path, check_at):
     refused(4, *kv4, "--set", "data.seq_len=30", match="parallel.tp = 4 must divide data.seq_len = 30")
     refused(4, "--set", "parallel.tp=2", "--optimizer", "shampoo",
             match="parallel.tp = 2 with optim.name = 'shampoo' is not supported: the fsdp_optim backend runs tensor "
-                  "parallelism with adamw, muon, adamw8bit, adamw4bit only; set optim.name=adamw (--optimizer adamw) "
+                  "parallelism with adamw, muon, adamw8bit, adamw4bit, torch.<Name> only; set optim.name=adamw "
+                  "(--optimizer adamw) "
                   "or parallel.tp=1")
     refused(4, "--set", "parallel.tp=2", "--optimizer", "adamw8bit", "--set", "train.backend=torch",
             match="parallel.tp = 2 with optim.name = 'adamw8bit' is not supported: the torch backend runs tensor "
