@@ -122,7 +122,8 @@ def _run_suggest(args: argparse.Namespace, config, itemsize: int) -> int:
         cands = [{**c._asdict(), "collective_seconds": c.collective_seconds if c.planned else None,
                   "balance_ratio": c.balance_ratio if c.planned else None} for c in s.candidates]  # fmt: skip
         out = {"model": args.model, "optimizer": args.optimizer, "world_size": args.world_size, "memory_per_rank": mem,
-               "shard_size": s.shard_size, "num_replicas": s.num_replicas, "ep": s.ep, "max_rank_bytes": s.max_rank_bytes,
+               "shard_size": s.shard_size, "num_replicas": s.num_replicas, "ep": s.ep, "tp": s.tp,
+               "max_rank_bytes": s.max_rank_bytes,
                "collective_seconds": s.collective_seconds, "candidates": cands}  # fmt: skip
         print(json.dumps(out, allow_nan=False))
         return 0
@@ -130,22 +131,28 @@ def _run_suggest(args: argparse.Namespace, config, itemsize: int) -> int:
     shape = (f"expert parallel {s.ep} (each rank's experts sharded over the {args.world_size // s.ep} ranks holding the "
              f"same experts), the rest pure FSDP over {s.shard_size} ranks" if s.ep > 1
              else f"{s.num_replicas} replicas x shard size {s.shard_size}")  # fmt: skip
+    if s.tp > 1:
+        shape = (f"tensor parallel {s.tp} (each block's heads, FFN and the vocabulary split over {s.tp} ranks), "
+                 f"{shape} over the {args.world_size // s.tp} data-parallel ranks")  # fmt: skip
     print(f"suggested: {shape} (busiest rank {s.max_rank_bytes / 1e9:.2f} GB, collectives {s.collective_seconds:.3f} s "
           "per step, modeled)")  # fmt: skip
     print(f"{'ep':>4} {'shard':>7} {'replicas':>8} {'rank GB':>9} {'fits':>5} {'comm s/step':>12} {'bytes max/mean':>15} "
-          f"{'split':>6}")  # fmt: skip
+          f"{'split':>6} {'tp':>4}")  # fmt: skip
     for c in s.candidates:
         secs = f"{c.collective_seconds:12.3f}" if c.planned else f"{'-':>12}"
         ratio = f"{c.balance_ratio:>15.3f}" if c.planned else f"{'-':>15}"
         print(f"{c.ep:>4} {c.shard_size:>7} {c.num_replicas:>8} {c.max_rank_bytes / 1e9:>9.2f} {'yes' if c.fits else 'no':>5} "
-              f"{secs} {ratio} {c.num_split_blocks if c.planned else '-':>6}")  # fmt: skip
+              f"{secs} {ratio} {c.num_split_blocks if c.planned else '-':>6} {c.tp:>4}")  # fmt: skip
     print("memory: 16 B per sharded element (fp32 parameter, gradient, 2 moments) + the rule's per-block state (Shampoo's "
           "factors and roots) + 2 gathered buckets (bf16 + fp32 grad); time: all-gather x2 + reduce-scatter per bucket, "
           "split-block exchanges, HSDP all-reduce (alpha-beta, "
           "5 us, 400 Gb/s, no overlap); '-': not planned, its memory lower bound does not fit"
           + ("; ep > 1: the routed experts split whole over ep ranks and sharded over the W / ep holding the same "
              f"experts, the rest pure FSDP (no HSDP with EP yet), plus 4 token all-to-alls per MoE layer at "
-             f"{args.tokens_per_rank} tokens per rank" if any(c.ep > 1 for c in s.candidates) else ""))  # fmt: skip
+             f"{args.tokens_per_rank} tokens per rank" if any(c.ep > 1 for c in s.candidates) else "")
+          + ("; tp > 1 (tried when no data-parallel shape fits): torchtitan's Llama TP plan, the split matrices 1 / tp "
+             "per rank, the rest replicated; TP's activation collectives are not modeled, the least fitting tp wins"
+             if any(c.tp > 1 for c in s.candidates) else ""))  # fmt: skip
     return 0
 
 

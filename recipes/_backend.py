@@ -43,14 +43,17 @@ class Backend:
     optimizers: tuple[str, ...]  # the optim.name values it runs
     fp8_all_gather: bool  # train.fp8_all_gather / --fp8-allgather
     expert_parallel: bool  # parallel.ep > 1
+    tensor_parallel: tuple[str, ...]  # the optim.name values it runs with parallel.tp > 1 (none: no TP)
     qk_clip: bool  # optim.qk_clip_tau > 0 (it scales the sharded weights)
     hf_io: bool  # --export-hf / --init-from-hf
     orthogonalize: tuple[str, ...]  # optim.orthogonalize values its Muon can run
     coefficients: tuple[str, ...]  # optim.coefficients names its Muon can run ("list": a list of (a, b, c) too)
 
     def shard(self, model: torch.nn.Module, opt_name: str, param_dtype: torch.dtype, fp8_all_gather: str = "off",
-              max_preconditioner_dim: int = 1024, ep: int = 1) -> None:
-        """Shard each decoder layer, then the root (embeddings, final norm, head), FSDP2-style."""
+              max_preconditioner_dim: int = 1024, ep: int = 1, tp: int = 1) -> None:
+        """Shard each decoder layer, then the root (embeddings, final norm, head), FSDP2-style. ``tp`` > 1:
+        first the TP plan over the ``tp`` consecutive ranks of each group (``_tensor_parallel``), then the
+        sharding over the data-parallel ranks (mesh["dp"])."""
         raise NotImplementedError
 
     def init_sharded(self, model: torch.nn.Module, device: torch.device) -> None:
@@ -86,10 +89,15 @@ class FsdpOptimBackend(Backend):
     name = "fsdp_optim"
     optimizers = tuple(OPTIMIZERS)
     fp8_all_gather = expert_parallel = qk_clip = hf_io = True
+    # Shampoo, SOAP and NorMuon (blocks or whole matrices on one rank) refuse parameters a TP cut splits
+    # their blocks of; Muon assembles each TP-sharded matrix inside its TP group (fsdp_optim's [Note: Muon
+    # under tensor parallelism]), WholeTensorOptimizer (torch.<Name>) steps a TP-split tensor whole at a
+    # home TP rank ([Note: whole-tensor optimizer under TP]).
+    tensor_parallel = ("adamw", "muon", "adamw8bit", "adamw4bit", *(f"torch.{n}" for n in TORCH_PER_TENSOR))
     orthogonalize = ("newton_schulz", "gram_newton_schulz")
     coefficients = ("torch", "polar_express", "list")
 
-    def shard(self, model, opt_name, param_dtype, fp8_all_gather="off", max_preconditioner_dim=1024, ep=1):
+    def shard(self, model, opt_name, param_dtype, fp8_all_gather="off", max_preconditioner_dim=1024, ep=1, tp=1):
         """With the optimizer's block rule (Shampoo's follows ``optim.max_preconditioner_dim``).
         ``fp8_all_gather``: ``off`` or a tile (``128x128``, ``1x128``) for the block-wise FP8 all-gather.
         ``ep`` > 1 (MoE): first each layer's experts are split whole over groups of ``ep`` ranks
@@ -108,6 +116,7 @@ class FsdpOptimBackend(Backend):
         if param_dtype != torch.float32:
             mp = fsdp_optim.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         fp8 = None if fp8_all_gather == "off" else fsdp_optim.Float8AllGather(tile=fp8_all_gather)
+        dp_mesh = _apply_tp(model, tp)  # None without TP: fully_shard's default (every rank)
         if ep > 1:
             from fsdp_optim.sharding import expert_parallel, expert_parallel_groups
 
@@ -118,8 +127,9 @@ class FsdpOptimBackend(Backend):
                 fsdp_optim.fully_shard(experts, mesh=groups.replicas, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8,
                                        plan_config=plan)
         for layer in model.layers:
-            fsdp_optim.fully_shard(layer, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8, plan_config=plan)
-        fsdp_optim.fully_shard(model, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8, plan_config=plan)
+            fsdp_optim.fully_shard(layer, mesh=dp_mesh, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8,
+                                   plan_config=plan)
+        fsdp_optim.fully_shard(model, mesh=dp_mesh, blocks=blocks, mp_policy=mp, fp8_all_gather=fp8, plan_config=plan)
 
     def init_sharded(self, model, device):
         import fsdp_optim
@@ -184,20 +194,22 @@ class TorchBackend(Backend):
     name = "torch"
     optimizers = ("adamw", "adamw8bit")
     fp8_all_gather = expert_parallel = qk_clip = hf_io = False
+    tensor_parallel = ("adamw",)  # FSDP2 + TP, torchtitan's way (torch.optim.AdamW on the DTensors)
     # What torch.optim.Muon can do (its Newton–Schulz with one (a, b, c)), should Muon join ``optimizers``:
     # it has no Muon today, so _checks refuses any other value here before it refuses optim.name.
     orthogonalize = ("newton_schulz",)
     coefficients = ("torch",)
 
-    def shard(self, model, opt_name, param_dtype, fp8_all_gather="off", max_preconditioner_dim=1024, ep=1):
+    def shard(self, model, opt_name, param_dtype, fp8_all_gather="off", max_preconditioner_dim=1024, ep=1, tp=1):
         if ep > 1:  # (resolve_config refuses it first; this guards direct callers)
             raise ValueError(f"parallel.ep = {ep} needs the fsdp_optim backend (train.backend); set parallel.ep=1")
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        dp_mesh = _apply_tp(model, tp)
         for layer in model.layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
     def init_sharded(self, model, device):
         model.to_empty(device=device)
@@ -219,14 +231,7 @@ class TorchBackend(Backend):
 
     def max_logit(self, model, layers, tau):
         # qk_clip_ refuses FSDP2's DTensor weights (resolve_config refuses tau > 0), so measure only.
-        from fsdp_optim.optimizers import recorded_max_logits
-
-        recorded = [recorded_max_logits(m) for m in layers]
-        top = torch.stack([r.max() for r in recorded]).max()
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        for r in recorded:
-            r.fill_(float("-inf"))  # a running max per step, as qk_clip_ resets it
-        return top.item()
+        return measured_max_logit(layers)
 
     def save(self, path, model, optimizer, scheduler, extra):
         import torch.distributed.checkpoint as dcp
@@ -251,6 +256,33 @@ class TorchBackend(Backend):
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (FsdpOptimBackend(), TorchBackend())}
+
+
+def _apply_tp(model: torch.nn.Module, tp: int):
+    """``tp`` > 1: the (dp, tp) mesh, the TP plan applied to ``model`` (kept as ``model.tp_mesh``); its
+    data-parallel mesh (what fully_shard takes). ``tp`` = 1: ``None``, nothing done."""
+    if tp == 1:
+        return None
+    from _tensor_parallel import apply_tensor_parallel, tp_mesh
+
+    device = next(model.parameters()).device
+    mesh = tp_mesh("cpu" if device.type == "meta" else device.type, dist.get_world_size(), tp)
+    apply_tensor_parallel(model, mesh["tp"], loss_parallel=True)
+    model.tp_mesh = mesh["tp"]
+    return mesh["dp"]
+
+
+def measured_max_logit(layers: list[torch.nn.Module]) -> float:
+    """The largest logit the attention ``layers`` recorded this step over every head, layer and rank
+    (each rank records the heads it computes), the records reset; no clipping."""
+    from fsdp_optim.optimizers import recorded_max_logits
+
+    recorded = [recorded_max_logits(m) for m in layers]
+    top = torch.stack([r.max() for r in recorded]).max()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    for r in recorded:
+        r.fill_(float("-inf"))  # a running max per step, as qk_clip_ resets it
+    return top.item()
 
 
 def needs_our_optimizer(opt_name: str) -> str:
@@ -285,9 +317,9 @@ def pick_backend(cfg: Config) -> str:
 
 
 def shard_model(model: torch.nn.Module, backend: str, opt_name: str, param_dtype: torch.dtype,
-                fp8_all_gather: str = "off", max_preconditioner_dim: int = 1024, ep: int = 1) -> None:
+                fp8_all_gather: str = "off", max_preconditioner_dim: int = 1024, ep: int = 1, tp: int = 1) -> None:
     """``BACKENDS[backend].shard(...)`` (see ``Backend.shard``)."""
-    BACKENDS[backend].shard(model, opt_name, param_dtype, fp8_all_gather, max_preconditioner_dim, ep)
+    BACKENDS[backend].shard(model, opt_name, param_dtype, fp8_all_gather, max_preconditioner_dim, ep, tp)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, backend: str) -> torch.optim.Optimizer:

@@ -5,6 +5,7 @@ them all without torchrun (``--check W``, ``scripts/pretrain.sh``)."""
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 import tempfile
@@ -16,7 +17,7 @@ from _backend import BACKENDS, FP8_TILES, MUON_FAMILY, OPTIMIZERS, Backend, need
 from _checkpointing import check_resume_config, check_resume_data, check_unfinished, finished_run, latest_checkpoint
 from config import Config, OptimConfig, check_ranges, load_config
 from data import Sampler, TokenWindows, build_tokenizer, load_tokens, val_batches
-from model import build_model, max_seq_len, max_seq_len_key, model_vocab
+from model import build_model, ffn_hidden, max_seq_len, max_seq_len_key, model_vocab
 
 __all__ = ["UsageError", "check_model", "check_optim_options", "check_parallel", "check_seq_len", "load_data",
            "parse_args", "preflight", "resolve_config", "torchrun_command"]
@@ -187,6 +188,8 @@ def check_parallel(cfg: Config, world: int | None = None) -> None:
         if world is not None and world % ep:
             raise ValueError(f"parallel.ep = {ep} must divide the number of ranks ({world}); choose one of "
                              f"{[d for d in range(1, world + 1) if world % d == 0]}, or run on a multiple of {ep} ranks")
+    if cfg.parallel.tp > 1:
+        check_tensor_parallel(cfg, backend, world)
     if cfg.optim.qk_clip_tau > 0:
         if not backend.qk_clip:
             raise ValueError(f"optim.qk_clip_tau = {cfg.optim.qk_clip_tau:g} needs the fsdp_optim backend (QK-clip "
@@ -195,6 +198,50 @@ def check_parallel(cfg: Config, world: int | None = None) -> None:
         if cfg.model.kind == "hf":
             raise ValueError(f"optim.qk_clip_tau = {cfg.optim.qk_clip_tau:g} needs the recipe's attention "
                              "(model.kind = llama or moe), not a transformers model; set optim.qk_clip_tau=0")
+
+
+def check_tensor_parallel(cfg: Config, backend: Backend, world: int | None = None) -> None:
+    """parallel.tp > 1 against the model, the other settings and ``world`` (when known): each error names
+    the value, what does not divide (or combine) and the fix."""
+    tp, m = cfg.parallel.tp, cfg.model
+    if cfg.parallel.ep > 1:
+        raise ValueError(f"parallel.tp = {tp} with parallel.ep = {cfg.parallel.ep}: EP x TP is not supported (the TP "
+                         "plan covers the dense Llama; experts are not tensor-parallel); set parallel.tp=1 or "
+                         "parallel.ep=1")
+    if m.kind != "llama":
+        raise ValueError(f"parallel.tp = {tp} needs model.kind = 'llama' (the TP plan is the recipe's dense Llama's), "
+                         f"not {m.kind!r}; set parallel.tp=1")
+    if cfg.optim.name not in backend.tensor_parallel:
+        names = [n for n in backend.tensor_parallel if not n.startswith("torch.")]
+        names += ["torch.<Name>"] if len(names) < len(backend.tensor_parallel) else []
+        raise ValueError(f"parallel.tp = {tp} with optim.name = {cfg.optim.name!r} is not supported: the "
+                         f"{backend.name} backend runs tensor parallelism with {', '.join(names)} "
+                         f"only; set optim.name={backend.tensor_parallel[0]} (--optimizer "
+                         f"{backend.tensor_parallel[0]}) or parallel.tp=1")
+    if m.meta_init:
+        raise ValueError(f"parallel.tp = {tp} with model.meta_init = true is not supported (the sharded init of the "
+                         "TP-local tensors does not give an unsharded init's values); set model.meta_init=false or "
+                         "parallel.tp=1")
+    if world is not None and world % tp:
+        raise ValueError(f"parallel.tp = {tp} must divide the number of ranks ({world}); choose one of "
+                         f"{[d for d in range(1, world + 1) if world % d == 0]}, or run on a multiple of {tp} ranks")
+    hidden = m.ffn_dim or ffn_hidden(m.dim, m.multiple_of)
+    sizes = [("model.n_heads", m.n_heads, "query heads"), ("model.n_kv_heads", m.n_kv_heads or m.n_heads,
+             "key/value heads" + ("" if m.n_kv_heads else ", = n_heads when unset")),
+             ("model.ffn_dim" if m.ffn_dim else "the FFN hidden size (model.ffn_dim unset: from dim and multiple_of)",
+              hidden, "SwiGLU hidden units"),
+             ("model.vocab_size", m.vocab_size, "embedding rows and output columns"),
+             ("data.seq_len", cfg.data.seq_len, "positions of the sequence-parallel norms")]
+    for key, value, what in sizes:
+        if value and value % tp:  # (vocab_size 0: the tokenizer's, checked once load_data has set it)
+            fit = math.gcd(value, tp)  # the largest tp below that divides both
+            raise ValueError(f"parallel.tp = {tp} must divide {key} = {value} ({what}, split over the TP ranks); "
+                             f"set parallel.tp to a divisor of it{f' ({fit})' if fit > 1 else ''}, or {key} to a "
+                             f"multiple of {tp}")
+    if m.tie_embeddings:
+        raise ValueError(f"parallel.tp = {tp} with model.tie_embeddings = true is not supported (the embedding and the "
+                         "output head are split differently, so the tie would break); set model.tie_embeddings=false "
+                         "or parallel.tp=1")
 
 
 def load_data(cfg: Config, world: int):
@@ -256,13 +303,14 @@ def preflight(args: argparse.Namespace, argv: list[str]) -> int:
     parallel.ep's), then the exit code: 0 ready (with ``--check``), 2 not run under torchrun (the command
     to use is printed), 3 the run in --out is finished (0 without ``--check``)."""
     cfg = resolve_config(args)  # (refuses --check 0)
-    world = max(2, cfg.parallel.ep) if args.check is None else args.check
+    world = max(2, cfg.parallel.ep, cfg.parallel.tp) if args.check is None else args.check
     out = Path(args.out)
     report = finished_run(out, cfg)
     if report is None:
         check_unfinished(out, cfg, args.resume)
-    tokens = load_data(cfg, world)[1]  # (a finished run too: the --set overrides must hold)
-    check_parallel(cfg, world)
+    check_parallel(cfg, world)  # (parallel.tp must divide world before the data is split over world / tp)
+    tokens = load_data(cfg, world // cfg.parallel.tp)[1]  # (a finished run too: the --set overrides must hold)
+    check_parallel(cfg, world)  # (again: model.vocab_size is known now)
     check_model(cfg)
     if report is not None and args.export_hf is None:
         print(report, flush=True)

@@ -112,9 +112,10 @@ DEFAULT_LR = {"adamw": 3e-3, "adamw4bit": 3e-3, "adamw8bit": 3e-3, "muon": 0.02,
 class TrainConfig:
     steps: int = 100
     batch_size: int = 8
-    """Sequences per rank per micro-step."""
+    """Sequences per data-parallel rank per micro-step (per rank without parallel.tp; with it, per TP group:
+    the tp ranks of a group read the same batch)."""
     grad_accum: int = 1
-    """Micro-steps per optimizer step (global batch = batch_size * grad_accum * world size)."""
+    """Micro-steps per optimizer step (global batch = batch_size * grad_accum * world size / parallel.tp)."""
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
     """Cosine decays to lr * min_lr_ratio at the last step."""
@@ -152,6 +153,15 @@ class ParallelConfig:
     """Expert parallelism (model.kind = moe): each group of ep ranks splits the experts of every MoE
     layer whole, tokens travel to their experts' owners (docs/expert-parallel.md); must divide the
     number of ranks. 1: plain FSDP. A layout, not a model setting: a resume may change it."""
+    tp: int = 1
+    """Tensor parallelism (model.kind = llama, backend fsdp_optim or torch): each group of tp consecutive
+    ranks splits every block's attention heads and SwiGLU hidden units, the vocabulary of the embedding
+    and the output head, and the sequence between them (torchtitan's Llama plan with sequence
+    parallelism: recipes/_tensor_parallel.py); the W / tp groups are the data-parallel ranks, which
+    shard the TP-local tensors (fully_shard over mesh["dp"]). tp must divide the number of ranks, and
+    n_heads, n_kv_heads, the FFN hidden size, the vocabulary size and data.seq_len must divide by tp
+    (dim = n_heads x head_dim then does too). Each TP group reads one batch: train.batch_size is per
+    data-parallel rank. 1: no TP. A layout: a resume may change it."""
 
 
 @dataclass(kw_only=True)
@@ -337,7 +347,7 @@ RANGES: dict[str, Range] = {
     "train.warmup_steps": NON_NEGATIVE, "train.min_lr_ratio": UNIT, "train.grad_clip": NON_NEGATIVE,
     "log.every": POSITIVE, "log.eval_every": NON_NEGATIVE, "log.eval_batches": POSITIVE,
     "log.ckpt_every": NON_NEGATIVE, "log.keep_ckpts": NON_NEGATIVE, "log.peak_tflops": NON_NEGATIVE,
-    "parallel.ep": POSITIVE,
+    "parallel.ep": POSITIVE, "parallel.tp": POSITIVE,
 }
 _MEANING = {  # what the special values of a range mean, for the error message
     "train.grad_clip": "0: no clipping", "log.eval_every": "0: only at the end", "log.ckpt_every": "0: only at the end",

@@ -75,14 +75,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # Split the projections into heads: [batch, time, heads * head_dim] -> [batch, heads, time, head_dim].
-        q = rearrange(self.wq(x), "b t (h d) -> b h t d", h=self.n_heads)
-        k = rearrange(self.wk(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
-        v = rearrange(self.wv(x), "b t (h d) -> b h t d", h=self.n_kv_heads)
+        # The number of heads comes from the shapes (d = head_dim): under tensor parallelism (parallel.tp)
+        # wq, wk, wv hold this rank's n_heads / tp and n_kv_heads / tp heads, whole.
+        q = rearrange(self.wq(x), "b t (h d) -> b h t d", d=self.head_dim)
+        k = rearrange(self.wk(x), "b t (h d) -> b h t d", d=self.head_dim)
+        v = rearrange(self.wv(x), "b t (h d) -> b h t d", d=self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.record_logits == "exact":  # the same attention, explicitly, keeping each head's max logit
             y = attention_with_max_logits(self, q, k, v, causal=True)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
             if self.record_logits == "measure":
                 measure_max_logits(self, q, k, causal=True)
         return self.wo(rearrange(y, "b h t d -> b t (h d)"))

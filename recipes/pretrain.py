@@ -53,6 +53,7 @@ from _checkpointing import (
     resume_from, save_checkpoint, write_atomic,
 )
 from _checks import check_model, check_parallel, check_seq_len, load_data, parse_args, preflight, resolve_config
+from _tensor_parallel import data_parallel_rank, local, loss_context
 from _logging import MetricsLog, current_rank, memory_gb, peak_tflops, plot_loss, read_metrics, summary
 from config import to_dict
 from data import Sampler, val_batches
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = finished_run(out, cfg)
     if report is not None:  # the --set overrides must hold even when nothing is trained
         world_env = int(os.environ.get("WORLD_SIZE", 1))
-        load_data(cfg, world_env)
+        check_parallel(cfg, world_env)
+        load_data(cfg, world_env // cfg.parallel.tp)
         check_parallel(cfg, world_env)
         check_model(cfg)
         if current_rank() == 0:
@@ -94,15 +96,18 @@ def main(argv: list[str] | None = None) -> dict:
     backend = BACKENDS[pick_backend(cfg)]  # fsdp_optim, or PyTorch FSDP2 (see _backend)
     master = rank == 0
 
-    # ---- data: every rank tokenizes the same stream and takes its own windows ----
-    tokenizer, tokens, windows = load_data(cfg, world)
+    # ---- data: every rank tokenizes the same stream; each data-parallel rank takes its own windows ----
+    # (parallel.tp > 1: the tp ranks of a TP group are one data-parallel rank and read the same batch)
     check_parallel(cfg, world)
+    dp_rank, dp_world = data_parallel_rank(rank, world, cfg.parallel.tp)
+    tokenizer, tokens, windows = load_data(cfg, dp_world)
+    check_parallel(cfg, world)  # (again, now that model.vocab_size is known)
     if not finished:  # (on every rank: all raise alike, before any collective)
         check_unfinished(out, cfg, args.resume)
     if latest_checkpoint(out) is not None:
         check_resume_config(out, cfg)
         check_resume_data(out, tokens)
-    sampler = Sampler(windows, cfg.train.batch_size, rank, world, cfg.train.seed)
+    sampler = Sampler(windows, cfg.train.batch_size, dp_rank, dp_world, cfg.train.seed)
 
     # ---- model: built whole (same seed on every rank) or on meta, then sharded per layer ----
     torch.manual_seed(cfg.train.seed)
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_seq_len(cfg, model)
     n_params, n_flop_params = num_params(model), num_params(model, exclude_embedding=True)
     backend.shard(model, cfg.optim.name, dtype, cfg.train.fp8_all_gather, cfg.optim.max_preconditioner_dim,
-                  cfg.parallel.ep)
+                  cfg.parallel.ep, cfg.parallel.tp)
     if cfg.model.meta_init:  # initialize at full shape, one bucket at a time, keeping this rank's piece
         torch.manual_seed(cfg.train.seed)
         backend.init_sharded(model, device)
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---- resume: the model, optimizer, schedule, data position and token count of the latest checkpoint ----
     step, tokens_seen = 0, 0
-    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum * world
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum * dp_world
     if master:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -171,11 +176,12 @@ def main(argv: list[str] | None = None) -> dict:
             return None
         model.eval()
         total, n = torch.zeros((), device=device), 0
-        for x, y in val_batches(windows, cfg.train.batch_size, rank, world, cfg.log.eval_batches):
-            total += loss_fn(x, y)[0]
+        for x, y in val_batches(windows, cfg.train.batch_size, dp_rank, dp_world, cfg.log.eval_batches):
+            with loss_context(model):
+                total += local(loss_fn(x, y)[0])
             n += 1
         model.train()
-        dist.all_reduce(total)
+        dist.all_reduce(total)  # (over every rank: the tp ranks of a TP group hold the same loss)
         return total.item() / (n * world)
 
     def logged(step: int) -> bool:  # a metrics record after optimizer step ``step``
@@ -193,9 +199,10 @@ def main(argv: list[str] | None = None) -> dict:
         for micro in range(t.grad_accum):
             model.set_requires_gradient_sync(micro == t.grad_accum - 1)  # reduce-scatter once per step
             x, y = sampler.next()
-            ce, loss = loss_fn(x, y)
-            (loss / t.grad_accum).backward()
-            loss_sum += ce.detach()
+            with loss_context(model):  # parallel.tp > 1: the cross-entropy of vocabulary-sharded logits
+                ce, loss = loss_fn(x, y)
+                (loss / t.grad_accum).backward()
+            loss_sum += local(ce.detach())
         grad_norm = backend.clip_grads(model, t.grad_clip)
         lr = float(optimizer.param_groups[0]["lr"])  # torchao keeps lr as a tensor
         optimizer.step()

@@ -158,7 +158,7 @@ def test_plan_suggest_errors(capsys):
         assert main([*base, f"--memory-per-rank={bad}"]) == 2
         assert f"--memory-per-rank must be a positive size in bytes (80e9, 80GB or 80GiB), got {bad!r}" in capsys.readouterr().err
     assert main([*base, "--memory-per-rank", "1GB"]) == 2
-    assert "fits no HSDP shape of world size 64" in capsys.readouterr().err
+    assert "fits no HSDP shape or tensor-parallel degree of world size 64" in capsys.readouterr().err
     with pytest.warns(UserWarning, match="--shard-size 8 is ignored with --suggest"):
         assert main([*base, "--memory-per-rank", "80GiB", "--shard-size", "8", "--json"]) == 0
     capsys.readouterr()
@@ -192,6 +192,29 @@ def test_plan_suggest_searches_expert_parallel_for_moe(capsys):
     assert by_ep[8]["collective_seconds"] > {c["ep"]: c for c in out["candidates"]}[8]["collective_seconds"]
     assert main([*argv, "--tokens-per-rank", "0"]) == 2
     assert "--tokens-per-rank must be a positive number of tokens, got 0" in capsys.readouterr().err
+
+
+def test_plan_suggest_tries_tensor_parallel_when_no_data_parallel_shape_fits(capsys):
+    """Issue 35 item 5: Llama 3 8B at W = 8 in 20 GB fits no HSDP shape (pure FSDP: 16 GB of sharded state
+    plus two gathered embedding buckets, 22.4 GB); TP 2 halves the split matrices (and so the gathered
+    buckets) on each rank, over 4 data-parallel ranks, and fits. The least fitting tp wins."""
+    argv = ["plan", "--model", "llama3-8b", "--world-size", "8", "--optimizer", "muon", "--suggest",
+            "--memory-per-rank", "20GB"]  # fmt: skip
+    out = _json(capsys, [*argv, "--json"])
+    assert (out["tp"], out["num_replicas"], out["shard_size"]) == (2, 1, 4) and out["max_rank_bytes"] <= 20e9
+    by = {(c["tp"], c["shard_size"]): c for c in out["candidates"]}
+    assert {tp for tp, _ in by} == {1, 2, 4, 8} and not any(c["fits"] for (tp, _), c in by.items() if tp == 1)
+    assert by[(2, 4)]["max_rank_bytes"] < by[(1, 8)]["max_rank_bytes"] and by[(4, 2)]["fits"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "suggested: tensor parallel 2 (each block's heads, FFN and the vocabulary split over 2 ranks), 1 replicas x " \
+           "shard size 4 over the 4 data-parallel ranks" in text
+    assert text.splitlines()[2].split()[-1] == "tp" and "TP's activation collectives are not modeled" in text
+    # where a data-parallel shape fits, TP is not tried
+    fits = _json(capsys, [*argv[:-1], "80GB", "--json"])
+    assert fits["tp"] == 1 and {c["tp"] for c in fits["candidates"]} == {1}
+    assert main([*argv[:-1], "1GB"]) == 2
+    assert "fits no HSDP shape or tensor-parallel degree of world size 8" in capsys.readouterr().err
 
 
 def test_plan_reports_shampoo_factor_state(capsys):

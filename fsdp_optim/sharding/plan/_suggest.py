@@ -24,6 +24,16 @@ priced per step on the busiest rank:
 Candidates whose memory lower bound (parameters x ``state_bytes`` / N, plus the rule's block state
 / N) already exceeds the budget are not planned. The fitting candidate with the least time wins (ties: the larger shard size, less memory).
 
+[Note: tensor-parallel candidates]
+When no data-parallel shape fits (and the model is a dense preset), TP degrees ``tp`` in 2, 4, 8 that
+divide ``W`` (and the heads, key/value heads, FFN width and vocabulary) are candidates, laid out as
+torchtitan's Llama plan lays them out: q/k/v and gate/up projections split by rows, o/down projections
+by columns, the embedding and the head by vocabulary rows, each split tensor ``1 / tp`` of its bytes on
+a rank; norms (and any other tensor) replicated whole. Every shape above is then tried on those
+TP-local tensors over the ``W / tp`` data-parallel ranks (memory and data-parallel collectives as
+above). TP's own activation collectives are not modeled, so among the fitting candidates the least
+``tp`` wins, then the least modeled time.
+
 [Note: expert-parallel candidates]
 For an MoE preset every EP degree ``ep`` dividing ``W`` (``1 < ep <= E``) is a candidate too, laid out as
 ``expert_parallel`` + ``fully_shard`` lay it out (docs/expert-parallel.md): the routed experts of each
@@ -75,6 +85,9 @@ class MeshCandidate(NamedTuple):
     ep: int = 1
     """Expert-parallel degree (1: none); with ``ep > 1`` the shape is ``ep`` x ``W / ep`` for the experts and
     pure FSDP (``shard_size = W``) for the rest: [Note: expert-parallel candidates]."""
+    tp: int = 1
+    """Tensor-parallel degree (1: none); with ``tp > 1`` the shape is ``num_replicas x shard_size`` over the
+    ``W / tp`` data-parallel ranks, of the TP-local tensors: [Note: tensor-parallel candidates]."""
 
 
 class MeshSuggestion(NamedTuple):
@@ -91,6 +104,8 @@ class MeshSuggestion(NamedTuple):
     """The chosen expert-parallel degree (1: none)."""
     expert_plan: Plan | None = None
     """With ``ep > 1``: the plan of one rank's experts over the ``W / ep`` ranks holding the same experts."""
+    tp: int = 1
+    """The chosen tensor-parallel degree (1: none; the plan is then of the TP-local tensors)."""
 
 
 def module_buckets(module: nn.Module, *, rule: BlockRule, itemsize: int = 4) -> list[tuple[str, list[TensorSpec]]]:
@@ -202,46 +217,92 @@ def suggest_mesh(
     for name, v in (("state_bytes", state_bytes), ("gathered_bytes", gathered_bytes)):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
             raise ValueError(f"{name} must be a finite number >= 0 (bytes per element), got {v!r}")
-    buckets = _buckets(model, rule=rule, itemsize=itemsize)
-    numel = sum(ts.numel for _, specs in buckets for ts in specs)
-    biggest = max((sum(ts.numel for ts in specs) for _, specs in buckets), default=0)
-    gathered = 2 * biggest * gathered_bytes
-    block_total = _block_state_total(buckets, rule)
     exchange = tuple(getattr(rule, "exchange_bytes", (optim_bytes, optim_bytes)))
-    cands, plans = [], {}
-    for n in sorted((d for d in range(1, world_size + 1) if world_size % d == 0), reverse=True):
-        floor = int((numel * state_bytes + block_total) / n + gathered)
-        if floor > memory_per_rank:
-            cands.append(MeshCandidate(n, world_size // n, floor, False, math.inf, 1.0, 0, False))
-            continue
-        plan = plan_model(buckets, world_size=n, config=config_for_rules(config, [rule]))
-        elems = sum(np.diff(np.asarray(b.rank_bounds, dtype=np.int64)) for b in plan.buckets)
-        mem = int(float(np.max(elems * state_bytes + block_state_per_rank(plan, rule))) + gathered)
-        secs = _step_seconds(plan, world_size // n, link=link, param_bytes=param_bytes, grad_bytes=grad_bytes,
-                             exchange_bytes=exchange)  # fmt: skip
-        st = plan.stats()
-        cands.append(MeshCandidate(n, world_size // n, mem, mem <= memory_per_rank, secs, st.balance_ratio, st.num_split_blocks, True))
-        plans[(1, n)] = plan
     prices = dict(state_bytes=state_bytes, gathered_bytes=gathered_bytes, param_bytes=param_bytes, grad_bytes=grad_bytes,
                   exchange_bytes=exchange, link=link, tokens_per_rank=tokens_per_rank, act_bytes=act_bytes)  # fmt: skip
+    cands, plans = [], {}
+    buckets = _buckets(model, rule=rule, itemsize=itemsize)
+    for c, plan in _dp_candidates(buckets, world_size, rule, config, memory_per_rank, prices):
+        cands.append(c)
+        plans[(1, 1, c.shard_size)] = plan
     if isinstance(model, str) and PRESETS[model].is_moe:
         for c, dense_plan, expert_plan in _ep_candidates(model, world_size, rule, config, memory_per_rank, itemsize, prices):
             cands.append(c)
-            plans[(c.ep, c.shard_size)] = (dense_plan, expert_plan)
+            plans[(c.ep, 1, c.shard_size)] = (dense_plan, expert_plan)
+    elif isinstance(model, str) and not any(c.fits for c in cands):  # [Note: tensor-parallel candidates]
+        for tp in _tp_degrees(model, world_size):
+            tp_buckets = _tp_buckets(model, tp, rule, itemsize)
+            for c, plan in _dp_candidates(tp_buckets, world_size // tp, rule, config, memory_per_rank, prices, tp=tp):
+                cands.append(c)
+                plans[(1, tp, c.shard_size)] = plan
     fitting = [c for c in cands if c.fits]
     if not fitting:
         least = min(c.max_rank_bytes for c in cands)
-        shapes = "HSDP shape or expert-parallel degree" if any(c.ep > 1 for c in cands) else "HSDP shape"
+        shapes = ("HSDP shape or expert-parallel degree" if any(c.ep > 1 for c in cands)
+                  else "HSDP shape or tensor-parallel degree" if any(c.tp > 1 for c in cands) else "HSDP shape")
         raise ValueError(
             f"memory_per_rank={memory_per_rank:.4g} bytes fits no {shapes} of world size {world_size}: the least "
             f"needs {least:.4g} bytes on the busiest rank ({state_bytes:g} bytes per sharded element + the rule's "
             f"per-block state + two gathered buckets); raise memory_per_rank or the world size"
         )
-    best = min(fitting, key=lambda c: (c.collective_seconds, c.ep, -c.shard_size))
-    chosen = plans[(best.ep, best.shard_size)]
+    best = min(fitting, key=lambda c: (c.tp, c.collective_seconds, c.ep, -c.shard_size))
+    chosen = plans[(best.ep, best.tp, best.shard_size)]
     plan, expert_plan = chosen if best.ep > 1 else (chosen, None)
     return MeshSuggestion(best.shard_size, best.num_replicas, best.max_rank_bytes, best.collective_seconds, plan,
-                          tuple(cands), best.ep, expert_plan)  # fmt: skip
+                          tuple(cands), best.ep, expert_plan, best.tp)  # fmt: skip
+
+
+def _dp_candidates(buckets, w: int, rule: BlockRule, config: PlanConfig, memory_per_rank: float, prices: dict,
+                   tp: int = 1):  # fmt: skip
+    """``(MeshCandidate, plan)`` per HSDP shape of ``w`` data-parallel ranks: [Note: mesh suggestion model]."""
+    state_bytes = prices["state_bytes"]
+    numel = sum(ts.numel for _, specs in buckets for ts in specs)
+    biggest = max((sum(ts.numel for ts in specs) for _, specs in buckets), default=0)
+    gathered = 2 * biggest * prices["gathered_bytes"]
+    block_total = _block_state_total(buckets, rule)
+    for n in sorted((d for d in range(1, w + 1) if w % d == 0), reverse=True):
+        floor = int((numel * state_bytes + block_total) / n + gathered)
+        if floor > memory_per_rank:
+            yield MeshCandidate(n, w // n, floor, False, math.inf, 1.0, 0, False, tp=tp), None
+            continue
+        plan = plan_model(buckets, world_size=n, config=config_for_rules(config, [rule]))
+        elems = sum(np.diff(np.asarray(b.rank_bounds, dtype=np.int64)) for b in plan.buckets)
+        mem = int(float(np.max(elems * state_bytes + block_state_per_rank(plan, rule))) + gathered)
+        secs = _step_seconds(plan, w // n, link=prices["link"], param_bytes=prices["param_bytes"],
+                             grad_bytes=prices["grad_bytes"], exchange_bytes=prices["exchange_bytes"])  # fmt: skip
+        st = plan.stats()
+        yield (MeshCandidate(n, w // n, mem, mem <= memory_per_rank, secs, st.balance_ratio, st.num_split_blocks, True,
+                             tp=tp), plan)  # fmt: skip
+
+
+# Where torchtitan's Llama plan splits a preset's tensors: the dim, by name suffix (the rest is replicated).
+_TP_DIMS = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "q_proj.bias": 0, "k_proj.bias": 0,
+            "v_proj.bias": 0, "o_proj.weight": 1, "gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1,
+            "embed_tokens.weight": 0, "lm_head.weight": 0}  # fmt: skip
+
+
+def _tp_degrees(model: str, w: int) -> list[int]:
+    """The TP degrees tried for a dense preset: 2, 4, 8 dividing ``w`` and every split size."""
+    m = PRESETS[model]
+    if m.attention == "mla":
+        return []
+    sizes = (m.num_heads, m.num_kv_heads, m.intermediate_size, m.vocab_size)
+    return [tp for tp in (2, 4, 8) if w % tp == 0 and all(s % tp == 0 for s in sizes)]
+
+
+def _tp_buckets(model: str, tp: int, rule: BlockRule, itemsize: int):
+    """A dense preset's buckets of TP-local tensors (``_TP_DIMS`` cut ``tp`` ways)."""
+    out = []
+    for bname, tensors in preset_shapes(model):
+        specs = []
+        for fqn, shape in tensors:
+            d = next((d for suffix, d in _TP_DIMS.items() if fqn.endswith(suffix)), None)
+            if d is not None:
+                shape = tuple(s // tp if i == d else s for i, s in enumerate(shape))
+            specs.append(TensorSpec(name=fqn, shape=shape, spec=rule(fqn, torch.empty(shape, device="meta"), None),
+                                    itemsize=itemsize))  # fmt: skip
+        out.append((bname, specs))
+    return out
 
 
 def _is_routed_expert(fqn: str) -> bool:
