@@ -110,10 +110,16 @@ def _assert_close_after_adamw(got, want):
     assert close / total >= 0.995, close / total
 
 
-def _train_ours(shape, **kw):
+def _train_ours(shape, *, plain: bool = False, **kw):
     mesh = _mesh(shape)
     torch.manual_seed(0)
-    model = _parallel(TPTransformer(), mesh, **kw)
+    if plain:  # no TP plan: fully_shard over the data-parallel ranks alone
+        model = TPTransformer()
+        for block in model.layers:
+            fsdp_optim.fully_shard(block, mesh=_dp_mesh(mesh))
+        fsdp_optim.fully_shard(model, mesh=_dp_mesh(mesh))
+    else:
+        model = _parallel(TPTransformer(), mesh, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = [_step(model, opt, s, mesh) for s in range(STEPS)]
     mean = []
@@ -129,7 +135,7 @@ def _train_ours(shape, **kw):
     return params, mean, placements
 
 
-@pytest.mark.parametrize("shape", [(2, 2), (1, 4), (2, 1, 2)], ids=["dp2xtp2", "dp1xtp4", "hsdp2x1xtp2"])
+@pytest.mark.parametrize("shape", [(2, 2), (1, 4), (3, 1), (2, 1, 2)], ids=["dp2xtp2", "dp1xtp4", "dp3xtp1", "hsdp2x1xtp2"])
 def test_torchtitan_idiom_adamw_equals_one_process(shape):
     """ColwiseParallel / RowwiseParallel / SequenceParallel / PrepareModuleInput / loss parallel, then
     fully_shard per block and on the root: parameters are RaggedDTensors on the joined mesh with
@@ -140,13 +146,23 @@ def test_torchtitan_idiom_adamw_equals_one_process(shape):
     want, want_losses = _reference(STEPS, n_dp)
     results = run_distributed(lambda: _train_ours(shape), world_size=int(torch.tensor(shape).prod()))
     got, losses, placements = results[0]
-    _assert_close_after_adamw(got, want)
+    if shape[-1] == 1:
+        # W = 3: the noise floor is plain FSDP's own distance to one process over the same ranks (AdamW
+        # amplifies last-bit gradient differences of near-zero elements; measured 1.2e-3 after 3 steps,
+        # above lr / 10 for this model, gradients 4e-7 relative): the TP plan (tp = 1: its ops round
+        # differently, e.g. loss parallel's cross-entropy) must stay within it, plus lr / 10
+        plain = run_distributed(lambda: _train_ours(shape, plain=True), world_size=int(torch.tensor(shape).prod()))[0][0]
+        floor = max((plain[k] - want[k]).abs().max().item() for k in want)
+        worst = max((got[k] - want[k]).abs().max().item() for k in want)
+        print(f"{shape}: noise floor (plain FSDP vs one process) {floor:.3g}")
+        assert worst <= floor + LR / 10, (worst, floor)
+    else:
+        _assert_close_after_adamw(got, want)
     for a, b in zip(losses, want_losses):
         assert a == pytest.approx(b, rel=1e-5)
     worst = max((got[k] - want[k]).abs().max().item() for k in want)
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
-    print(f"{shape}: AdamW {STEPS} steps vs one process: max |param diff| {worst:.3g} (bound {LR / 10}), "
-          f"loss rel diff {loss_rel:.3g} (bound 1e-5)")
+    print(f"{shape}: AdamW {STEPS} steps vs one process: max |param diff| {worst:.3g}, loss rel diff {loss_rel:.3g}")
     names = (("dp",) if len(shape) == 2 else ("dp_replicate", "dp_shard")) + ("tp",)
     dp_places = ("RaggedShard",) if len(shape) == 2 else ("Replicate", "RaggedShard")
     assert placements["layers.0.attention.wq.weight"] == ("RaggedDTensor", (*dp_places, "Shard"), names)
