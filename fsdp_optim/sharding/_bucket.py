@@ -77,7 +77,7 @@ from ._context import CommContext, Streams, TrainingState
 from ._float8 import Float8AllGather, Float8Gather, tile_aligned
 from ._mixed_precision import MixedPrecisionPolicy
 from ._dtensor import RaggedDTensor
-from ._param import ShardedParam
+from ._param import ShardedParam, local_grads
 from .plan import BucketPlan, Placement, WireMode, choose_wire_mode
 
 __all__ = ["BucketConfig", "BucketEntry", "BucketPhase", "BucketState", "run_post_accumulate_grad_hooks"]
@@ -475,7 +475,7 @@ class _Bucket:
         to the peak of that backward, whose temporaries (activation gradients) are largest early,
         when few parameter gradients exist. ``benchmarks/step_memory.py`` measured the peak at 1.03x
         (W=2) and 1.05x (W=4) FSDP2's with the views, 0.99x and 1.00x with this copy (fp32)."""
-        dst, src = [], []
+        dst, src, params = [], [], []
         if self._arrived is None:
             self._arrived = [False] * len(self.sharded)
         for i, up in enumerate(self.unsharded or ()):
@@ -484,9 +484,11 @@ class _Bucket:
                 continue
             self._arrived[i] = True
             dst.append(self.flat_views[i])
-            src.append(self.params[i].local_grad(g))
+            src.append(g)
+            params.append(self.params[i])
             up.grad = None
         with torch.no_grad(), record_function(f"fsdp_optim::copy_in({self._range_name})"):
+            src = local_grads(params, src)  # (tensor parallel: DTensor gradients to TP-local tensors)
             if dst:
                 (torch._foreach_add_ if accumulate else torch._foreach_copy_)(dst, src)
 
@@ -559,11 +561,11 @@ class _Bucket:
             if g is not None:
                 self._arrived[i] = True
                 up.grad = None
-                g = self.params[i].local_grad(g)
-                if not g.is_contiguous():  # read per owner through a flat view: one copy, not one per owner
-                    g = g.contiguous()
             grads.append(g)
             del g
+        arrived = [i for i, g in enumerate(grads) if g is not None]
+        for i, g in zip(arrived, local_grads([self.params[i] for i in arrived], [grads[i] for i in arrived])):
+            grads[i] = g if g.is_contiguous() else g.contiguous()  # read per owner through a flat view: one copy
         self._reduced_arrived, self._arrived = self._arrived, None
         self.settle()  # a second synced backward before the previous reduction was waited for
         self.ctx.check_collective(self.plan.name, "reduce_scatter")

@@ -12,17 +12,19 @@ its parameters at once (the flat buffers and their collectives).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ._dtensor import RaggedDTensor
 from ._replaced import mark_replaced, rename_replaced
 from ._tensor_parallel import TensorParallel
 
-__all__ = ["ShardedParam"]
+__all__ = ["ShardedParam", "local_grads"]
 
 
 @dataclass(eq=False, kw_only=True)
@@ -87,17 +89,6 @@ class ShardedParam:
             view = DTensor.from_local(view, tp.mesh, [tp.placement], run_check=False, shape=tp.global_shape, stride=stride)
         self.unsharded = nn.Parameter(view, requires_grad=self.sharded.requires_grad)
 
-    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """The unsharded gradient as the bucket reduces it: a tensor of the gathered view's shape. A TP
-        gradient is a ``DTensor``; one in another placement than the parameter's (``Partial`` for a
-        ``Replicate()`` weight under sequence parallelism) is first redistributed to it over TP, as FSDP2
-        does."""
-        if self.tp is None or not isinstance(grad, DTensor):
-            return grad
-        if tuple(grad.placements) != (self.tp.placement,):
-            grad = grad.redistribute(grad.device_mesh, [self.tp.placement])
-        return grad.to_local()
-
     # ---- where its piece lives --------------------------------------------------------------------
     def adopt(self, view: torch.Tensor, spec: DTensorSpec) -> None:
         """View this bucket's segment with this plan's layout (the same object; its old gradient dropped)."""
@@ -138,3 +129,30 @@ class ShardedParam:
                 f"fully_shard internal error: gradient segment {view.dtype} for {self.fqn} ({spec.tensor_meta.dtype})"
             )
         return RaggedDTensor._from_local_and_spec(view, spec)
+
+
+def local_grads(params: list[ShardedParam], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The unsharded gradients ``grads`` of ``params`` as the bucket reduces them: tensors of the gathered
+    views' shapes. A TP gradient is a ``DTensor``; one that is ``Partial(sum)`` where its parameter is
+    ``Replicate()`` (a norm weight under sequence parallelism) is summed over TP first, as FSDP2 does,
+    with one ``all_reduce`` per TP group for all such gradients of the bucket, not one per tensor;
+    another placement mismatch is redistributed."""
+    out = list(grads)
+    partial: dict[int, tuple[Any, list[int]]] = {}
+    for i, (sp, g) in enumerate(zip(params, grads)):
+        if sp.tp is None or not isinstance(g, DTensor):
+            continue
+        if tuple(g.placements) == (sp.tp.placement,):
+            out[i] = g.to_local()
+        elif isinstance(sp.tp.placement, Replicate) and g.placements[0] == Partial("sum"):
+            out[i] = g.to_local()
+            partial.setdefault(id(sp.tp.mesh), (sp.tp.mesh, []))[1].append(i)
+        else:
+            out[i] = g.redistribute(g.device_mesh, [sp.tp.placement]).to_local()
+    for mesh, idx in partial.values():
+        flat = torch.cat([out[i].reshape(-1) for i in idx])
+        dist.all_reduce(flat, group=mesh.get_group(0))
+        out_views = flat.split([out[i].numel() for i in idx])
+        for i, v in zip(idx, out_views):
+            out[i] = v.view(out[i].shape)
+    return out

@@ -360,3 +360,30 @@ def test_normuon_refuses_tp_cut_parameters():
     with pytest.raises(Exception) as e:
         run_distributed(_refusing, world_size=2)
     assert "is tensor-parallel, split along dim" in str(e.value)
+
+
+def _count_tp_reductions():
+    import torch.distributed as dist
+
+    mesh = _mesh((2, 2))
+    torch.manual_seed(0)
+    model = _parallel(TPTransformer(), mesh)
+    calls, real = [], dist.all_reduce
+
+    def recording(t, *args, group=None, **kw):
+        calls.append(tuple(dist.get_process_group_ranks(group)) if group is not None else "world")
+        return real(t, *args, group=group, **kw)
+
+    dist.all_reduce = recording
+    try:
+        _step(model, None, 0, mesh)
+    finally:
+        dist.all_reduce = real
+    return calls, tuple(mesh["tp"].mesh.tolist())
+
+
+def test_sequence_parallel_norm_gradients_are_summed_over_tp_once_per_bucket():
+    """The norm weights' ``Partial`` gradients (sequence parallel) are summed over TP with one all-reduce
+    per bucket holding any (the two blocks and the root), not one per tensor (5 norm weights)."""
+    for calls, tp_group in run_distributed(_count_tp_reductions, world_size=4):
+        assert calls.count(tp_group) == 3, calls
