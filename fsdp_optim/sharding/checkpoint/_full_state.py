@@ -71,11 +71,33 @@ def whole_tensors(b: _Bucket, *, rank0_only: bool) -> list[torch.Tensor] | None:
     """The bucket's tensors, whole, in placement order: one gather in its shard group (to the group's
     rank 0 only with ``rank0_only``: ``None`` on the other ranks); an expert-parallel bucket's tensors
     each gathered whole over their mesh (every rank of the world holds a piece; on every rank)."""
-    if b.is_expert or any(sp.tp is not None for sp in b.params):  # (tensor parallel: gathered over TP too)
+    if b.is_expert:
         b.settle()
         return [sp.full_tensor() for sp in b.sharded]
+    tp = next((sp.tp for sp in b.params if sp.tp is not None), None)
+    if tp is not None:
+        return _whole_tp_tensors(b, tp.mesh)
     flat = gather_to_group_rank0(b) if rank0_only else b.gather_full()
     return None if flat is None else b.full_views(flat)
+
+
+def _whole_tp_tensors(b: _Bucket, tp_mesh: Any) -> list[torch.Tensor]:
+    """A tensor-parallel bucket's tensors, whole, on every rank: one all-gather in the shard group (the
+    TP-local tensors), then one of that flat buffer over the TP group (every TP rank's bucket has the
+    same plan, [Note: FSDP x TP]); each TP-split tensor is its TP ranks' parts concatenated."""
+    flat = b.gather_full()
+    group = tp_mesh.get_group(0)
+    size = tp_mesh.size()
+    every = flat.new_empty(size * flat.numel())
+    dist.all_gather_into_tensor(every, flat, group=group)
+    group_ranks = dist.get_process_group_ranks(group)
+    parts = every.view(size, -1)
+    by_coord = [b.full_views(parts[group_ranks.index(r)]) for r in tp_mesh.mesh.tolist()]
+    return [
+        torch.cat([views[i] for views in by_coord], dim=sp.tp.dim) if sp.tp is not None and sp.tp.dim is not None
+        else by_coord[0][i]
+        for i, sp in enumerate(b.params)
+    ]  # fmt: skip
 
 
 def gather_to_group_rank0(b: _Bucket) -> torch.Tensor | None:
