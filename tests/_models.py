@@ -15,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SwiGLUExperts", "TPConfig", "TPTransformer", "TinyConfig", "TinyTransformer", "full", "make_batch", "tp_plan"]
+__all__ = [
+    "SwiGLUExperts", "TPConfig", "TPTransformer", "TinyConfig", "TinyTransformer", "feed_gradients", "full", "make_batch",
+    "tp_backward", "tp_plan", "tp_sharded",
+]  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,3 +250,44 @@ def tp_plan(model: TPTransformer, tp_mesh, *, loss_parallel: bool = True, sequen
         if sequence_parallel:
             plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
         parallelize_module(block, tp_mesh, plan)
+
+
+def tp_sharded(dp: int, tp: int, blocks=None, *, make=None, plan: bool | None = None):
+    """``(mesh, model, reference)``: ``make()`` (default ``TPTransformer()``, seeded) on a ``("dp", "tp")``
+    mesh, the TP plan without sequence or loss parallelism (``plan``: default ``tp > 1``), ``fully_shard``
+    per block and on the root with ``blocks``; ``reference`` is an unsharded copy made before (the same
+    initial values)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp_optim
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = make() if make is not None else TPTransformer()
+    ref = copy.deepcopy(model)
+    if plan if plan is not None else tp > 1:
+        tp_plan(model, mesh["tp"], loss_parallel=False, sequence_parallel=False)
+    for block in model.layers:
+        fsdp_optim.fully_shard(block, mesh=mesh["dp"], blocks=blocks)
+    fsdp_optim.fully_shard(model, mesh=mesh["dp"], blocks=blocks)
+    return mesh, model, ref
+
+
+def tp_backward(model: nn.Module, mesh, step: int, *, per_rank: int = 2) -> None:
+    """Forward and backward of step ``step``'s batch: ``per_rank`` sequences per data-parallel rank (the
+    TP ranks of one data-parallel coordinate read the same)."""
+    dp, r = mesh.size(0), mesh.get_coordinate()[0]
+    tok, tgt = make_batch(batch_size=per_rank * dp, seq_len=8, vocab_size=model.cfg.vocab_size, seed=step)
+    rows = slice(per_rank * r, per_rank * (r + 1))
+    F.cross_entropy(model(tok[rows]).flatten(0, 1).float(), tgt[rows].flatten()).backward()
+
+
+def feed_gradients(model: nn.Module, ref: nn.Module, keep=lambda name: True) -> None:
+    """Give the reference's parameters (those whose name ``keep`` takes) the sharded run's reduced
+    gradients, gathered, so both optimizers see bitwise the same input."""
+    sharded = dict(model.named_parameters())
+    for n, b in ref.named_parameters():
+        if keep(n):
+            b.grad = sharded[n].grad.full_tensor().clone()

@@ -9,18 +9,13 @@ TP ranks, and the step's only data collectives are two all-to-alls inside the TP
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
-import fsdp_optim
 from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import Muon
-from tests._models import TPConfig, TPTransformer, make_batch, tp_plan
+from tests._models import TPConfig, TPTransformer, feed_gradients, tp_backward, tp_sharded
 
 LR, WD, STEPS = 0.02, 0.1, 3
 HIDDEN = ("attention.w", "feed_forward.w")
@@ -31,15 +26,8 @@ def _is_hidden(name: str) -> bool:
 
 
 def _run(dp: int, tp: int, dtype: torch.dtype):
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
-    ref = TPTransformer().to(dtype)
-    model = copy.deepcopy(ref)
-    tp_plan(model, mesh["tp"], loss_parallel=False, sequence_parallel=False)
     rule = Muon.rule(embedding_and_head=["tok_embeddings", "output"])
-    for block in model.layers:
-        fsdp_optim.fully_shard(block, mesh=mesh["dp"], blocks=rule)
-    fsdp_optim.fully_shard(model, mesh=mesh["dp"], blocks=rule)
+    mesh, model, ref = tp_sharded(dp, tp, rule, make=lambda: TPTransformer().to(dtype), plan=True)
     opt = Muon(model.parameters(), lr=LR, weight_decay=WD)
     hidden_ref = [p for n, p in ref.named_parameters() if _is_hidden(n)]
     ropt = torch.optim.Muon(hidden_ref, lr=LR, weight_decay=WD)
@@ -58,13 +46,9 @@ def _run(dp: int, tp: int, dtype: torch.dtype):
         a2a.append((tuple(dist.get_process_group_ranks(group)), out.numel() * out.element_size()))
         return real(out, inp, *args, group=group, **kw)
 
-    r = mesh.get_coordinate()[0]
     for step in range(STEPS):
-        tok, tgt = make_batch(batch_size=2 * dp, seq_len=8, vocab_size=TPConfig().vocab_size, seed=step)
-        loss = F.cross_entropy(model(tok[2 * r : 2 * r + 2]).flatten(0, 1).float(), tgt[2 * r : 2 * r + 2].flatten())
-        loss.backward()
-        for (n, a), b in zip(((n, a) for n, a in model.named_parameters() if _is_hidden(n)), hidden_ref):
-            b.grad = a.grad.full_tensor().clone()
+        tp_backward(model, mesh, step)
+        feed_gradients(model, ref, keep=_is_hidden)
         dist.all_to_all_single = recording
         try:
             opt.step()
@@ -102,23 +86,18 @@ def test_muon_on_tp_sharded_matrices_equals_torch_muon_bitwise_with_one_ns_per_m
         assert max(group) - min(group) <= 2 * STEPS, group
 
 
-def _refuses_split_heads():
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
-    model = TPTransformer()
-    tp_plan(model, mesh["tp"], loss_parallel=False, sequence_parallel=False)
-    # per-head sub-matrices kept whole per TP rank: exact locally (no TP exchange); but whole()
-    # matrices of wq cut across heads would need assembling: Muon assembles only whole 2-D matrices
+def _per_head_blocks():
+    # wq's per-head sub-matrices (head dim 8): ColwiseParallel keeps each head on one TP rank, so they
+    # are orthogonalized where they are; the other six matrices per block are whole() and travel
     rule = Muon.rule(embedding_and_head=["tok_embeddings", "output"], head_dims={"attention.wq.weight": 8})
-    for block in model.layers:
-        fsdp_optim.fully_shard(block, mesh=mesh["dp"], blocks=rule)
-    fsdp_optim.fully_shard(model, mesh=mesh["dp"], blocks=rule)
+    _, model, _ = tp_sharded(1, 2, rule)
     opt = Muon(model.parameters(), lr=LR)
     wq = model.layers[0].attention.wq.weight
     return wq.ragged.tp_blocks is None, len(opt._tp_exchanges[0].sends)
 
 
 def test_per_head_blocks_that_tp_keeps_whole_need_no_exchange():
-    out = run_distributed(_refuses_split_heads, world_size=2)
+    out = run_distributed(_per_head_blocks, world_size=2)
     for kept_whole, n_sends in out:
         assert kept_whole
         assert n_sends == 6 * TPConfig().num_layers  # wq's heads are local; the 6 other matrices travel

@@ -765,38 +765,18 @@ def test_every_parameter_group_is_checked_and_gets_its_own_derived_defaults():
 
 
 def _shampoo_tp(dp: int, tp: int):
-    import copy as _copy
-
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import fsdp_optim
     from fsdp_optim.optimizers import Shampoo
-    from tests._models import TPConfig, TPTransformer, make_batch, tp_plan
+    from tests._models import feed_gradients, tp_backward, tp_sharded
 
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
-    ref = TPTransformer()
-    model = _copy.deepcopy(ref)
-    tp_plan(model, mesh["tp"], loss_parallel=False, sequence_parallel=False)
-    rule = Shampoo.rule(max_preconditioner_dim=8)
-    for block in model.layers:
-        fsdp_optim.fully_shard(block, mesh=mesh["dp"], blocks=rule)
-    fsdp_optim.fully_shard(model, mesh=mesh["dp"], blocks=rule)
-    opt = Shampoo(model.parameters(), lr=1e-2, max_preconditioner_dim=8, precondition_frequency=1,
-                  start_preconditioning_step=1)  # fmt: skip
-    ropt = Shampoo(ref.parameters(), lr=1e-2, max_preconditioner_dim=8, precondition_frequency=1,
-                   start_preconditioning_step=1)  # fmt: skip
-    r = mesh.get_coordinate()[0]
+    mesh, model, ref = tp_sharded(dp, tp, Shampoo.rule(max_preconditioner_dim=8))
+    hp = dict(lr=1e-2, max_preconditioner_dim=8, precondition_frequency=1, start_preconditioning_step=1)
+    opt, ropt = Shampoo(model.parameters(), **hp), Shampoo(ref.parameters(), **hp)
     for step in range(3):
-        tok, tgt = make_batch(batch_size=2 * dp, seq_len=8, vocab_size=TPConfig().vocab_size, seed=step)
-        F.cross_entropy(model(tok[2 * r : 2 * r + 2]).flatten(0, 1), tgt[2 * r : 2 * r + 2].flatten()).backward()
-        for a, b in zip(model.parameters(), ref.parameters()):
-            b.grad = a.grad.full_tensor().clone()
-        opt.step()
-        opt.zero_grad()
-        ropt.step()
-        ropt.zero_grad()
+        tp_backward(model, mesh, step)
+        feed_gradients(model, ref)
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
     cut = [n for n, p in model.named_parameters() if p.ragged.tp_blocks is not None]
     return {n: (a.full_tensor() - b).abs().max().item() for (n, a), b in zip(model.named_parameters(), ref.parameters())}, cut
 

@@ -477,40 +477,22 @@ def test_rebuilt_from_state_dict_at_every_step_equals_the_unsharded_optimizer_re
 
 
 def _whole_tp(dp: int, tp: int, path: str | None = None, load: bool = False):
-    import copy as _copy
-
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-
     import fsdp_optim
-    from tests._models import TPConfig, TPTransformer, make_batch, tp_plan
+    from tests._models import feed_gradients, tp_backward, tp_sharded
 
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
-    ref = TPTransformer()
-    model = _copy.deepcopy(ref)
-    if tp > 1:
-        tp_plan(model, mesh["tp"], loss_parallel=False, sequence_parallel=False)
-    for block in model.layers:
-        fsdp_optim.fully_shard(block, mesh=mesh["dp"], blocks=WholeTensorOptimizer.blocks)
-    fsdp_optim.fully_shard(model, mesh=mesh["dp"], blocks=WholeTensorOptimizer.blocks)
+    mesh, model, ref = tp_sharded(dp, tp, WholeTensorOptimizer.blocks)
     opt = WholeTensorOptimizer(model.parameters(), torch.optim.Adam, lr=1e-2)
     ropt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    r = mesh.get_coordinate()[0]
-    steps = range(2, 3) if load else range(2)
     if load:
         fsdp_optim.load_checkpoint(path, model=model, optimizer=opt)
         state = {n: {k: v.clone() for k, v in opt.owned_state()[p].items()} for n, p in model.named_parameters() if opt.owns(p)}
         return {n: p.full_tensor() for n, p in model.named_parameters()}, state
-    for step in steps:
-        tok, tgt = make_batch(batch_size=2 * dp, seq_len=8, vocab_size=TPConfig().vocab_size, seed=step)
-        F.cross_entropy(model(tok[2 * r : 2 * r + 2]).flatten(0, 1), tgt[2 * r : 2 * r + 2].flatten()).backward()
-        for a, b in zip(model.parameters(), ref.parameters()):
-            b.grad = a.grad.full_tensor().clone()
-        opt.step()
-        opt.zero_grad()
-        ropt.step()
-        ropt.zero_grad()
+    for step in range(2):
+        tp_backward(model, mesh, step)
+        feed_gradients(model, ref)
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
     if path is not None:
         fsdp_optim.save_checkpoint(path, model=model, optimizer=opt)
     owned = [n for n, p in model.named_parameters() if opt.owns(p)]

@@ -19,21 +19,13 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp_optim
 from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import Muon
-from tests._models import TPConfig, TPTransformer, make_batch, tp_plan
+from tests._models import TPConfig, TPTransformer, make_batch, tp_sharded
 
 GLOBAL_BATCH, LR = 4, 0.02
 
 
 def _build(dp: int, tp: int):
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
-    model = TPTransformer()
-    if tp > 1:
-        tp_plan(model, mesh["tp"], loss_parallel=False, sequence_parallel=False)
-    rule = Muon.rule(embedding_and_head=["tok_embeddings", "output"])
-    for block in model.layers:
-        fsdp_optim.fully_shard(block, mesh=mesh["dp"], blocks=rule)
-    fsdp_optim.fully_shard(model, mesh=mesh["dp"], blocks=rule)
+    mesh, model, _ = tp_sharded(dp, tp, Muon.rule(embedding_and_head=["tok_embeddings", "output"]))
     opt = Muon(model.parameters(), lr=LR, adamw_lr=LR)
     return mesh, model, opt
 
