@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 # ShardedState: re-exported, the checkpoint contract lives with the checkpoints
@@ -66,6 +67,10 @@ class StateShard(NamedTuple):
     """Every shard rank's start in the global vector, then ``global_numel`` (``world_size + 1`` values):
     the layout checkpoints and ``state_dict()`` give the state (a ``RaggedDTensor``). ``None`` only for
     a parameter held whole by one rank."""
+    mesh: DeviceMesh | None = None
+    """Where ``bounds`` are not over the parameter's shard ranks: the mesh whose ragged dim they lay
+    the state over (state that TP ranks own in runs of the global vector, ``LocalShard.tp_state_mesh``: one range
+    per (shard coordinate, TP coordinate) cell, [Note: preconditioner blocks under tensor parallelism])."""
 
 
 def profiled_step(step: Callable) -> Callable:
@@ -145,13 +150,13 @@ def param_info(p: torch.Tensor, rule: BlockRule, *, name: str = "") -> LocalShar
 
 def checked_param_info(
     p: torch.Tensor, rule: BlockRule, *, optimizer: str, blocks: str, name: str = "", whole_blocks: bool = False,
-    tp_assembles: Callable[[LocalShard], bool] | None = None,
+    tp_assembles: Callable[[LocalShard], bool] | None = None, tp_supported: str = "",
 ) -> LocalShard:
     """``param_info`` plus the checks every optimizer makes: the local piece has the size its layout
     gives this rank; with ``whole_blocks`` (optimizers that view blocks as matrices) also no DTensor of
     torch's placements and no non-contiguous plain parameter. A tensor-parallel parameter whose TP cut
     splits the optimizer's blocks (``LocalShard.tp``) is refused unless ``tp_assembles(info)`` says the
-    optimizer assembles such blocks over TP exactly."""
+    optimizer assembles such blocks over TP exactly (else ``tp_supported`` says what it does assemble)."""
     if whole_blocks and isinstance(p, DTensor) and not isinstance(p, RaggedDTensor):
         raise ValueError(
             f"{optimizer}: parameter {name or '<unnamed>'} is a DTensor with placements {p.placements} (PyTorch "
@@ -164,7 +169,7 @@ def checked_param_info(
             f"gives rank {info.rank} {info.local_numel} (shape {info.shape}, world size {info.world_size})"
         )
     if info.tp is not None and not (tp_assembles is not None and tp_assembles(info)):
-        raise tp_cut_error(info, optimizer=optimizer)
+        raise tp_cut_error(info, optimizer=optimizer, supported=tp_supported)
     if whole_blocks and not isinstance(p, RaggedDTensor) and not p.is_contiguous():
         raise ValueError(f"{optimizer}: plain parameter {name or '<unnamed>'} (shape {info.shape}) must be contiguous")
     return info

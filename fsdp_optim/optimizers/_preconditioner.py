@@ -27,9 +27,11 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ._base import discard_last_group, local_tensor, make_dcp_ready, profiled_step
+from ._tp_runs import TPRun, TPRunExchange
 from ._linalg import aligned, batched_ok
 
 __all__ = [
@@ -140,6 +142,7 @@ class BlockPreconditioner(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, batched: bool | None) -> None:
         self._plans: dict[Tensor, Any] = {}
         self._batched = batched
+        self._runs: tuple[TPRunExchange, ...] | None = None
         super().__init__(params, defaults)
         make_dcp_ready(self)
 
@@ -155,6 +158,8 @@ class BlockPreconditioner(torch.optim.Optimizer):
         except BaseException:
             discard_last_group(self, self._plans)
             raise
+        finally:
+            self._runs = None  # re-planned at the next step
 
     def _resolve_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
         """The group to add: its hyperparameters checked (``ValueError``) and resolved."""
@@ -197,9 +202,45 @@ class BlockPreconditioner(torch.optim.Optimizer):
         """The mode of ``batched=None``."""
         return True
 
+    def _run_shift(self) -> int:
+        """The next TP-split parameter's index (``plan_tp_run``'s ``shift``), in planning order."""
+        return sum(getattr(plan, "run", None) is not None for plan in self._plans.values())
+
+    def _run_exchanges(self) -> tuple[TPRunExchange, ...]:
+        """One exchange per TP group holding parameters assembled in runs here (a plan's ``run``,
+        [Note: preconditioner blocks under tensor parallelism]), planned at the first step and again
+        when such a parameter moved to another device."""
+        if self._runs is None or any(p.device != ex.device for ex in self._runs for p, _ in ex.runs):
+            by_group: dict[int, list[tuple[Tensor, TPRun]]] = {}
+            for group in self.param_groups:
+                for p in group["params"]:
+                    run = getattr(self._plans[p], "run", None)
+                    if run is not None and run.info.local_numel:
+                        by_group.setdefault(id(run.info.tp.group), []).append((p, run))
+            self._runs = tuple(TPRunExchange(rs) for rs in by_group.values())
+        return self._runs
+
+    def _agreeing_groups(self) -> list[Any]:
+        """The process groups over which a non-finite gradient is agreed, so that every rank raises alike:
+        where TP ranks exchange runs, every dim of their mesh (the TP group, which would otherwise hang in
+        the exchange, and the data-parallel ones, which would otherwise step on)."""
+        groups = {}
+        for plan in self._plans.values():  # (every rank plans the same runs, held here or not)
+            run = getattr(plan, "run", None)
+            mesh = run.info.mesh if run is not None else None
+            for d in range(mesh.ndim if mesh is not None else 0):
+                if mesh.size(d) > 1:
+                    groups.setdefault(id(mesh.get_group(d)), mesh.get_group(d))
+        return list(groups.values())
+
     def _check_finite(self, params: list[Tensor]) -> None:
         """``FloatingPointError`` naming the parameter(s) whose local gradient has a NaN or Inf (one
-        host sync per step). Raised before any state changes ([Note: non-finite gradients])."""
+        host sync per step). Raised before any state changes ([Note: non-finite gradients]). Where
+        ranks exchange blocks, the flags are agreed over each such group first (one ``all_reduce``),
+        so that every rank raises before any exchange."""
+        groups = self._agreeing_groups()
+        if groups:
+            return self._check_finite_agreed(groups)
         if not params:
             return
         flags = torch.stack([torch.isfinite(local_tensor(p.grad)).all() for p in params]).tolist()
@@ -208,6 +249,23 @@ class BlockPreconditioner(torch.optim.Optimizer):
             names = ", ".join(f"{b.name} (shape {tuple(b.info.shape)})" for b in bad)
             raise FloatingPointError(
                 f"{self._name}: non-finite gradient (NaN or Inf) in {names} on rank {bad[0].info.rank}; no state "
+                "was changed. Find its source (loss scale, learning rate, data) or skip this step"
+            )
+
+    def _check_finite_agreed(self, groups: list[Any]) -> None:
+        allp = [p for g in self.param_groups for p in g["params"]]
+        rank = dist.get_rank()
+        flags = torch.stack([
+            torch.isfinite(local_tensor(p.grad)).all().logical_not() if p.grad is not None else torch.tensor(False, device=p.device)
+            for p in allp
+        ]).int() * (rank + 1)  # fmt: skip
+        for group in groups:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        bad = [(p, r - 1) for p, r in zip(allp, flags.tolist()) if r]
+        if bad:
+            names = ", ".join(f"{self._plans[p].name} (shape {tuple(self._plans[p].info.shape)}, rank {r})" for p, r in bad)
+            raise FloatingPointError(
+                f"{self._name}: non-finite gradient (NaN or Inf) in {names}; every rank raises this and no state "
                 "was changed. Find its source (loss scale, learning rate, data) or skip this step"
             )
 

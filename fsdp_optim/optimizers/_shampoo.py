@@ -135,6 +135,7 @@ from ._preconditioner import (
 )
 from ._rules import shampoo_rule
 from ._strips import BlockGeometry, shampoo_blocks, tp_keeps_blocks
+from ._tp_runs import RUNS_TAKE, TPRun, TPRunExchange, plan_tp_run, run_bounds, tp_runs_fit
 
 __all__ = ["Shampoo", "Grafting", "shampoo_blocks", "matrix_inverse_root"]
 
@@ -185,6 +186,11 @@ class _ParamPlan(NamedTuple):
     """This rank's parts of split strips (at most two: the first and the last strip it touches)."""
     cut: bool = False
     """Some rank boundary falls inside a strip of this parameter (on any rank)."""
+    run: TPRun | None = None
+    """A tensor-parallel cut splits its blocks: the run of global strips this TP rank owns ([Note:
+    preconditioner blocks under tensor parallelism]); ``blocks`` is then empty."""
+    run_blocks: tuple[_Block, ...] = ()
+    """The run's blocks, indexed in its ``TPRun.shape`` view, with their factors here."""
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -310,6 +316,16 @@ def _plan_param(name: str, info: LocalShard, geom: BlockGeometry) -> _ParamPlan:
                 pieces.append(_StripPiece(i, lo - start, hi - lo, bisect.bisect_right(bounds, a) - 1))
     cut = info.split and not all(geom.is_strip_boundary(b) for b in bounds)
     return _ParamPlan(name, info, geom, (s0, s1), tuple(blocks), owned, tuple(pieces), cut)
+
+
+def _plan_run(name: str, info: LocalShard, geom: BlockGeometry, k: int, shift: int) -> _ParamPlan:
+    """A TP-split parameter's plan: its run's blocks, factors in the run's order."""
+    run = plan_tp_run(info, k, shift=shift)
+    blocks, off = [], 0
+    for shape, index in run.geom.local_blocks(run.start, run.start + run.numel):
+        blocks.append(_Block(shape, index, off))
+        off += sum(n * n for n in shape)
+    return _ParamPlan(name, info, geom, (0, 0), (), run=run, run_blocks=tuple(blocks))
 
 
 def _factor_views(flat: Tensor, b: _Block) -> list[Tensor]:
@@ -525,7 +541,8 @@ class Shampoo(BlockPreconditioner):
         for name, p in zip(names, group["params"]):
             info = checked_param_info(
                 p, self._rule or shampoo_rule(k), optimizer="Shampoo", name=name or "", whole_blocks=True,
-                blocks=f"Shampoo.rule(max_preconditioner_dim={k})", tp_assembles=lambda i: tp_keeps_blocks(i, k),
+                blocks=f"Shampoo.rule(max_preconditioner_dim={k})",
+                tp_assembles=lambda i: tp_keeps_blocks(i, k) or tp_runs_fit(i, k), tp_supported=RUNS_TAKE,
             )  # fmt: skip
             geom = shampoo_blocks(info.shape, k, info.spec)
             if info.split:  # the plan recorded split strips: cut on rows of the merged view only
@@ -536,7 +553,11 @@ class Shampoo(BlockPreconditioner):
                 need = (f"whole strips of {k} slices of dim 0 of its merged shape {geom.dims} on one rank (or a "
                         "plan that records the split)")  # fmt: skip
             require_spec(info, ok, optimizer="Shampoo", need=need, blocks=f"Shampoo.rule(max_preconditioner_dim={k})")
-            plan = _plan_param(name or info.fqn or f"<param of shape {tuple(info.shape)}>", info, geom)
+            label = name or info.fqn or f"<param of shape {tuple(info.shape)}>"
+            if info.tp is not None and not tp_keeps_blocks(info, k):  # assembled in runs over TP
+                plan = _plan_run(label, info, geom, k, self._run_shift())
+            else:
+                plan = _plan_param(label, info, geom)
             self._plans[p] = plan
             self._init_state(p, plan, group)
         self._exchanges = None  # re-planned at the next step
@@ -546,12 +567,12 @@ class Shampoo(BlockPreconditioner):
         f32 = dict(dtype=torch.float32, device=p.device)
         state = self.state[p]
         state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
-        n = plan.geom.factor_numel(s0, s1)
+        n = plan.geom.factor_numel(s0, s1) if plan.run is None else plan.run.geom.factor_numel(*plan.run.strips)
         state.setdefault("factor_matrices", torch.zeros(n, dtype=group["factor_matrix_dtype"], device=p.device))
         if "inv_factor_matrices" not in state:
             inv = torch.zeros(n, **f32)
             owned = plan.owned.blocks if plan.owned is not None else ()
-            for b in (*plan.blocks, *owned):  # identity roots until the first computation (as DistributedShampoo)
+            for b in (*plan.blocks, *owned, *plan.run_blocks):  # identity roots until the first computation (as DistributedShampoo)
                 for v in _factor_views(inv, b):
                     v.fill_diagonal_(1.0)
             state["inv_factor_matrices"] = inv
@@ -571,7 +592,11 @@ class Shampoo(BlockPreconditioner):
         s0, s1 = plan.strips
         n = geom.num_strips
         elem = per_element(info)
-        fac = state_range(info, lambda b: geom.factor_numel(0, geom.strip_at(b)))
+        if plan.run is not None:  # the global factor vector over the (dp, tp) cells
+            bounds = run_bounds(plan.run, lambda i: plan.run.geom.factor_numel(0, i))
+            fac = StateShard(bounds[-1], bounds[plan.run.cell], bounds[plan.run.cell + 1], bounds, plan.run.mesh)
+        else:
+            fac = state_range(info, lambda b: geom.factor_numel(0, geom.strip_at(b)))
         out = {"factor_matrices": fac, "inv_factor_matrices": fac}
         for key in ("grafting_state", "filtered_grad", "momentum_buffer"):
             if key in self.state[p]:
@@ -723,10 +748,10 @@ class Shampoo(BlockPreconditioner):
         """As the base class's, with one exchange pair per shard group holding split strips: every
         split parameter's per-element work first, then the pieces out to the strips' owners, the block
         work (local and owned strips), the direction pieces back, and the update."""
-        exchanges = self._split_exchanges()
-        if not exchanges:
+        exchanges, runs = self._split_exchanges(), self._run_exchanges()
+        if not exchanges and not runs:
             return super()._step_all(todo, batched)
-        split = {p for ex in exchanges for p, _, _ in ex.params}
+        split = {p for ex in exchanges for p, _, _ in ex.params} | {p for ex in runs for p, _ in ex.runs}
         group_of = {p: g for p, g in todo}
         ctx: dict[Tensor, _Ctx] = {}
         for p, group in todo:
@@ -735,11 +760,13 @@ class Shampoo(BlockPreconditioner):
             else:  # not split, one at a time: only its transients alive
                 self._step_param(p, group)
         owned = [self._exchange_out(ex, ctx) for ex in exchanges]
+        run_units = [self._runs_out(ex, ctx) for ex in runs]
         if batched:
             for group in self.param_groups:
                 units = [ctx[p].unit() for p in group["params"] if p in ctx]
                 units += [u for ex, us in zip(exchanges, owned) for (p, _), u in zip(ex.owned, us)
                           if u is not None and group_of[p] is group]  # fmt: skip
+                units += [u for us in run_units for p, u in us.items() if group_of[p] is group]
                 if units:
                     self._step_units_batched(units, group)
         else:
@@ -749,10 +776,33 @@ class Shampoo(BlockPreconditioner):
                 for (p, _), u in zip(ex.owned, us):
                     if u is not None:
                         self._step_unit(u, group_of[p])
+            for us in run_units:
+                for p, u in us.items():
+                    self._step_unit(u, group_of[p])
         for ex, us in zip(exchanges, owned):
             self._exchange_back(ex, ctx, us)
+        for ex, us in zip(runs, run_units):  # from start_preconditioning_step on: each rank's part of the direction
+            pre = [p for p in us if ctx[p].precondition]
+            if pre:  # (the same on every TP rank: the same step counts)
+                ex.scatter({p: us[p].direction for p in pre}, {p: ctx[p].direction for p in pre})
         for p, c in ctx.items():
             self._finish(c, group_of[p])
+
+    # ---- runs of TP-split parameters ([Note: preconditioner blocks under tensor parallelism]) ----
+    def _runs_out(self, ex: TPRunExchange, ctx: dict[Tensor, _Ctx]) -> dict[Tensor, _Unit]:
+        """The first all_to_all_single of ``ex``: every rank's part of each run with the fields of
+        ``_Ctx.fields``; returns the unit of this rank's run of each parameter with a gradient."""
+        got = ex.gather({p: [getattr(ctx[p], key) for key in ctx[p].fields()] for p, _ in ex.runs if p in ctx})
+        units = {}
+        for p, run in ex.runs:
+            if p in got:
+                c = ctx[p]
+                data = dict(zip(c.fields(), got[p]))
+                g = data["g"]
+                direction = torch.empty_like(g) if c.precondition else g
+                units[p] = _Unit(run.shape, c.plan.run_blocks, c.state, run.geom.order, c.t, c.roots, c.bc2, g,
+                                 data.get("gbar", g), data.get("graft_dir"), direction)  # fmt: skip
+        return units
 
     def _split_exchanges(self) -> tuple[_Exchange, ...]:
         """The exchanges of split strips, planned at the first step and again when a split
@@ -863,24 +913,6 @@ class Shampoo(BlockPreconditioner):
                 c.direction[s.local : s.local + s.n].copy_(mine[at : at + s.n])
                 at += s.n
 
-    def _check_finite(self, params: list[Tensor]) -> None:
-        """As the base class's; with split strips the flags are agreed over each shard group holding
-        them (one all_reduce), so that every rank raises, before any state changes or exchange."""
-        exchanges = self._split_exchanges()
-        if not exchanges:
-            return super()._check_finite(params)
-        allp = [p for g in self.param_groups for p in g["params"]]
-        rank = dist.get_rank()
-        flags = torch.stack([
-            torch.isfinite(local_tensor(p.grad)).all().logical_not() if p.grad is not None else torch.tensor(False, device=p.device)
-            for p in allp
-        ]).int() * (rank + 1)  # fmt: skip
-        for ex in exchanges:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ex.group)
-        bad = [(p, r - 1) for p, r in zip(allp, flags.tolist()) if r]
-        if bad:
-            names = ", ".join(f"{self._plans[p].name} (shape {tuple(self._plans[p].info.shape)}, rank {r})" for p, r in bad)
-            raise FloatingPointError(
-                f"{self._name}: non-finite gradient (NaN or Inf) in {names}; every rank raises this and no state "
-                "was changed. Find its source (loss scale, learning rate, data) or skip this step"
-            )
+    def _agreeing_groups(self) -> list[Any]:
+        """As the base class's, and each shard group holding split strips."""
+        return [ex.group for ex in self._split_exchanges()] + super()._agreeing_groups()

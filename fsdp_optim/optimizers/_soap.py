@@ -70,6 +70,7 @@ from torch import Tensor, nn
 from ..sharding.contract import BlockRule, BlockSpec, LocalShard, elements, whole
 from ._strips import tp_keeps_blocks
 from ._base import StateShard, apply_update, checked_param_info, local_tensor, per_element, require_spec, state_range
+from ._tp_runs import RUNS_TAKE, TPRun, plan_tp_run, run_bounds, tp_runs_fit
 from ._linalg import aligned, batched_ok, bmm, eigh, qr_q
 from ._preconditioner import BlockPreconditioner, factor_ema_, outer, outer_batched, square_view
 from ._rules import shampoo_rule
@@ -134,6 +135,10 @@ class _Plan(NamedTuple):
     units: tuple[_Unit, ...]
     factor_shard: StateShard
     elem_shard: StateShard
+    """Where the moments lie (``exp_avg`` / ``exp_avg_sq``): the parameter's range, or its run's."""
+    run: TPRun | None = None
+    """A TP cut splits its units: the run this TP rank owns, whose state lives here and whose units index
+    the run's view ([Note: preconditioner blocks under tensor parallelism])."""
 
 
 def _check_hyperparameters(hp: dict[str, Any], *, where: str) -> None:
@@ -209,6 +214,8 @@ class SOAP(BlockPreconditioner):
                           stacklevel=2)  # fmt: skip
         self._data_format = data_format
         self._block_size = block_size
+        self._run_grads: dict[Tensor, Tensor] = {}  # during a step: this rank's run of each TP-split gradient
+        self._pending: dict[Tensor, tuple[Tensor, float, float]] = {}  # ... and the run's direction to send back
         super().__init__(params, defaults, batched=batched)
 
     # ---- planning ---------------------------------------------------------------------
@@ -238,10 +245,14 @@ class SOAP(BlockPreconditioner):
         blocks = "SOAP.rule(block_size=None)" if k is None else f"SOAP.rule(block_size={k})"
         names = group.get("param_names", [None] * len(group["params"]))
         for name, p in zip(names, group["params"]):
-            info = checked_param_info(p, soap_rule(k), optimizer="SOAP", name=name or "", whole_blocks=True,
-                                      blocks=blocks, tp_assembles=lambda i: k is not None and tp_keeps_blocks(i, k))  # fmt: skip
+            info = checked_param_info(p, soap_rule(k), optimizer="SOAP", name=name or "", whole_blocks=True, blocks=blocks,
+                                      tp_assembles=lambda i: self._keeps(i) or self._run_k(i, group) is not None,
+                                      tp_supported=RUNS_TAKE + ("; merge_dims=True merges dims across the cut" if
+                                                                group["merge_dims"] and k is None else ""))  # fmt: skip
             label = name or info.fqn or f"<param of shape {tuple(info.shape)}>"
-            if k is None:
+            if info.tp is not None and not self._keeps(info):
+                plan = self._run_plan(label, info, group)
+            elif k is None:
                 ok = all(b in (0, info.numel) for b in info.layout.bounds)
                 require_spec(info, ok, optimizer="SOAP", need="each tensor whole on one rank", blocks=blocks)
                 plan = self._whole_plan(label, info, group)
@@ -254,12 +265,94 @@ class SOAP(BlockPreconditioner):
             self._plans[p] = plan
             st = self.state[p]
             st.setdefault("step", torch.tensor(0.0))
-            n_local = local_tensor(p).numel()
-            st.setdefault("exp_avg", torch.zeros(n_local, dtype=torch.float32, device=p.device))
-            st.setdefault("exp_avg_sq", torch.zeros(n_local, dtype=torch.float32, device=p.device))
+            n_elem = plan.elem_shard.end - plan.elem_shard.start  # (the run's under a TP cut)
+            st.setdefault("exp_avg", torch.zeros(n_elem, dtype=torch.float32, device=p.device))
+            st.setdefault("exp_avg_sq", torch.zeros(n_elem, dtype=torch.float32, device=p.device))
             n = plan.factor_shard.end - plan.factor_shard.start
             st.setdefault("GG", torch.zeros(n, dtype=torch.float32, device=p.device))
             st.setdefault("Q", torch.zeros(n, dtype=torch.float32, device=p.device))
+
+    # ---- tensor-parallel cuts ([Note: preconditioner blocks under tensor parallelism]) -----------
+    def _keeps(self, info: LocalShard) -> bool:
+        """Block mode on a TP cut between blocks: each TP rank's blocks are the global ones."""
+        return self._block_size is not None and tp_keeps_blocks(info, self._block_size)
+
+    def _run_k(self, info: LocalShard, group: dict[str, Any]) -> int | None:
+        """The strip size that assembles the TP-split ``info`` in runs: the block size, or in whole mode
+        (``merge_dims=False``) its longest dim, so one strip holds the whole tensor as one unit; ``None``
+        where runs cannot (then it is refused)."""
+        k = self._block_size
+        if k is None:
+            if group["merge_dims"] or info.tp is None:
+                return None
+            k = max(info.tp.global_shape)
+        return k if tp_runs_fit(info, k) else None
+
+    def _run_plan(self, name: str, info: LocalShard, group: dict[str, Any]) -> _Plan:
+        """A TP-split parameter: the units of this TP rank's run of the global strips, indexing the run's
+        view; every state tensor lies over the (dp, tp) cells in global order."""
+        run = plan_tp_run(info, self._run_k(info, group), shift=self._run_shift())
+        geom = run.geom
+        prefix = [0]  # factor elements of the global strips before strip i
+        for i in range(geom.num_strips):
+            r = geom.strip_rows(i)
+            prefix.append(prefix[-1] + sum(self._unit_factor_numel((r, *(n for _, n in t)), group) for t in geom.tail_chunks))
+        numel = math.prod(geom.dims)
+
+        def shard(before: Callable[[int], int]) -> StateShard:
+            bounds = run_bounds(run, before)
+            return StateShard(bounds[-1], bounds[run.cell], bounds[run.cell + 1], bounds, run.mesh)
+
+        elem = shard(lambda i: geom.strip_start_row(i) * geom.cols if i < geom.num_strips else numel)
+        units, off = [], 0
+        for shape, index in geom.local_blocks(run.start, run.start + run.numel):
+            offs, off = self._factor_offsets(shape, off, group)
+
+            def to_unit(flat: Tensor, index=index) -> Tensor:
+                return flat.view(run.shape)[index].contiguous()
+
+            def store(flat: Tensor, u: Tensor, index=index) -> None:
+                flat.view(run.shape)[index] = u
+
+            units.append(_Unit(shape, to_unit, store, None, offs))
+        return _Plan(name, info, tuple(units), shard(prefix.__getitem__), elem, run)
+
+    def _step_all(self, todo: list[tuple[Tensor, dict[str, Any]]], batched: bool) -> None:
+        """As the base class's; parameters assembled in runs over TP first send every rank's part of the
+        gradient to each run's owner (one all_to_all_single per TP group), step their runs there, and
+        after every step send each rank its part of the direction (a second one), which it applies."""
+        runs = self._run_exchanges()
+        if not runs:
+            return super()._step_all(todo, batched)
+        self._run_grads, self._pending = {}, {}
+        for ex in runs:
+            got = ex.gather({p: [local_tensor(p.grad).reshape(-1).float()] for p, _ in ex.runs if p.grad is not None})
+            self._run_grads.update((p, fields[0]) for p, fields in got.items())
+        try:
+            super()._step_all(todo, batched)
+        finally:
+            self._run_grads = {}
+        pending, self._pending = self._pending, {}
+        for ex in runs:  # every TP rank has the same pending set: the same step counts
+            mine = {p: pending[p] for p, _ in ex.runs if p in pending}
+            if not mine:  # (the first call of every parameter here: no update)
+                continue
+            into = {p: torch.empty(local_tensor(p).numel(), dtype=torch.float32, device=p.device) for p in mine}
+            ex.scatter({p: d for p, (d, _, _) in mine.items()}, into)
+            for p, (_, step_size, decay) in mine.items():
+                apply_update(local_tensor(p).view(-1), into[p], step_size, decay)
+
+    def _grad(self, p: Tensor) -> Tensor:
+        """The gradient the units read: the local one, flat fp32, or this rank's run of it."""
+        got = self._run_grads.get(p)
+        return got if got is not None else local_tensor(p.grad).reshape(-1).float()
+
+    def _update(self, p: Tensor, direction: Tensor, step_size: float, decay: float) -> None:
+        """Apply the direction, or keep a run's for the exchange back (``_step_all``)."""
+        if p in self._run_grads:
+            self._pending[p] = (direction, step_size, decay)
+        else:
+            apply_update(local_tensor(p).view(-1), direction, step_size, decay)
 
     def _whole_plan(self, name: str, info: LocalShard, group: dict[str, Any]) -> _Plan:
         shape = tuple(info.shape)
@@ -335,7 +428,7 @@ class SOAP(BlockPreconditioner):
         t = int(st["step"].item())
         beta1, beta2 = group["betas"]
         sb = group["shampoo_beta"] if group["shampoo_beta"] >= 0 else beta2
-        g = local_tensor(p.grad).reshape(-1).float()
+        g = self._grad(p)
         gg, qq = st["GG"], st["Q"]
         m_all, v_all = st["exp_avg"], st["exp_avg_sq"]
         if t == 1:
@@ -367,7 +460,7 @@ class SOAP(BlockPreconditioner):
                 n_dir = n_dir / (1e-30 + torch.mean(n_dir**2) ** 0.5)
             u.store(direction, n_dir)
             news.append((u, gu, m, v, qs))
-        apply_update(local_tensor(p).view(-1), direction, step_size, group["lr"] * group["weight_decay"])
+        self._update(p, direction, step_size, group["lr"] * group["weight_decay"])
         for u, gu, m, v, qs in news:
             m = _rotate(m, qs, back=True)
             fs = [(square_view(gg, off, n), d) for d, (n, off) in enumerate(zip(u.shape, u.factors)) if off is not None]
@@ -401,7 +494,7 @@ class SOAP(BlockPreconditioner):
             plan, st = self._plans[p], self.state[p]
             st["step"] += 1
             t = int(st["step"].item())
-            g = local_tensor(p.grad).reshape(-1).float()
+            g = self._grad(p)
             ctx.append((p, plan, st, t, g, torch.empty_like(g)))
             phase = 0 if t == 1 else (2 if (t - 1) % freq == 0 else 1)  # first call / Adam / Adam + refresh
             for u in plan.units:
@@ -455,7 +548,7 @@ class SOAP(BlockPreconditioner):
             step_size = group["lr"]
             if group["correct_bias"]:
                 step_size = step_size * (1 - beta2**s) ** 0.5 / (1 - beta1**s)
-            apply_update(local_tensor(p).view(-1), direction, step_size, group["lr"] * group["weight_decay"])
+            self._update(p, direction, step_size, group["lr"] * group["weight_decay"])
 
         for shape, phase, items, gs, ms, vs, qs in post:
             ms = _rotate_batched(ms, qs, back=True)

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from ._dtensor import RaggedDTensor, coordinate
+from ._tensor_parallel import tp_state_mesh
 from .plan import BlockRule, BlockSpec, RaggedLayout
 
 __all__ = ["LocalShard", "TensorParallelCut", "local_shard", "local_tensor"]
@@ -120,6 +121,13 @@ class LocalShard(NamedTuple):
         if self.layout.is_row_aligned() and self.shape:
             return flat.view(self.layout.local_shape(self.rank))
         return flat
+
+    def tp_state_mesh(self) -> DeviceMesh:
+        """Under a TP cut (``tp``): the mesh of state the TP ranks own in runs of the tensor's global
+        vector, the shard and TP dims merged into one of (shard, TP) cells (``tp_state_mesh``)."""
+        if self.tp is None or self.mesh is None:
+            raise ValueError(f"{self.fqn or 'this tensor'} has no tensor-parallel cut: its state lies on its own mesh")
+        return tp_state_mesh(self.mesh, self.mesh_dim, self.tp.mesh_dim)
 
     def owned_matrices(self) -> list[tuple[int, int, int]]:
         """Matrix blocks ``(global_flat_offset, rows, cols)`` lying wholly in this rank's range."""

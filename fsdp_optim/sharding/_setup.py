@@ -54,7 +54,7 @@ from ._dtensor import RaggedDTensor, ragged_spec
 from ._placement import RaggedShard
 from ._tensor_parallel import TensorParallel, join_meshes, tensor_parallel_of, tp_cuts_blocks
 from ._replaced import replacement_of, was_replaced
-from .plan import BlockSpec, Plan, PlanConfig, RaggedLayout, TensorSpec, config_for_rules, default_rule, plan_model
+from .plan import BlockKind, BlockSpec, Plan, PlanConfig, RaggedLayout, TensorSpec, config_for_rules, default_rule, plan_model, whole
 
 logger = logging.getLogger(__name__)  # a child of "fsdp_optim": logging.getLogger("fsdp_optim").setLevel(...)
 
@@ -356,6 +356,11 @@ def _validate(root: _ModuleState, states: list[_ModuleState], entries: list[_Ent
         e.spec = spec
         if e.tp is not None and e.tp.dim is not None:
             e.tp_blocks = _tp_blocks(e, rule, root)
+            if e.tp_blocks is not None and e.tp.dim == 0 and e.tp_blocks.kind is BlockKind.ROWS:
+                # a TP cut on rows through row strips: a global strip spans TP-local tensors, which only a
+                # whole TP-local tensor keeps on one data-parallel coordinate of every TP rank ([Note:
+                # preconditioner blocks under tensor parallelism] in optimizers/_tp_runs.py)
+                e.spec = whole()
         fp8 = e.state.fp8_all_gather or root.fp8_all_gather
         e.align_rows = fp8.tile_shape[0] if fp8 is not None and fp8.eligible(e.shape) else None
     meshes = {id(e.tp.mesh): e for e in entries if e.tp is not None}

@@ -36,13 +36,14 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from .plan import BlockSpec
 
-__all__ = ["TensorParallel", "has_tp", "join_meshes", "tensor_parallel_of", "tp_cuts_blocks", "tp_local_shape", "tp_offsets", "tp_slice"]
+__all__ = ["TensorParallel", "has_tp", "join_meshes", "tensor_parallel_of", "tp_cuts_blocks", "tp_local_shape", "tp_offsets", "tp_slice", "tp_state_mesh"]
 
 
 class TensorParallel(NamedTuple):
@@ -187,3 +188,37 @@ def join_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, dp_grids: list[list]) 
         tp_name = "tp"
     groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)] + [tp_mesh.get_group(0)]
     return DeviceMesh.from_group(groups, dp_mesh.device_type, mesh=grid, mesh_dim_names=(*names, tp_name))
+
+
+_STATE_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def tp_state_mesh(mesh: DeviceMesh, ragged_dim: int, tp_dim: int) -> DeviceMesh:
+    """``mesh`` with its data-parallel shard dim ``ragged_dim`` and its TP dim ``tp_dim`` merged into one
+    dim of (shard coordinate, TP coordinate) cells in that order (the other dims, HSDP's replicate one,
+    kept): the mesh of optimizer state that TP ranks own in runs of a tensor's global per-block vector
+    ([Note: preconditioner blocks under tensor parallelism] in optimizers/_tp_runs.py). Made once per
+    mesh: each rank makes the process group of its own cells (``use_local_synchronization``, the world
+    group where the cells are the whole world), so the call is collective over those cells only."""
+    if tp_dim != ragged_dim + 1:
+        raise ValueError(f"tp_state_mesh: the TP dim {tp_dim} must follow the shard dim {ragged_dim} on {mesh}")
+    key = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), ragged_dim, id(mesh.get_group(ragged_dim)))
+    out = _STATE_MESHES.get(key)
+    if out is not None:
+        return out
+    if tp_dim != mesh.ndim - 1:
+        raise ValueError(f"tp_state_mesh: the TP dim {tp_dim} must be the last of {mesh}")
+    shape = list(mesh.mesh.shape)
+    merged = mesh.mesh.reshape(*shape[:ragged_dim], shape[ragged_dim] * shape[tp_dim])
+    mine = merged[tuple(mesh.get_coordinate()[:ragged_dim])]  # this rank's cells (a 1-D tensor of ranks)
+    cells = mine.tolist()
+    if sorted(cells) == list(range(dist.get_world_size())):
+        group = dist.group.WORLD
+    else:
+        group = dist.new_group(sorted(cells), use_local_synchronization=True)
+    groups = [mesh.get_group(i) for i in range(ragged_dim)] + [group]
+    names = tuple(mesh.mesh_dim_names or ())
+    dim_names = (*names[:ragged_dim], f"{names[ragged_dim]}_{names[tp_dim]}") if names else None
+    out = DeviceMesh.from_group(groups, mesh.device_type, mesh=merged, mesh_dim_names=dim_names)
+    _STATE_MESHES[key] = out
+    return out

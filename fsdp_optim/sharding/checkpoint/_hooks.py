@@ -158,8 +158,7 @@ def register_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
             entry = dict(sd["state"][i])
             for key, (kind, where) in kinds.items():
                 if kind == StateKind.SHARDED:
-                    shape, bounds = where
-                    entry[key] = state_tensor(p, entry[key].detach(), shape, bounds)
+                    entry[key] = state_tensor(p, entry[key].detach(), *where)
             new_state[i] = entry
         return {**sd, "state": new_state}
 
@@ -213,8 +212,11 @@ def _local_state(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, key: str, 
         v = v.to_local()
     if kind != StateKind.SHARDED or current is None or not torch.is_tensor(current):
         return v._local_tensor if isinstance(v, RaggedDTensor) else v
-    shape, bounds = where
-    me = p.shard_rank if isinstance(p, RaggedDTensor) else 0
+    shape, bounds, mesh = where
+    if mesh is not None:  # (runs owned by TP ranks: this rank's cell of the merged mesh dim)
+        me = mesh.get_local_rank(mesh.ndim - 1)
+    else:
+        me = p.shard_rank if isinstance(p, RaggedDTensor) else 0
     start, end = bounds[me], bounds[me + 1]
     if isinstance(v, RaggedDTensor):
         if tuple(v.ragged.bounds) != tuple(bounds) or tuple(v.shape) != tuple(shape):

@@ -212,8 +212,7 @@ def _plan_param_state(
             continue
         v = target[key]
         if kind == StateKind.SHARDED and where is not None:
-            shape, bounds = where
-            v = state_tensor(p, v, shape, bounds)
+            v = state_tensor(p, v, *where)
         entry[key] = v
         fkey = f"optim.state.{name}.{key}"
         if fkey not in saved:
@@ -255,11 +254,11 @@ def _plan_owned(
             plan.owned.append((p, entry))
 
 
-def _param_layout(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(global shape, bounds)`` of per-element state of ``p`` (its own layout)."""
+def _param_layout(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], None]:
+    """``(global shape, bounds, None)`` of per-element state of ``p`` (its own layout, on its mesh)."""
     if isinstance(p, RaggedDTensor):
-        return tuple(p.shape), tuple(p.ragged.bounds)
-    return tuple(p.shape), (0, p.numel())
+        return tuple(p.shape), tuple(p.ragged.bounds), None
+    return tuple(p.shape), (0, p.numel()), None
 
 
 def _fresh_state(p: torch.Tensor, name: str, saved_keys: dict[str, str], saved: dict[str, Any]) -> dict[str, Any]:

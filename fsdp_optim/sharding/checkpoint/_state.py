@@ -32,7 +32,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 
 from .._dtensor import RaggedDTensor, ragged_spec
 from .._placement import RaggedShard
@@ -132,12 +133,18 @@ def torch_names(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def state_tensor(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...], bounds: tuple[int, ...]) -> torch.Tensor:
+def state_tensor(
+    p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...], bounds: tuple[int, ...], mesh: DeviceMesh | None = None
+) -> torch.Tensor:
     """One sharded optimizer-state tensor as checkpoints and torch's helpers see it: for a sharded
     parameter, a ``RaggedDTensor`` of its global ``shape`` laid out by ``bounds`` on the parameter's
-    mesh (the local piece viewed, not copied); for a plain parameter, the tensor in ``shape``."""
+    mesh, or on ``mesh`` where the state says so (``StateShard.mesh``: its last dim ragged, the others
+    replicated); the local piece viewed, not copied. For a plain parameter, the tensor in ``shape``."""
     if isinstance(local, RaggedDTensor):
         return local
+    if mesh is not None:
+        placements = [Replicate()] * (mesh.ndim - 1) + [RaggedShard(RaggedLayout(tuple(shape), tuple(bounds)))]
+        return RaggedDTensor._from_local_and_spec(local.reshape(-1), ragged_spec(mesh, placements, shape, local.dtype))
     if not isinstance(p, RaggedDTensor):
         return local.reshape(shape)
     placements = list(p.placements)
@@ -208,6 +215,16 @@ def state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) ->
                     f"{v.numel() if torch.is_tensor(v) else 'no'} elements but its StateShard says {ss.end - ss.start}"
                 )
             bounds = ss.bounds if ss.bounds is not None else (0, ss.global_numel)
+            if ss.mesh is not None:  # runs owned by TP ranks: the global vector on the merged (dp, tp) cells
+                cells = ss.mesh.size(ss.mesh.ndim - 1)
+                if len(bounds) != cells + 1:
+                    raise ValueError(
+                        f"{type(optimizer).__name__}.state_shards: state {key!r} of {name} gives {len(bounds) - 1} "
+                        f"ranges for {cells} cells of {ss.mesh}"
+                    )
+                shape = tuple(p.shape) if ss.global_numel == math.prod(p.shape) else (ss.global_numel,)
+                out[key] = (StateKind.SHARDED, (shape, tuple(bounds), ss.mesh))
+                continue
             if ragged and len(bounds) != p.ragged.num_shards + 1:
                 raise ValueError(
                     f"{type(optimizer).__name__}.state_shards: state {key!r} of {name} gives {len(bounds) - 1} shard "
@@ -223,9 +240,9 @@ def state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) ->
                 shape = (_tp_shards(p), ss.global_numel)
             else:  # per-block state: one vector
                 shape = (ss.global_numel,)
-            out[key] = (StateKind.SHARDED, (shape, tuple(bounds)))
+            out[key] = (StateKind.SHARDED, (shape, tuple(bounds), None))
         elif shards is None and isinstance(v, RaggedDTensor):  # a torch optimizer's state: made from the parameter
-            out[key] = (StateKind.SHARDED, (tuple(v.shape), tuple(v.ragged.bounds)))
+            out[key] = (StateKind.SHARDED, (tuple(v.shape), tuple(v.ragged.bounds), None))
         elif shards is None and ragged and torch.is_tensor(v) and v.ndim > 0:
             raise ValueError(
                 f"state {key!r} of {name} (shape {tuple(v.shape)}) is a plain tensor of a sharded parameter, and "
@@ -256,8 +273,7 @@ def optim_state(
             for key, (kind, where) in kinds.items():
                 v = st[key]
                 if kind == StateKind.SHARDED:
-                    shape, bounds = where
-                    entry[key] = state_tensor(p, v.detach(), shape, bounds)
+                    entry[key] = state_tensor(p, v.detach(), *where)
                 elif kind == StateKind.REPLICATED:
                     entry[key] = v.detach()
                 else:
