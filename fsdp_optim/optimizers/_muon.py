@@ -254,6 +254,8 @@ class _Job(NamedTuple):
     owned: _Owned | None
     param: Tensor | None = None
     """An owned low-precision split matrix: the ``[rows, cols]`` parameter assembled from received pieces."""
+    row_state: Tensor | None = None
+    """A homed TP-sharded matrix of an optimizer with per-row state (NorMuon): its assembled ``[rows]`` state."""
 
     def matrices(self) -> Tensor:
         """The ``[count, rows, cols]`` input to Newton–Schulz."""
@@ -636,8 +638,15 @@ class Muon(torch.optim.Optimizer):
             costs = [ns_cost(*info.tp.global_shape) for _, info in items]
             size = items[0][1].tp.size
             homes = assign_owners(costs, [[1] * size] * len(items), [0] * size)
-            out.append(plan_tp_exchange(items, homes, _low_precision))
+            row_states = [self._tp_row_state(p) for p, _ in items]
+            out.append(plan_tp_exchange(items, homes, _low_precision, row_states=row_states, result_dtype=self._tp_result_dtype))
         return tuple(out)
+
+    _tp_result_dtype = torch.bfloat16  # what a TP home sends back for fp32 / fp64 parameters: Newton-Schulz's result
+
+    def _tp_row_state(self, p: Tensor) -> Tensor | None:
+        """Per-row state that travels with a TP-sharded matrix to its home and back (Muon: none)."""
+        return None
 
     def _plan_exchange(self, params: list[Tensor]) -> _Exchange | None:
         splits = [(p, m) for p in params for m in self._plans[p].split]
@@ -735,9 +744,9 @@ class Muon(torch.optim.Optimizer):
         jobs = self._local_jobs(updates, group_of)
         for ex in self._exchanges:
             self._exchange_out(ex, updates, group_of, jobs)
-        for h, full, param in (x for ex in self._tp_exchanges for x in tp_exchange_out(ex, updates)):
+        for h, full, param, rs in (x for ex in self._tp_exchanges for x in tp_exchange_out(ex, updates, self._tp_row_state)):
             g = group_of[h.param]
-            jobs.append(_Job((h.rows, h.cols, *_ns_key(g)), g, 1, h.rows, h.cols, None, 0, full, None, h, param))
+            jobs.append(_Job((h.rows, h.cols, *_ns_key(g)), g, 1, h.rows, h.cols, None, 0, full, None, h, param, rs))
         tp_backs = [torch.empty(sum(ex.back_send_sizes), dtype=torch.bfloat16, device=ex.device) for ex in self._tp_exchanges]
         # owned results (or new values), in the receive order
         backs = [torch.empty(sum(ex.back_send_sizes), dtype=torch.bfloat16, device=ex.device) for ex in self._exchanges]
@@ -749,7 +758,7 @@ class Muon(torch.optim.Optimizer):
                 job = jobs[i]
                 alpha = -adjust_lr(job.group["lr"], job.group["adjust_lr_fn"], job.rows, job.cols)
                 if isinstance(job.owned, TPHomed):  # a TP-sharded matrix: its slices go back to their TP ranks
-                    tp_write_back(job.owned, res, job.param, alpha, back_of[id(job.owned)])
+                    tp_write_back(job.owned, res, job.param, alpha, back_of[id(job.owned)], job.row_state)
                     continue
                 if job.owned is not None:  # an owned split matrix: its pieces go back to their ranks
                     if job.param is None:  # fp32 / fp64: the result, each rank adds its piece
@@ -772,7 +781,8 @@ class Muon(torch.optim.Optimizer):
         for ex, back in zip(self._exchanges, backs):
             self._receive_back(ex, back, updates, group_of)
         for ex, back in zip(self._tp_exchanges, tp_backs):
-            tp_receive_back(ex, back, updates, lambda s: -adjust_lr(group_of[s.param]["lr"], group_of[s.param]["adjust_lr_fn"], s.rows, s.cols))
+            alpha_of = lambda s: -adjust_lr(group_of[s.param]["lr"], group_of[s.param]["adjust_lr_fn"], s.rows, s.cols)  # noqa: E731
+            tp_receive_back(ex, back, updates, alpha_of, self._tp_row_state)
         return loss
 
     def _momentum_updates(self) -> dict[Tensor, _Update]:

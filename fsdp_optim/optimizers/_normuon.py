@@ -20,6 +20,26 @@ which a ragged plan puts on one rank: the step stays free of collectives. Matric
 (a plan that records ``LocalShard.split``: ``PlanConfig(balance="auto")`` cuts matrices where whole ones
 cannot balance, at large W) are refused: their rows' ``v`` would live on other ranks than the owner
 that normalizes them; ``PlanConfig(balance="whole")`` never cuts one.
+
+[Note: NorMuon under tensor parallelism]
+A TP-sharded matrix (``ColwiseParallel``: TP dim 0, ``RowwiseParallel``: TP dim 1) is orthogonalized
+once, at its home TP rank, as Muon's ([Note: Muon under tensor parallelism]); NorMuon normalizes it
+there, on the assembled global ``[m, n]`` result, with the global ``v``. The invariant: every TP rank
+holds ``v`` of its TP-local rows, bitwise the entries unsharded NorMuon holds for those rows --
+``ColwiseParallel``: its ``m / T`` rows; ``RowwiseParallel``: every row spans all T ranks, so each
+keeps all ``m`` entries (a copy, equal on every TP rank; tiny next to the matrix). It travels in the
+same two all-to-alls as the matrix: out, a ``ColwiseParallel`` slice's ``v`` rows follow its bf16
+slice (the home concatenates them in TP order; a ``RowwiseParallel`` home uses its own copy, so
+nothing extra travels); back, each rank's rows of the updated ``v`` follow its slice of the
+normalized update. ``v`` (the parameter's dtype) and the normalized update (fp32, what unsharded
+NorMuon adds) travel bit for bit, reinterpreted as 2-byte slots of the bf16 buffers, not rounded to
+bf16: the home's ``normalize_rows`` sees the same ``[1, m, n]`` / ``[1, m, 1]`` inputs unsharded
+NorMuon sees, and each rank adds the same fp32 values (element-wise ``add_``: a slice gets the whole
+matrix's bits); low-precision parameters get the new values from the home's whole-matrix ``add_``.
+So NorMuon under TP is bitwise unsharded NorMuon given bitwise-equal gradients, with Muon's two
+collectives per step. ``state_shards`` names each TP rank's ``v`` rows; checkpoints store it as a
+``[T, rows]`` per-TP-rank tensor ([Note: per-block state under TP]), which loads at the same TP size
+(any data-parallel layout) and is refused at another.
 """
 
 from __future__ import annotations
@@ -31,8 +51,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import StateShard, state_range, tp_cut_error
+from ._base import StateShard, checked_param_info, state_range
 from ._muon import Muon
+from ._muon_tp import TPHomed, tp_assembles
 
 __all__ = ["NorMuon", "normalize_rows"]
 
@@ -64,7 +85,10 @@ class NorMuon(Muon):
     State per Muon parameter: ``momentum_buffer`` (as Muon) and ``second_momentum_buffer``, one entry per
     matrix row, in the parameter's dtype (as the authors' ``zeros_like(p[..., 0:1])``). See [Note: NorMuon].
     Matrices must lie whole on one rank (a ragged plan with ``Muon.blocks``); split ones are a ``ValueError``.
+    TP-sharded 2-D matrices are assembled over TP as Muon's ([Note: NorMuon under tensor parallelism]).
     """
+
+    _tp_result_dtype = torch.float32  # the normalized update, sent back unrounded
 
     def __init__(self, params: Iterable[Any], *, beta2: float = 0.95, norm_eps: float = 1e-10, **kwargs: Any) -> None:
         _check(beta2, norm_eps)
@@ -93,9 +117,6 @@ class NorMuon(Muon):
             return
         plan = self._plans[p]
         info = plan.info
-        if info.tp is not None:
-            raise tp_cut_error(info, optimizer="NorMuon", supported="its row statistics would live on other TP ranks than "
-                               "the matrix's Newton-Schulz home")  # fmt: skip
         if plan.split:
             raise ValueError(
                 f"NorMuon: parameter {info.fqn or '<unnamed>'} (shape {info.shape}, world size {info.world_size}) "
@@ -108,8 +129,18 @@ class NorMuon(Muon):
         rows = (info.end - info.start) // cols
         self.state[p].setdefault("second_momentum_buffer", torch.zeros(rows, dtype=p.dtype, device=p.device))
 
+    def _info(self, p: Tensor, name: str | None) -> Any:
+        return checked_param_info(
+            p, self._rule, optimizer="NorMuon", blocks="Muon.blocks", name=name or "", whole_blocks=True,
+            tp_assembles=tp_assembles,
+        )
+
+    def _tp_row_state(self, p: Tensor) -> Tensor | None:
+        return self.state[p].get("second_momentum_buffer")
+
     def state_shards(self, p: Tensor) -> dict[str, StateShard]:
-        """Muon's, plus ``second_momentum_buffer``: this rank's rows of the parameter's rows."""
+        """Muon's, plus ``second_momentum_buffer``: this rank's rows of the parameter's rows (under TP: of
+        its TP-local rows, [Note: NorMuon under tensor parallelism])."""
         shards = super().state_shards(p)
         if self._plans[p].use_muon:
             info = self._plans[p].info
@@ -127,6 +158,9 @@ class NorMuon(Muon):
             yield [(i, self._normalize(jobs[i], res)) for i, res in done]
 
     def _normalize(self, job: Any, res: Tensor) -> Tensor:
+        if isinstance(job.owned, TPHomed):  # assembled at its TP home, with its whole v (sent back by Muon)
+            v = job.row_state
+            return normalize_rows(res, v.view(1, job.rows, 1), beta2=job.group["beta2"], eps=job.group["norm_eps"])
         if job.update is None:
             raise AssertionError("NorMuon: a split matrix reached the step (refused at construction)")
         p = self._param_of[id(job.update)]

@@ -350,20 +350,6 @@ def test_expert_parallel_with_tensor_parallel_experts_is_refused():
     assert "EP x TP) is not supported" in str(e.value)
 
 
-def _refusing():
-    from fsdp_optim.optimizers import Muon, NorMuon
-
-    mesh = _mesh((1, 2))
-    model = _parallel(TPTransformer(), mesh, blocks=Muon.rule(embedding_and_head=["tok_embeddings", "output"]))
-    NorMuon(model.parameters(), lr=1e-3)
-
-
-def test_normuon_refuses_tp_cut_parameters():
-    with pytest.raises(Exception) as e:
-        run_distributed(_refusing, world_size=2)
-    assert "is tensor-parallel, split along dim" in str(e.value)
-
-
 def _count_tp_reductions():
     import torch.distributed as dist
 
