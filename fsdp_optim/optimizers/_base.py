@@ -67,6 +67,10 @@ class StateShard(NamedTuple):
     """Every shard rank's start in the global vector, then ``global_numel`` (``world_size + 1`` values):
     the layout checkpoints and ``state_dict()`` give the state (a ``RaggedDTensor``). ``None`` only for
     a parameter held whole by one rank."""
+    rows: bool = False
+    """One entry per row (dim-0 slice) of the parameter's (TP-local) shape, ``bounds`` over its rows
+    (NorMuon's second moments): checkpointed as a vector of the *global* rows, so it loads across TP
+    sizes: split over TP as the rows are (a cut on dim 0), else a copy on every TP rank."""
     mesh: DeviceMesh | None = None
     """Where ``bounds`` are not over the parameter's shard ranks: the mesh whose ragged dim they lay
     the state over (state that TP ranks own in runs of the global vector, ``LocalShard.tp_state_mesh``: one range

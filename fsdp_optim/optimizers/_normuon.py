@@ -37,9 +37,9 @@ bf16: the home's ``normalize_rows`` sees the same ``[1, m, n]`` / ``[1, m, 1]`` 
 NorMuon sees, and each rank adds the same fp32 values (element-wise ``add_``: a slice gets the whole
 matrix's bits); low-precision parameters get the new values from the home's whole-matrix ``add_``.
 So NorMuon under TP is bitwise unsharded NorMuon given bitwise-equal gradients, with Muon's two
-collectives per step. ``state_shards`` names each TP rank's ``v`` rows; checkpoints store it as a
-``[T, rows]`` per-TP-rank tensor ([Note: per-block state under TP]), which loads at the same TP size
-(any data-parallel layout) and is refused at another.
+collectives per step. ``state_shards`` names each TP rank's ``v`` rows (``StateShard.rows``): checkpoints
+store the vector of the matrix's global rows (``Shard(0)`` over TP under ``ColwiseParallel``, a replica
+on every TP rank under ``RowwiseParallel``), as without TP, so it loads at any TP size and without TP.
 """
 
 from __future__ import annotations
@@ -145,7 +145,9 @@ class NorMuon(Muon):
         if self._plans[p].use_muon:
             info = self._plans[p].info
             cols = info.shape[-1]
-            shards["second_momentum_buffer"] = state_range(info, lambda b: b // cols)  # (bounds fall on rows)
+            v = state_range(info, lambda b: b // cols)  # (bounds fall on rows)
+            # a TP-cut matrix: a vector of its global rows in checkpoints, which loads at any TP size
+            shards["second_momentum_buffer"] = v._replace(rows=True) if info.tp is not None else v
         return shards
 
     # ---- the step: Muon's, each orthogonalized stack normalized before it is added ---------------

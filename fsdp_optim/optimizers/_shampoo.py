@@ -594,7 +594,7 @@ class Shampoo(BlockPreconditioner):
         elem = per_element(info)
         if plan.run is not None:  # the global factor vector over the (dp, tp) cells
             bounds = run_bounds(plan.run, lambda i: plan.run.geom.factor_numel(0, i))
-            fac = StateShard(bounds[-1], bounds[plan.run.cell], bounds[plan.run.cell + 1], bounds, plan.run.mesh)
+            fac = StateShard(bounds[-1], bounds[plan.run.cell], bounds[plan.run.cell + 1], bounds, mesh=plan.run.mesh)
         else:
             fac = state_range(info, lambda b: geom.factor_numel(0, geom.strip_at(b)))
         out = {"factor_matrices": fac, "inv_factor_matrices": fac}

@@ -301,7 +301,7 @@ class SOAP(BlockPreconditioner):
 
         def shard(before: Callable[[int], int]) -> StateShard:
             bounds = run_bounds(run, before)
-            return StateShard(bounds[-1], bounds[run.cell], bounds[run.cell + 1], bounds, run.mesh)
+            return StateShard(bounds[-1], bounds[run.cell], bounds[run.cell + 1], bounds, mesh=run.mesh)
 
         elem = shard(lambda i: geom.strip_start_row(i) * geom.cols if i < geom.num_strips else numel)
         units, off = [], 0

@@ -183,7 +183,7 @@ def test_state_is_checkpoint_shaped_and_step_is_collective_free(world_size):
     for i, lay in enumerate(layouts):
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             ranges = [out[r][4][i][key] for r in range(world_size)]
-            assert ranges == [(lay.numel, *lay.range(r), lay.bounds, None) for r in range(world_size)]
+            assert ranges == [(lay.numel, *lay.range(r), lay.bounds, False, None) for r in range(world_size)]
 
 
 def test_state_dict_round_trip_continues_bitwise():

@@ -390,7 +390,7 @@ def test_state_dict_keys_and_shapes_are_checkpoint_shaped(world_size):
         assert before == after
         assert keys == outs[0][4] and groups == outs[0][5]  # the same keys and groups on every rank
         for i, st in shards.items():
-            for k, (gnum, a, b, bounds, _) in st.items():
+            for k, (gnum, a, b, bounds, *_) in st.items():
                 assert sizes[i][k] == b - a
                 # every rank's start, then the global size; this rank's range is its entry
                 assert len(bounds) == world_size + 1 and (bounds[rank], bounds[rank + 1], bounds[-1]) == (a, b, gnum)

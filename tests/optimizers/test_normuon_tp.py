@@ -131,7 +131,7 @@ def _build(dp: int, tp: int):
 
 
 def _step(model, opt, mesh, step: int) -> None:
-    tp_backward(model, mesh, step)
+    tp_backward(model, mesh, step, per_rank=4 // mesh.size(0))  # the same global batch at every layout
     opt.step()
     opt.zero_grad()
 
@@ -145,41 +145,60 @@ def _local(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
+def _global(model, opt) -> dict[str, torch.Tensor]:
+    """Parameters and state as global tensors (``state_dict()``'s DTensors, gathered)."""
+    names = [n for n, _ in model.named_parameters()]
+    out = {f"param:{n}": p.full_tensor() for n, p in model.named_parameters()}
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            if k != "step":
+                out[f"state:{names[i]}:{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
+    return out
+
+
 def _save(path: str):
     mesh, model, opt = _build(2, 2)
     for s in range(2):
         _step(model, opt, mesh, s)
     fsdp_optim.save_checkpoint(path, model=model, optimizer=opt)
-    saved = _local(model, opt)
+    saved, full = _local(model, opt), _global(model, opt)
     _step(model, opt, mesh, 2)
-    return saved, _local(model, opt)
+    return saved, _local(model, opt), full, {n: p.full_tensor() for n, p in model.named_parameters()}
 
 
 def _load(path: str, dp: int, tp: int):
     mesh, model, opt = _build(dp, tp)
     fsdp_optim.load_checkpoint(path, model=model, optimizer=opt)
-    loaded = _local(model, opt)
+    loaded, full = _local(model, opt), _global(model, opt)
     _step(model, opt, mesh, 2)
-    return loaded, _local(model, opt)
+    return loaded, _local(model, opt), full, {n: p.full_tensor() for n, p in model.named_parameters()}
 
 
-def test_checkpoint_round_trips_at_the_same_tp_size_and_is_refused_at_another(tmp_path):
-    """[Note: per-block state under TP]: v is saved per TP rank, so it loads bitwise at the same TP size
-    (and the next step equals the uninterrupted one) and a load at another TP size raises."""
+def test_checkpoint_round_trips_at_the_same_tp_size_and_loads_at_other_tp_sizes(tmp_path):
+    """``v`` of a TP-cut matrix is checkpointed as the vector of its global rows (``StateShard.rows``):
+    at the same TP size every rank's state loads bitwise and the next step equals the uninterrupted one;
+    at tp 4, 1 and (1, 2) the global parameters and state equal the saved ones bitwise and the next step
+    equals the uninterrupted one up to bf16 Newton–Schulz roundings of another reduction order (the same
+    global batch at every layout; measured <= 9e-5; bound lr, as Muon's TP checkpoint test)."""
     path = str(tmp_path / "ckpt")
     saved = run_distributed(lambda: _save(path), world_size=4)
     loaded = run_distributed(lambda: _load(path, 2, 2), world_size=4)
-    for (before, after), (got, got_after) in zip(saved, loaded):
+    for (before, after, _, _), (got, got_after, _, _) in zip(saved, loaded):
         assert before.keys() == got.keys()
         assert any(k.endswith(":second_momentum_buffer") and v.numel() for k, v in before.items())
         for k, v in before.items():
             assert v.dtype == got[k].dtype and torch.equal(v, got[k]), k
         for k, v in after.items():
             assert torch.equal(v, got_after[k]), k
-    for dp, tp in [(1, 4), (4, 1)]:
-        with pytest.raises(Exception) as e:
-            run_distributed(lambda: _load(path, dp, tp), world_size=4)
-        assert "second_momentum_buffer" in str(e.value) and "loads only at the same TP size" in str(e.value), (dp, tp)
+    _, _, full, uninterrupted = saved[0]
+    for dp, tp in [(1, 4), (4, 1), (1, 2)]:
+        _, _, got, after = run_distributed(lambda: _load(path, dp, tp), world_size=dp * tp)[0]
+        assert got.keys() == full.keys()
+        for k, v in full.items():
+            assert torch.equal(got[k], v), (dp, tp, k)
+        worst = max((after[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted)
+        print(f"NorMuon: saved at (dp 2, tp 2), loaded at (dp {dp}, tp {tp}): next step max |diff| = {worst:.3g}")
+        assert worst <= LR, (dp, tp, worst)
 
 
 def _refused():

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from .._dtensor import RaggedDTensor
-from ._state import ShardedState, StateKind, ensure_sharded, state_kinds, state_tensor, torch_names
+from ._state import ShardedState, StateKind, ensure_sharded, local_piece, state_kinds, state_tensor, torch_names
 
 __all__ = ["register_optimizer_hooks", "register_state_dict_hooks"]
 
@@ -212,12 +212,7 @@ def _local_state(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, key: str, 
         v = v.to_local()
     if kind != StateKind.SHARDED or current is None or not torch.is_tensor(current):
         return v._local_tensor if isinstance(v, RaggedDTensor) else v
-    shape, bounds, mesh = where
-    if mesh is not None:  # (runs owned by TP ranks: this rank's cell of the merged mesh dim)
-        me = mesh.get_local_rank(mesh.ndim - 1)
-    else:
-        me = p.shard_rank if isinstance(p, RaggedDTensor) else 0
-    start, end = bounds[me], bounds[me + 1]
+    shape, bounds = where.shape, where.bounds
     if isinstance(v, RaggedDTensor):
         if tuple(v.ragged.bounds) != tuple(bounds) or tuple(v.shape) != tuple(shape):
             raise ValueError(
@@ -225,11 +220,11 @@ def _local_state(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, key: str, 
                 f"optimizer's as bounds {list(bounds)} of shape {tuple(shape)}; dcp.load reshards between layouts"
             )
         return v._local_tensor.view(current.shape)
-    n_global, n_local = math.prod(shape), end - start
+    n_global, n_local = math.prod(shape), current.numel()
+    if v.numel() == n_global and (n_global != n_local or tuple(v.shape) == tuple(shape)):
+        return local_piece(p, v, where).view(current.shape)  # (a full tensor: this rank's piece of it)
     if v.numel() == n_local:
         return v.reshape(current.shape)
-    if v.numel() == n_global:
-        return v.reshape(-1)[start:end].view(current.shape)
     raise ValueError(
         f"{type(opt).__name__}.load_state_dict: state {key!r} of param {i} (shape {tuple(p.shape)}) is a tensor of "
         f"{v.numel()} elements, neither the full state ({n_global}) nor this rank's piece ({n_local}); pass the "

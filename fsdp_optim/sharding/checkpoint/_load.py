@@ -31,6 +31,7 @@ from ._state import (
     fmt_keys,
     model_state_dict,
     param_names,
+    StatePlace,
     state_kinds,
     state_tensor,
 )
@@ -254,11 +255,11 @@ def _plan_owned(
             plan.owned.append((p, entry))
 
 
-def _param_layout(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], None]:
-    """``(global shape, bounds, None)`` of per-element state of ``p`` (its own layout, on its mesh)."""
+def _param_layout(p: torch.Tensor) -> StatePlace:
+    """Where per-element state of ``p`` lies: its own layout, on its mesh."""
     if isinstance(p, RaggedDTensor):
-        return tuple(p.shape), tuple(p.ragged.bounds), None
-    return tuple(p.shape), (0, p.numel()), None
+        return StatePlace(tuple(p.shape), tuple(p.ragged.bounds))
+    return StatePlace(tuple(p.shape), (0, p.numel()))
 
 
 def _fresh_state(p: torch.Tensor, name: str, saved_keys: dict[str, str], saved: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .._dtensor import RaggedDTensor, ragged_spec
 from .._placement import RaggedShard
+from .._tensor_parallel import tp_slice
 from .._runtime import reshard_all
 from ..plan import RaggedLayout
 
@@ -56,6 +57,8 @@ __all__ = [
     "param_names",
     "state_kinds",
     "state_tensor",
+    "StatePlace",
+    "local_piece",
     "torch_names",
 ]
 
@@ -81,6 +84,19 @@ class OwnedState(Protocol):
     def owned_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]: ...
 
     def install_state(self, p: torch.Tensor, state: dict[str, torch.Tensor]) -> None: ...
+
+
+class StatePlace(NamedTuple):
+    """Where one sharded state tensor lies, as checkpoints and torch's helpers see it (``state_tensor``)."""
+
+    shape: tuple[int, ...]
+    """Its global shape."""
+    bounds: tuple[int, ...]
+    """Every shard rank's (or ``mesh`` cell's) start in its flat local layout, then its length."""
+    mesh: Any = None
+    """``StateShard.mesh``: the merged (dp, tp) mesh of state TP ranks own in runs; ``None``: the parameter's."""
+    rows: bool = False
+    """``StateShard.rows``: one entry per row of the parameter."""
 
 
 class StateKind(enum.StrEnum):
@@ -134,14 +150,21 @@ def torch_names(model: nn.Module) -> dict[str, str]:
 
 
 def state_tensor(
-    p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...], bounds: tuple[int, ...], mesh: DeviceMesh | None = None
+    p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...], bounds: tuple[int, ...], mesh: DeviceMesh | None = None,
+    rows: bool = False,
 ) -> torch.Tensor:
-    """One sharded optimizer-state tensor as checkpoints and torch's helpers see it: for a sharded
-    parameter, a ``RaggedDTensor`` of its global ``shape`` laid out by ``bounds`` on the parameter's
-    mesh, or on ``mesh`` where the state says so (``StateShard.mesh``: its last dim ragged, the others
-    replicated); the local piece viewed, not copied. For a plain parameter, the tensor in ``shape``."""
+    """One sharded optimizer-state tensor as checkpoints and torch's helpers see it (the fields of a
+    ``StatePlace``): for a sharded parameter, a ``RaggedDTensor`` of its global ``shape`` laid out by
+    ``bounds`` on the parameter's mesh, or on ``mesh`` where the state says so (``StateShard.mesh``: its
+    last dim ragged, the others replicated); per-row state (``rows``) with the parameter's placements but
+    a TP cut on another dim than 0 replicated. The local piece is viewed, not copied. For a plain
+    parameter, the tensor in ``shape``."""
     if isinstance(local, RaggedDTensor):
         return local
+    if rows and isinstance(p, RaggedDTensor):
+        placements = [Shard(0) if isinstance(q, Shard) and q.dim == 0 else Replicate() for q in p.placements]
+        placements[p.ragged_dim] = RaggedShard(RaggedLayout((p.ragged.shape[0],), tuple(bounds)))
+        return RaggedDTensor._from_local_and_spec(local.reshape(-1), ragged_spec(p.device_mesh, placements, shape, local.dtype))
     if mesh is not None:
         placements = [Replicate()] * (mesh.ndim - 1) + [RaggedShard(RaggedLayout(tuple(shape), tuple(bounds)))]
         return RaggedDTensor._from_local_and_spec(local.reshape(-1), ragged_spec(mesh, placements, shape, local.dtype))
@@ -153,11 +176,34 @@ def state_tensor(
     elif len(shape) == 2 and _tp_shards(p) > 1:  # per-block state of a TP parameter: this TP rank's row
         placements = [Shard(0) if isinstance(q, Shard) else q for q in placements]
         layout_shape = (1, shape[1])
-    else:
+    else:  # (a TP Shard here is over one TP rank, a size-1 mesh dim: nothing to split)
+        placements = [Replicate() if isinstance(q, Shard) else q for q in placements]
         layout_shape = tuple(shape)
     placements[p.ragged_dim] = RaggedShard(RaggedLayout(tuple(layout_shape), tuple(bounds)))
     spec = ragged_spec(p.device_mesh, placements, shape, local.dtype)
     return RaggedDTensor._from_local_and_spec(local.reshape(-1), spec)
+
+
+def local_piece(p: torch.Tensor, full: torch.Tensor, where: StatePlace) -> torch.Tensor:
+    """This rank's flat piece of the *full* state tensor ``full`` (``where.shape``), laid out as ``where``
+    says: the TP-local part first (the parameter's TP slice; a per-block ``[tp, n]`` tensor's row; the
+    rows of per-row state cut on dim 0), then this rank's range of it."""
+    flat = full.reshape(where.shape)
+    if where.mesh is not None:  # runs: the global vector over the merged (dp, tp) cells
+        me = where.mesh.get_local_rank(where.mesh.ndim - 1)
+    else:
+        me = p.shard_rank if isinstance(p, RaggedDTensor) else 0
+        if isinstance(p, RaggedDTensor) and _tp_shards(p) > 1:
+            mesh_shape, coord = tuple(p.device_mesh.shape), p.device_mesh.get_coordinate()
+            if where.rows:
+                rows = [q if isinstance(q, Shard) and q.dim == 0 else Replicate() for q in p.placements]
+                flat = tp_slice(flat, rows, mesh_shape, coord)
+            elif tuple(where.shape) == tuple(p.shape):
+                flat = tp_slice(flat, p.placements, mesh_shape, coord)
+            else:  # per-block state: this TP rank's row
+                (t,) = [c for c, q in zip(coord, p.placements) if isinstance(q, Shard)]
+                flat = flat[t]
+    return flat.reshape(-1)[where.bounds[me] : where.bounds[me + 1]]
 
 
 # [Note: per-block state under TP]
@@ -223,7 +269,7 @@ def state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) ->
                         f"ranges for {cells} cells of {ss.mesh}"
                     )
                 shape = tuple(p.shape) if ss.global_numel == math.prod(p.shape) else (ss.global_numel,)
-                out[key] = (StateKind.SHARDED, (shape, tuple(bounds), ss.mesh))
+                out[key] = (StateKind.SHARDED, StatePlace(shape, tuple(bounds), ss.mesh))
                 continue
             if ragged and len(bounds) != p.ragged.num_shards + 1:
                 raise ValueError(
@@ -233,6 +279,9 @@ def state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) ->
                 )
             param_shape = tuple(p.shape)
             local_shape = p.ragged.shape if ragged else param_shape  # (TP-local under tensor parallelism)
+            if ss.rows:  # one entry per row: a vector of the global rows
+                out[key] = (StateKind.SHARDED, StatePlace(param_shape[:1], tuple(bounds), rows=True))
+                continue
             if ss.global_numel == math.prod(local_shape):
                 shape = param_shape  # per-element state: the parameter's shape and placements
             elif ragged and _tp_shards(p) > 1:
@@ -240,9 +289,9 @@ def state_kinds(optimizer: torch.optim.Optimizer, p: torch.Tensor, name: str) ->
                 shape = (_tp_shards(p), ss.global_numel)
             else:  # per-block state: one vector
                 shape = (ss.global_numel,)
-            out[key] = (StateKind.SHARDED, (shape, tuple(bounds), None))
+            out[key] = (StateKind.SHARDED, StatePlace(shape, tuple(bounds)))
         elif shards is None and isinstance(v, RaggedDTensor):  # a torch optimizer's state: made from the parameter
-            out[key] = (StateKind.SHARDED, (tuple(v.shape), tuple(v.ragged.bounds), None))
+            out[key] = (StateKind.SHARDED, StatePlace(tuple(v.shape), tuple(v.ragged.bounds)))
         elif shards is None and ragged and torch.is_tensor(v) and v.ndim > 0:
             raise ValueError(
                 f"state {key!r} of {name} (shape {tuple(v.shape)}) is a plain tensor of a sharded parameter, and "
