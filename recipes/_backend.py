@@ -89,11 +89,11 @@ class FsdpOptimBackend(Backend):
     name = "fsdp_optim"
     optimizers = tuple(OPTIMIZERS)
     fp8_all_gather = expert_parallel = qk_clip = hf_io = True
-    # Shampoo, SOAP and NorMuon (blocks or whole matrices on one rank) refuse parameters a TP cut splits
-    # their blocks of; Muon assembles each TP-sharded matrix inside its TP group (fsdp_optim's [Note: Muon
-    # under tensor parallelism]), WholeTensorOptimizer (torch.<Name>) steps a TP-split tensor whole at a
-    # home TP rank ([Note: whole-tensor optimizer under TP]).
-    tensor_parallel = ("adamw", "muon", "adamw8bit", "adamw4bit", *(f"torch.{n}" for n in TORCH_PER_TENSOR))
+    # Every optimizer: Muon / NorMuon assemble each TP-sharded matrix inside its TP group (fsdp_optim's
+    # [Note: Muon under tensor parallelism]), Shampoo / SOAP the blocks a TP cut splits in runs over the
+    # TP ranks ([Note: preconditioner blocks under tensor parallelism]), WholeTensorOptimizer (torch.<Name>)
+    # steps a TP-split tensor whole at a home TP rank ([Note: whole-tensor optimizer under TP]).
+    tensor_parallel = tuple(OPTIMIZERS)
     orthogonalize = ("newton_schulz", "gram_newton_schulz")
     coefficients = ("torch", "polar_express", "list")
 

@@ -586,11 +586,9 @@ class Shampoo(BlockPreconditioner):
     def state_shards(self, p: Tensor) -> dict[str, StateShard]:
         """Per-element keys: the parameter's range; factor keys: this rank's blocks' factors, flattened
         and concatenated in global block order (strip-major, then the other dims' chunks), each
-        block's factors in dim order."""
+        block's factors in dim order (a TP-split parameter's: its run's, over the (dp, tp) cells)."""
         plan = self._plans[p]
         info, geom = plan.info, plan.geom
-        s0, s1 = plan.strips
-        n = geom.num_strips
         elem = per_element(info)
         if plan.run is not None:  # the global factor vector over the (dp, tp) cells
             bounds = run_bounds(plan.run, lambda i: plan.run.geom.factor_numel(0, i))

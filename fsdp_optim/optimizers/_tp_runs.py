@@ -31,7 +31,7 @@ dim replicated (``StateShard.mesh``). Checkpoints hold the same global vector as
 TP-free run does: they load across TP sizes, data-parallel layouts and without TP.
 
 Only tensors whose merged shape ([Note: Shampoo blocks]) is their own 2-D (or 1-D, cut on dim 0)
-shape, globally and TP-locally, are assembled this way (TP weights and biases); others are refused.
+shape are assembled this way (TP weights and biases); others are refused.
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ __all__ = ["RUNS_TAKE", "TPRun", "TPRunExchange", "plan_tp_run", "run_bounds", "
 
 RUNS_TAKE = (
     "it assembles TP-split 2-D weights, and 1-D weights cut on dim 0, whose shape merge_small_dims keeps; this one's "
-    "merged shape, or its TP-local tensor's, is not its own (dims whose product is at most k are merged: a smaller k "
-    "keeps them)"
+    "merged shape is not its own (dims whose product is at most k are merged: a smaller k keeps them)"
 )
 """What ``tp_runs_fit`` takes, for the refusal of the rest (``tp_cut_error``'s ``supported``)."""
 
@@ -97,16 +96,16 @@ class TPRun(NamedTuple):
 
 def tp_runs_fit(info: LocalShard, k: int) -> bool:
     """The TP-split ``info`` can be assembled in runs: a 2-D tensor (or 1-D, cut on dim 0) whose merged
-    shape is its own, globally and TP-locally, with its TP-local piece laid out as the note needs."""
+    shape is its own, with its TP-local piece laid out as the note needs."""
     tp = info.tp
     if tp is None or tp.dim not in (0, 1) or len(tp.global_shape) not in (1, 2) or (tp.dim == 1 and len(tp.global_shape) != 2):
         return False
     if shampoo_blocks(tp.global_shape, k, tp.blocks).dims != tuple(tp.global_shape):
         return False
-    if shampoo_blocks(info.shape, k, info.spec).dims != tuple(info.shape):
-        return False
     if tp.dim == 0:  # planned whole (_setup): all of it on one data-parallel coordinate
         return info.local_numel in (0, info.numel)
+    # a cut on dim 1: the data-parallel bounds fall on global strips (rows(k) of the TP-local rows, or a TP-local
+    # tensor small enough to merge, hence of one strip, kept whole)
     cols = info.shape[1]
     return all(b % (k * cols) == 0 or b == info.numel for b in info.layout.bounds)
 

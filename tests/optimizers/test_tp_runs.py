@@ -82,6 +82,7 @@ CASES = [
     ("shampoo", 2, 2, 12, False),
     ("shampoo", 2, 2, 12, True),
     ("shampoo", 1, 4, 5, True),
+    ("shampoo", 1, 4, 300, False),  # one strip per weight; the TP-local [8, 32] ones merge to vectors (each whole)
     ("soap", 2, 2, 12, False),
     ("soap", 1, 4, 5, True),
     ("soap", 2, 2, None, True),  # whole-tensor SOAP: each TP-split tensor one unit, at one TP rank
@@ -138,6 +139,43 @@ def _hsdp_run():
 def test_hsdp_x_tp_equals_the_unsharded_optimizer_bitwise():
     for params, state in run_distributed(_hsdp_run, world_size=4):
         assert params == 0.0 and state == 0.0, (params, state)
+
+
+def _biased_run(name: str):
+    """Linear layers with biases: a ColwiseParallel [36, 32] weight and its [36] bias (TP-local 18 rows,
+    k = 12: both cut through a strip, planned whole), a RowwiseParallel [32, 36] weight (TP-local width 18)
+    and its replicated bias; SOAP with ``precondition_1d`` so the bias's blocks have factors too."""
+    import copy
+
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    rule, make = _make(name, 12, **({"precondition_1d": True} if name == "soap" else {}))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 36), nn.ReLU(), nn.Linear(36, 32))
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fsdp_optim.fully_shard(model, mesh=mesh["dp"], blocks=rule)
+    opt, ropt = make(model.parameters()), make(ref.parameters())
+    r = mesh.get_coordinate()[0]
+    for step in range(STEPS):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step))
+        model(x[2 * r : 2 * r + 2]).square().mean().backward()
+        feed_gradients(model, ref)
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+    runs = sorted(n for n, p in model.named_parameters() if opt._plans[p].run is not None)
+    return runs, max((a.full_tensor() - b).abs().max().item() for (_, a), b in zip(model.named_parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_biases_cut_through_their_strips_equal_the_unsharded_optimizer_bitwise(name):
+    for runs, diff in run_distributed(lambda: _biased_run(name), world_size=4):
+        assert runs == ["0.bias", "0.weight", "2.weight"], runs
+        assert diff == 0.0, diff
 
 
 # ---- checkpoints across layouts -----------------------------------------------------------------
