@@ -259,3 +259,24 @@ def test_expert_parallel_rows_on_one_preset():
     md = cm.ep_markdown({"command": "x", "assumptions": vars(link), "memory_per_rank": 80e9, "tokens_per_step": tokens,
                          "act_bytes": 2, "rows": [r]})  # fmt: skip
     assert "| gpt-oss-120b | 64 | 16,384 | 4 | 8 (16, 8) |" in md and "slower than a peer: 0 of 1" in md
+
+
+def test_bench_tp_shampoo_quick(tmp_path):
+    """The Shampoo / SOAP under FSDP x TP benchmark runs (k = 12, W = 4, heavyball skipped): ours equals the
+    unsharded optimizer with every weight assembled in runs, does each block's preconditioner work once
+    (ratio 1 to one process) with two all-to-alls a step; the duplicated scheme does it T times."""
+    bench = _load("bench_tp_shampoo")
+    bench.main(["--quick", "--no-heavyball", "--out", str(tmp_path)])
+    out = json.loads((tmp_path / "bench_tp_shampoo.json").read_text())
+    assert all(c["max_diff_vs_unsharded"] == 0 and c["runs"] == c["weights"] > 0 for c in out["equality"].values())
+    for r in out["rows"]:
+        if r["step_kind"] == "plain":
+            assert r["linalg_calls"] == {"eigh": 0, "qr": 0}
+        if r["scheme"] == "fsdp_optim":
+            assert r["flops_ratio"] == pytest.approx(1.0) and r["linalg_n3_ratio"] == pytest.approx(1.0)
+            assert r["ops_busiest_rank"]["alltoall_base_.default"] == 2
+        else:
+            assert r["flops_ratio"] == pytest.approx(r["tp"])
+            if r["step_kind"] == "refresh":
+                assert r["linalg_n3_ratio"] == pytest.approx(r["tp"])
+    assert "| duplicated (TP all-gather) | soap | 1x4 | refresh" in (tmp_path / "bench_tp_shampoo.md").read_text()
