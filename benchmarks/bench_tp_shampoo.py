@@ -458,7 +458,7 @@ def main(argv=None) -> dict:
         f"(Shampoo) / eigenbases (SOAP), `plain` = the one that does not. Ratios: summed over the ranks / one "
         f"process running the same optimizer unsharded on the same model. Bytes: what leaves each rank (an "
         f"all-to-all's input less its own slice, an all-gather's input x (group size - 1)). Ours: two all-to-alls "
-        f"in the TP group plus the non-finite-gradient flag's all_reduce (one per group that exchanges); the "
+        f"in the TP group plus the non-finite-gradient flag's all_reduce (one, over the merged (dp, tp) ranks); the "
         f"duplicated scheme (written in this script) skips that check and all-gathers each weight's gradient "
         f"separately; the RMSNorm weights (replicated over TP) are under no optimizer. Step ms: CPU, a sanity "
         f"figure (median, slowest rank). Command: `{data['command']}`.",

@@ -222,12 +222,13 @@ class BlockPreconditioner(torch.optim.Optimizer):
 
     def _agreeing_groups(self) -> list[Any]:
         """The process groups over which a non-finite gradient is agreed, so that every rank raises alike:
-        where TP ranks exchange runs, every dim of their mesh (the TP group, which would otherwise hang in
-        the exchange, and the data-parallel ones, which would otherwise step on)."""
+        where TP ranks exchange runs, every rank of their mesh (the TP group would otherwise hang in the
+        exchange, the data-parallel ranks step on): the dims of the merged (dp, tp) state mesh, one group
+        without HSDP."""
         groups = {}
         for plan in self._plans.values():  # (every rank plans the same runs, held here or not)
             run = getattr(plan, "run", None)
-            mesh = run.info.mesh if run is not None else None
+            mesh = run.mesh if run is not None else None
             for d in range(mesh.ndim if mesh is not None else 0):
                 if mesh.size(d) > 1:
                     groups.setdefault(id(mesh.get_group(d)), mesh.get_group(d))

@@ -83,7 +83,8 @@ bitwise (``bmm`` vs ``mm`` kernels).
 
 Every per-block computation runs on contiguous copies of the block, with the same ops whatever
 the shard, and the per-element ones are element-wise, so a sharded run equals the single-process
-run bitwise. Without split strips the step issues no collectives.
+run bitwise. Without split strips (or TP-split blocks: [Note: preconditioner blocks under tensor
+parallelism]) the step issues no collectives.
 
 [Note: Shampoo split strips]
 With ``PlanConfig(balance="auto")`` (``Shampoo.rule`` declares ``splits_blocks``) the planner may cut

@@ -26,7 +26,8 @@ every such dim by ``Q_i^T`` (``tensordot`` over dim 0, the dims cycling back int
 
 With ``block_size = k`` the units are Shampoo's blocks (``merge_small_dims`` + k-chunks of every
 dim, see [Note: Shampoo blocks]); each block is its own SOAP unit, so every rank's blocks are
-complete and a sharded run equals the single-process run bitwise. The step issues no collectives.
+complete and a sharded run equals the single-process run bitwise. The step issues no collectives
+but where a tensor-parallel cut splits units ([Note: preconditioner blocks under tensor parallelism]).
 A non-finite gradient raises ``FloatingPointError`` naming the parameters before any state changes
 (as Shampoo's: [Note: non-finite gradients]).
 
