@@ -105,15 +105,16 @@ def test_cuts_through_blocks_equal_the_unsharded_optimizer_bitwise(name, dp, tp,
         assert calls == [1, 2, 2, 2], calls
 
 
-def _hsdp_run():
-    """HSDP x TP, (replicate 2, shard 1, tp 2): the state mesh keeps the replicate dim."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def _hsdp_model(**kw):
+    """HSDP x TP, (replicate 2, shard 1, tp 2): the state mesh keeps the replicate dim. ``(mesh, model,
+    reference, optimizer, its reference)``."""
     import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
 
     from tests._models import TPTransformer
 
-    rule, make = _make("shampoo", 12)
+    rule, make = _make("shampoo", 12, **kw)
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     torch.manual_seed(0)
     model = TPTransformer()
@@ -122,11 +123,19 @@ def _hsdp_run():
     for block in model.layers:
         fsdp_optim.fully_shard(block, mesh=mesh["dp_replicate", "dp_shard"], blocks=rule)
     fsdp_optim.fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"], blocks=rule)
-    opt, ropt = make(model.parameters()), make(ref.parameters())
+    return mesh, model, ref, make(model.parameters()), make(ref.parameters())
+
+
+def _hsdp_backward(model, mesh, step: int) -> None:
     r = mesh.get_coordinate()[0]
+    tok, tgt = make_batch(batch_size=4, seq_len=8, vocab_size=TPConfig().vocab_size, seed=step)
+    F.cross_entropy(model(tok[2 * r : 2 * r + 2]).flatten(0, 1), tgt[2 * r : 2 * r + 2].flatten()).backward()
+
+
+def _hsdp_run():
+    mesh, model, ref, opt, ropt = _hsdp_model()
     for step in range(3):
-        tok, tgt = make_batch(batch_size=4, seq_len=8, vocab_size=TPConfig().vocab_size, seed=step)
-        F.cross_entropy(model(tok[2 * r : 2 * r + 2]).flatten(0, 1), tgt[2 * r : 2 * r + 2].flatten()).backward()
+        _hsdp_backward(model, mesh, step)
         feed_gradients(model, ref)
         for o in (opt, ropt):
             o.step()
@@ -176,6 +185,32 @@ def test_biases_cut_through_their_strips_equal_the_unsharded_optimizer_bitwise(n
     for runs, diff in run_distributed(lambda: _biased_run(name), world_size=4):
         assert runs == ["0.bias", "0.weight", "2.weight"], runs
         assert diff == 0.0, diff
+
+
+def _hsdp_save(path: str):
+    mesh, model, _, opt, _ = _hsdp_model(precondition_frequency=1, start_preconditioning_step=1)
+    for step in range(3):
+        _hsdp_backward(model, mesh, step)
+        opt.step()
+        opt.zero_grad()
+    fsdp_optim.save_checkpoint(path, model=model, optimizer=opt)
+    return _snapshot(model, opt)
+
+
+def _hsdp_load(path: str, dp: int, tp: int):
+    _, model, opt = _build("shampoo", dp, tp)
+    fsdp_optim.load_checkpoint(path, model=model, optimizer=opt)
+    return _snapshot(model, opt)
+
+
+def test_hsdp_x_tp_checkpoint_loads_at_other_layouts(tmp_path):
+    """Saved under HSDP x TP (the runs' state replicated over dp_replicate: written once), loaded at (4, 1),
+    (1, 4) and (2, 2): every parameter and state tensor bitwise."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(lambda: _hsdp_save(path), world_size=4)[0]
+    for dp, tp in [(4, 1), (1, 4), (2, 2)]:
+        got = run_distributed(lambda: _hsdp_load(path, dp, tp), world_size=4)[0]
+        assert got.keys() == saved.keys() and all(torch.equal(got[k], v) for k, v in saved.items()), (dp, tp)
 
 
 # ---- checkpoints across layouts -----------------------------------------------------------------
