@@ -219,22 +219,27 @@ def _ours(name: str, dp: int, tp: int, args) -> dict:
     opt2 = _make(name, args.k, [p for _, p in _weights(model2)])
     ropt = _make(name, args.k, [p for _, p in _weights(ref)])
     grads = _grads_fn(model2, cfg, dp, mesh.get_coordinate()[0])
-    sharded = dict(model2.named_parameters())
+    diff, moved, ref_moved = _against_unsharded(model2, ref, opt2, ropt, grads, args.check_steps)
+    return {"counted": out, "runs": runs, "num_weights": len(weights), "max_diff_vs_unsharded": diff,
+            "max_moved": moved, "unsharded_max_moved": ref_moved}
+
+
+def _against_unsharded(model, ref, opt, ropt, grads, steps: int) -> tuple[float, float, float]:
+    """``steps`` steps of the sharded ``opt`` and of ``ropt`` on the unsharded ``ref`` fed its gathered
+    gradients: (max |param diff|, max |param change| sharded, the same unsharded)."""
+    sharded = dict(model.named_parameters())
     before = {n: sharded[n].full_tensor().clone() for n, _ in _weights(ref)}
     r0 = {n: p.detach().clone() for n, p in _weights(ref)}
-    for s in range(args.check_steps):
+    for s in range(steps):
         grads(s)
         for n, p in _weights(ref):
             p.grad = sharded[n].grad.full_tensor().clone()
-        opt2.step()
-        ropt.step()
-        opt2.zero_grad()
-        ropt.zero_grad()
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
     diff = max((sharded[n].full_tensor() - p).abs().max().item() for n, p in _weights(ref))
     moved = max((sharded[n].full_tensor() - before[n]).abs().max().item() for n, _ in _weights(ref))
-    ref_moved = max((p.detach() - r0[n]).abs().max().item() for n, p in _weights(ref))
-    return {"counted": out, "runs": runs, "num_weights": len(weights), "max_diff_vs_unsharded": diff,
-            "max_moved": moved, "unsharded_max_moved": ref_moved}
+    return diff, moved, max((p.detach() - r0[n]).abs().max().item() for n, p in _weights(ref))
 
 
 def _duplicated(name: str, dp: int, tp: int, args) -> dict:
@@ -314,20 +319,7 @@ def _heavyball(dp: int, tp: int, args, fsdp: bool, split: bool = True) -> dict:
     model2, ref = build()
     opt2, ropt = _hb_make([p for _, p in _weights(model2)], args), _hb_make([p for _, p in _weights(ref)], args)
     grads = _grads_fn(model2, cfg, dp, mesh.get_coordinate()[0])
-    sharded = dict(model2.named_parameters())
-    before = {n: sharded[n].full_tensor().clone() for n, _ in _weights(ref)}
-    r0 = {n: p.detach().clone() for n, p in _weights(ref)}
-    for s in range(args.check_steps):
-        grads(s)
-        for n, p in _weights(ref):
-            p.grad = sharded[n].grad.full_tensor().clone()
-        opt2.step()
-        ropt.step()
-        opt2.zero_grad()
-        ropt.zero_grad()
-    diff = max((sharded[n].full_tensor() - p).abs().max().item() for n, p in _weights(ref))
-    moved = max((sharded[n].full_tensor() - before[n]).abs().max().item() for n, _ in _weights(ref))
-    ref_moved = max((p.detach() - r0[n]).abs().max().item() for n, p in _weights(ref))
+    diff, moved, ref_moved = _against_unsharded(model2, ref, opt2, ropt, grads, args.check_steps)
     return {"counted": counted, "max_diff_vs_unsharded": diff, "max_moved": moved, "unsharded_max_moved": ref_moved}
 
 

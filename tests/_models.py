@@ -291,3 +291,34 @@ def feed_gradients(model: nn.Module, ref: nn.Module, keep=lambda name: True) -> 
     for n, b in ref.named_parameters():
         if keep(n):
             b.grad = sharded[n].grad.full_tensor().clone()
+
+
+def save_state(path: str, how: str, model: nn.Module, opt) -> None:
+    """Checkpoint ``model`` and ``opt`` with ``fsdp_optim.save_checkpoint`` (``how="fsdp_optim"``) or torch's
+    ``dcp.save(get_state_dict(...))`` (``"torch_dcp"``)."""
+    import fsdp_optim
+
+    if how == "fsdp_optim":
+        fsdp_optim.save_checkpoint(path, model=model, optimizer=opt)
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def load_state(path: str, how: str, model: nn.Module, opt) -> None:
+    """``save_state``'s checkpoint into ``model`` and ``opt`` (torch's way: ``dcp.load`` + ``set_state_dict``)."""
+    import fsdp_optim
+
+    if how == "fsdp_optim":
+        fsdp_optim.load_checkpoint(path, model=model, optimizer=opt)
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])

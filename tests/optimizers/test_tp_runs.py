@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import fsdp_optim
 from fsdp_optim._testing import run_distributed
-from tests._models import TPConfig, feed_gradients, make_batch, tp_backward, tp_plan, tp_sharded
+from tests._models import TPConfig, feed_gradients, load_state, make_batch, save_state, tp_backward, tp_plan, tp_sharded
 
 STEPS = 4
 
@@ -240,14 +240,7 @@ def _save(path: str, name: str, how: str):
     mesh, model, opt = _build(name, 2, 2)
     for s in range(3):
         _step(model, opt, mesh, s)
-    if how == "fsdp_optim":
-        fsdp_optim.save_checkpoint(path, model=model, optimizer=opt)
-    else:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    save_state(path, how, model, opt)
     saved = _snapshot(model, opt)
     _step(model, opt, mesh, 3)
     return saved, {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -255,16 +248,7 @@ def _save(path: str, name: str, how: str):
 
 def _load(path: str, name: str, how: str, dp: int, tp: int):
     mesh, model, opt = _build(name, dp, tp)
-    if how == "fsdp_optim":
-        fsdp_optim.load_checkpoint(path, model=model, optimizer=opt)
-    else:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        msd, osd = get_state_dict(model, opt)
-        sd = {"model": msd, "optim": osd}
-        dcp.load(sd, checkpoint_id=path)
-        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    load_state(path, how, model, opt)
     loaded = _snapshot(model, opt)
     _step(model, opt, mesh, 3)
     return loaded, {n: p.full_tensor() for n, p in model.named_parameters()}

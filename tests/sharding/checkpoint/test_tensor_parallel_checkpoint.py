@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp_optim
 from fsdp_optim._testing import run_distributed
 from fsdp_optim.optimizers import Muon
-from tests._models import TPConfig, TPTransformer, make_batch, tp_sharded
+from tests._models import TPConfig, TPTransformer, load_state, make_batch, save_state, tp_sharded
 
 GLOBAL_BATCH, LR = 4, 0.02
 
@@ -57,14 +57,7 @@ def _save(path: str, how: str):
     mesh, model, opt = _build(2, 2)
     for s in range(2):
         _step(model, opt, mesh, s)
-    if how == "fsdp_optim":
-        fsdp_optim.save_checkpoint(path, model=model, optimizer=opt)
-    else:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    save_state(path, how, model, opt)
     saved = _full(model, opt)
     _step(model, opt, mesh, 2)
     return saved, {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -72,16 +65,7 @@ def _save(path: str, how: str):
 
 def _load(path: str, how: str, dp: int, tp: int):
     mesh, model, opt = _build(dp, tp)
-    if how == "fsdp_optim":
-        fsdp_optim.load_checkpoint(path, model=model, optimizer=opt)
-    else:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        msd, osd = get_state_dict(model, opt)
-        sd = {"model": msd, "optim": osd}
-        dcp.load(sd, checkpoint_id=path)
-        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    load_state(path, how, model, opt)
     loaded = _full(model, opt)
     _step(model, opt, mesh, 2)
     return loaded, {n: p.full_tensor() for n, p in model.named_parameters()}
