@@ -174,8 +174,8 @@ class TPRunExchange:
         self.runs = tuple(runs)
         tp = self.runs[0][1].info.tp
         self.group = tp.group
-        ranks = tp.group_ranks()
-        self.order = sorted(range(tp.size), key=lambda t: ranks[t])  # TP coordinates in group-rank order
+        self.rank_of = tp.group_ranks()  # each TP coordinate's rank in the group: split sizes go by it
+        self.order = sorted(range(tp.size), key=lambda t: self.rank_of[t])  # TP coordinates in group-rank order
         self.size = tp.size
         self.device = self.runs[0][0].device
 
@@ -188,10 +188,10 @@ class TPRunExchange:
                 a, b = run.sends[t]
                 for f in fields.get(p, ()):
                     pieces.append(f[a:b])
-                    send_sizes[t] += b - a
+                    send_sizes[self.rank_of[t]] += b - a
         for r in self.order:
             for p, run in self.runs:
-                recv_sizes[r] += len(fields.get(p, ())) * math.prod(run.parts[r])
+                recv_sizes[self.rank_of[r]] += len(fields.get(p, ())) * math.prod(run.parts[r])
         send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=self.device)
         recv = torch.empty(sum(recv_sizes), dtype=torch.float32, device=self.device)
         dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
@@ -220,12 +220,12 @@ class TPRunExchange:
             for p, run in self.runs:
                 if p in split:
                     pieces.append(split[p][r].reshape(-1))
-                    send_sizes[r] += pieces[-1].numel()
+                    send_sizes[self.rank_of[r]] += pieces[-1].numel()
         for t in self.order:
             for p, run in self.runs:
                 if p in into:
                     a, b = run.sends[t]
-                    recv_sizes[t] += b - a
+                    recv_sizes[self.rank_of[t]] += b - a
         send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=self.device)
         recv = torch.empty(sum(recv_sizes), dtype=torch.float32, device=self.device)
         dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
