@@ -262,7 +262,7 @@ def test_expert_parallel_rows_on_one_preset():
 
 
 def test_bench_tp_shampoo_quick(tmp_path):
-    """The Shampoo / SOAP under FSDP x TP benchmark runs (k = 12, W = 4, heavyball skipped): ours equals the
+    """The Shampoo / SOAP under FSDP x TP benchmark runs (k = 12, W = 4 at 1x4, heavyball skipped): ours equals the
     unsharded optimizer with every weight assembled in runs, does each block's preconditioner work once
     (ratio 1 to one process) with two all-to-alls a step; the duplicated scheme does it T times."""
     bench = _load("bench_tp_shampoo")
