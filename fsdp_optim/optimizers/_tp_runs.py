@@ -195,13 +195,13 @@ class TPRunExchange:
         send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=self.device)
         recv = torch.empty(sum(recv_sizes), dtype=torch.float32, device=self.device)
         dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
-        got: dict[Tensor, list[list[Tensor]]] = {}
+        got = {p: [[None] * self.size for _ in fs] for p, fs in fields.items()}  # [field][TP coordinate]
         at = 0
         for r in self.order:
             for p, run in self.runs:
                 n = math.prod(run.parts[r])
-                for i, _ in enumerate(fields.get(p, ())):
-                    got.setdefault(p, [[None] * self.size for _ in fields[p]])[i][r] = recv[at : at + n].view(run.parts[r])
+                for parts in got.get(p, ()):
+                    parts[r] = recv[at : at + n].view(run.parts[r])
                     at += n
         out = {}
         for p, run in self.runs:

@@ -762,31 +762,3 @@ def test_every_parameter_group_is_checked_and_gets_its_own_derived_defaults():
     with pytest.warns(UserWarning, match="parameter group 2: grafting_beta2=0.9 is ignored by AdaGrad"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "grafting": "adagrad", "grafting_beta2": 0.9})
     assert opt.param_groups[-1]["grafting_beta2"] == 1.0
-
-
-def _shampoo_tp(dp: int, tp: int):
-    from fsdp_optim.optimizers import Shampoo
-    from tests._models import feed_gradients, tp_backward, tp_sharded
-
-    mesh, model, ref = tp_sharded(dp, tp, Shampoo.rule(max_preconditioner_dim=8))
-    hp = dict(lr=1e-2, max_preconditioner_dim=8, precondition_frequency=1, start_preconditioning_step=1)
-    opt, ropt = Shampoo(model.parameters(), **hp), Shampoo(ref.parameters(), **hp)
-    for step in range(3):
-        tp_backward(model, mesh, step)
-        feed_gradients(model, ref)
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
-    cut = [n for n, p in model.named_parameters() if p.ragged.tp_blocks is not None]
-    return {n: (a.full_tensor() - b).abs().max().item() for (n, a), b in zip(model.named_parameters(), ref.parameters())}, cut
-
-
-def test_tp_cut_on_columns_keeping_every_block_whole_equals_unsharded_shampoo():
-    """Under RowwiseParallel a [32, 32] weight's rows(8) strips are cut at column 16, but its [8, 8]
-    preconditioner blocks are not: Shampoo on the TP-local tensors equals Shampoo unsharded (fed the same
-    gradients)."""
-    from fsdp_optim._testing import run_distributed
-
-    for diffs, cut in run_distributed(lambda: _shampoo_tp(2, 2), world_size=4):
-        assert any("wo" in n for n in cut) and any("w2" in n for n in cut), cut
-        assert max(diffs.values()) == 0.0, diffs  # measured: bitwise

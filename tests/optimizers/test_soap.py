@@ -555,31 +555,3 @@ def test_save_checkpoint_at_2_load_at_3_restores_every_state_vector(tmp_path):
     assert a.keys() == b.keys() and any(k[1] == "Q" and v.numel() for k, v in a.items())
     for k in a:
         assert torch.equal(a[k], b[k]), k
-
-
-def _soap_tp(dp: int, tp: int):
-    from fsdp_optim.optimizers import SOAP
-    from tests._models import feed_gradients, tp_backward, tp_sharded
-
-    mesh, model, ref = tp_sharded(dp, tp, SOAP.rule(block_size=8))
-    hp = dict(lr=3e-3, block_size=8, precondition_frequency=1)
-    opt, ropt = SOAP(model.parameters(), **hp), SOAP(ref.parameters(), **hp)
-    for step in range(3):
-        tp_backward(model, mesh, step)
-        feed_gradients(model, ref)
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
-    cut = [n for n, p in model.named_parameters() if p.ragged.tp_blocks is not None]
-    return {n: (a.full_tensor() - b).abs().max().item() for (n, a), b in zip(model.named_parameters(), ref.parameters())}, cut
-
-
-def test_tp_cuts_that_keep_every_block_whole_equal_unsharded_soap():
-    """SOAP's block mode (Shampoo's [k, k] blocks) under torchtitan's TP plan with k = 8: every cut
-    (rows under ColwiseParallel, columns under RowwiseParallel) falls between blocks: equal to SOAP
-    unsharded fed the same gradients."""
-    from fsdp_optim._testing import run_distributed
-
-    for diffs, cut in run_distributed(lambda: _soap_tp(2, 2), world_size=4):
-        assert any("wo" in n for n in cut), cut
-        assert max(diffs.values()) == 0.0, diffs

@@ -71,11 +71,12 @@ def _equal_run(name: str, dp: int, tp: int, k: int | None, batched: bool):
     finally:
         dist.all_to_all_single = real
     runs = sorted(n for n, p in model.named_parameters() if opt._plans[p].run is not None)
+    cut = sorted(n for n, p in model.named_parameters() if p.ragged.tp_blocks is not None)
     params = {n: (a.full_tensor() - b).abs().max().item() for (n, a), b in zip(model.named_parameters(), ref.parameters())}
-    moved = min((p.full_tensor() - before[n]).abs().max().item() for n, p in model.named_parameters() if n in runs)
+    moved = min((p.full_tensor() - before[n]).abs().max().item() for n, p in model.named_parameters() if n in cut)
     mine, theirs = _state(opt, model), _state(ropt, ref)
     state = {key: (mine[key] - theirs[key]).abs().max().item() if mine[key].numel() else 0.0 for key in theirs}
-    return runs, params, state, moved, calls, set(mine) == set(theirs)
+    return runs, cut, params, state, moved, calls, set(mine) == set(theirs)
 
 
 CASES = [
@@ -92,7 +93,7 @@ CASES = [
 
 @pytest.mark.parametrize("name,dp,tp,k,batched", CASES)
 def test_cuts_through_blocks_equal_the_unsharded_optimizer_bitwise(name, dp, tp, k, batched):
-    for runs, params, state, moved, calls, same_keys in run_distributed(
+    for runs, _, params, state, moved, calls, same_keys in run_distributed(
         lambda: _equal_run(name, dp, tp, k, batched), world_size=dp * tp
     ):
         # every TP weight: wq / wk / wv / w1 / w3 / output cut on rows, wo / w2 / tok_embeddings on columns
@@ -103,6 +104,21 @@ def test_cuts_through_blocks_equal_the_unsharded_optimizer_bitwise(name, dp, tp,
         # one all-to-all out per step, one back from the first update on (Shampoo: start_preconditioning_step 2;
         # SOAP: its first call only builds the bases)
         assert calls == [1, 2, 2, 2], calls
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_cuts_between_blocks_need_no_exchange_and_equal_the_unsharded_optimizer_bitwise(name):
+    """k = 8: every cut falls between the [8, 8] blocks (16 TP-local rows under ColwiseParallel, TP-local
+    width 16 under RowwiseParallel), so each TP rank preconditions its own blocks, which are global ones:
+    no runs, no all-to-all, parameters and per-element state bitwise the unsharded optimizer's. (The
+    per-block state is each TP rank's own blocks, in its order: [Note: per-block state under TP].)"""
+    for runs, cut, params, state, moved, calls, _ in run_distributed(lambda: _equal_run(name, 2, 2, 8, False), world_size=4):
+        assert runs == [] and any("wo" in n for n in cut) and any("w2" in n for n in cut), (runs, cut)
+        assert moved > 0 and calls == [0] * STEPS, calls
+        assert max(params.values()) == 0.0, params  # measured: bitwise
+        blockwise = ("factor_matrices", "inv_factor_matrices", "GG", "Q")
+        per_element = {key: v for key, v in state.items() if key.rsplit(".", 1)[-1] not in blockwise}
+        assert per_element and max(per_element.values()) == 0.0, per_element
 
 
 def _hsdp_model(**kw):
